@@ -1,0 +1,1647 @@
+"""Tests for specdec, micrograd style: every number is computed twice, once by specdec and once by
+an independent oracle (brute-force enumeration on a tiny vocabulary, a closed form, a plain
+uncached loop, identical models, a goodness-of-fit test), then compared with a stated tolerance.
+
+The stand-in models are tiny random Llama / GPT-2 networks (hidden 32, 2 layers, vocab 48) and a
+character-level tokenizer, all built here: no downloads, no network.
+"""
+import os
+
+# never reach for the hub: every model and data set below is local
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import copy  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+torch.set_num_threads(1)
+
+import scipy.stats  # noqa: E402
+from tokenizers import Tokenizer, models, normalizers  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, PreTrainedTokenizerFast)
+
+import specdec as sd  # noqa: E402
+
+CPU = torch.device("cpu")
+V = 48  # stand-in vocabulary
+CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,?!:'\n-")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["hi", "a", "the quick brown fox", "what is 2+2?", "x", "hello there, friend", "ok"]
+SAMPLINGS = {
+    "t1": sd.SamplingParams(1.0),
+    "greedy": sd.SamplingParams(0.0),
+    "topk_topp": sd.SamplingParams(0.8, top_k=5, top_p=0.9),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# stand-ins
+
+
+def make_tokenizer(swap: tuple[str, str] | None = None, template: bool = True):
+    """Character-level tokenizer (BPE with no merges), ids 0..47; `swap` permutes two ids."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    assert len(vocab) == V
+    if swap:
+        a, b = swap
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.normalizer = normalizers.Lowercase()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+    if template:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_llama(seed: int, vocab: int = V, layers: int = 2, eos: int | None = None):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=256, bos_token_id=None, eos_token_id=eos,
+                      pad_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def make_gpt2(seed: int, layers: int = 2):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=layers, n_head=4, n_positions=256,
+                     bos_token_id=None, eos_token_id=None, initializer_range=0.3)
+    return GPT2LMHeadModel(cfg).eval().requires_grad_(False)
+
+
+def with_head_bias(model, bias: dict[int, float]):
+    """A deep copy of a Llama stand-in whose lm_head gains a bias (to pin its top tokens)."""
+    m = copy.deepcopy(model)
+    old = m.lm_head
+    head = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        for i, b in bias.items():
+            head.bias[i] = b
+    m.lm_head = head.requires_grad_(False)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tok_plain():
+    return make_tokenizer(template=False)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return make_llama(0)
+
+
+@pytest.fixture(scope="session")
+def llama2():
+    return make_llama(1)
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    return make_gpt2(0)
+
+
+@pytest.fixture(scope="session")
+def gpt2b():
+    return make_gpt2(2)
+
+
+@pytest.fixture(scope="session")
+def pairs(llama, llama2, gpt2, gpt2b):
+    return {"llama": (llama, llama2), "gpt2": (gpt2, gpt2b)}
+
+
+@pytest.fixture(scope="session")
+def seqs(tok_plain):
+    return sd.build_sequences(PROMPTS, tok_plain)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, llama, llama2, tok):
+    """target/, draft/ (unrelated weights, same tokenizer), badtok/ (tokenizer with 2 ids swapped),
+    empty/ (a folder with nothing in it), t5/ (the config of a model that is not a causal LM)."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, model, t in [("target", llama, tok), ("draft", llama2, tok),
+                           ("badtok", llama2, make_tokenizer(swap=("a", "b")))]:
+        path = root / name
+        model.save_pretrained(path)
+        t.save_pretrained(path)
+        dirs[name] = str(path)
+    (root / "empty").mkdir()
+    dirs["empty"] = str(root / "empty")
+    from transformers import T5Config  # an encoder-decoder: not a causal LM
+    T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+             num_heads=4).save_pretrained(root / "t5")
+    tok.save_pretrained(root / "t5")
+    dirs["t5"] = str(root / "t5")
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def data_txt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.txt"
+    path.write_text("hello there\nwhat is two plus two?\n\nwrite a poem\nthe end\n", "utf-8")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# oracles
+
+
+def bf_processed(row, s: sd.SamplingParams) -> list[float]:
+    """Brute-force processed distribution of one logit row: plain Python, float64."""
+    z = [float(x) for x in row]
+    n = len(z)
+    if s.temperature == 0:
+        m = max(range(n), key=lambda i: z[i])
+        return [1.0 if i == m else 0.0 for i in range(n)]
+    z = [x / s.temperature for x in z]
+    keep = list(range(n))
+    if 0 < s.top_k < n:
+        kth = sorted(z, reverse=True)[s.top_k - 1]
+        keep = [i for i in range(n) if z[i] >= kth]
+    mx = max(z[i] for i in keep)
+    e = {i: math.exp(z[i] - mx) for i in keep}
+    tot = sum(e.values())
+    p = [e.get(i, 0.0) / tot for i in range(n)]
+    if s.top_p < 1:
+        kept, before = set(), 0.0
+        for i in sorted(range(n), key=lambda i: -p[i]):
+            if p[i] == 0 or before >= s.top_p:
+                break
+            kept.add(i)
+            before += p[i]
+        tot = sum(p[i] for i in kept)
+        p = [p[i] / tot if i in kept else 0.0 for i in range(n)]
+    return p
+
+
+def bf_sample(p: list[float], u: float) -> int:
+    """Inverse CDF by a Python loop: the first token whose cumulative mass exceeds u * total."""
+    total, acc = sum(p), 0.0
+    for i, x in enumerate(p):
+        acc += x
+        if x > 0 and acc > u * total:
+            return i
+    return max(i for i, x in enumerate(p) if x > 0)
+
+
+@torch.no_grad()
+def last_logits(model, ids, vocab=V):
+    return model(input_ids=torch.tensor([list(ids)])).logits[0, -1, :vocab]
+
+
+@torch.no_grad()
+def ref_continuation(model, ids, s, n, seed, index, eos=(), vocab=V):
+    """Plain uncached sampling loop on the prompt's own random stream (phase 1)."""
+    gen = sd.row_generators(seed, [index], phase=1)[0]
+    out = []
+    for _ in range(n):
+        p = bf_processed(last_logits(model, list(ids) + out, vocab), s)
+        out.append(bf_sample(p, torch.rand(1, generator=gen).item()))
+        if out[-1] in eos:
+            break
+    return out
+
+
+@torch.no_grad()
+def greedy_loop(model, ids, n, vocab=V):
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(last_logits(model, out, vocab).argmax()))
+    return out[len(ids):]
+
+
+@torch.no_grad()
+def tf_oracle(target, draft, seqs, conts, s, vocab=V):
+    """Per-sequence lists of alpha_t, top-1 agreement and p(argmax q), each sequence alone."""
+    out = []
+    for seq, cont in zip(seqs, conts):
+        row = torch.tensor([list(seq.ids) + list(cont)])
+        lp = target(input_ids=row).logits[0, :, :vocab]
+        lq = draft(input_ids=row).logits[0, :, :vocab]
+        start = len(seq.ids) - 1 if cont else 0
+        stop = start + len(cont) if cont else len(seq.ids) - 1
+        alphas, top1, pq = [], [], []
+        for t in range(start, stop):
+            p, q = bf_processed(lp[t], s), bf_processed(lq[t], s)
+            alphas.append(sum(min(a, b) for a, b in zip(p, q)))
+            top1.append(float(int(lp[t].argmax()) == int(lq[t].argmax())))
+            pq.append(p[int(lq[t].argmax())])
+        out.append((alphas, top1, pq))
+    return out
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit; bins with expected count < 5 are pooled into one."""
+    n = int(counts.sum())
+    probs = probs.double() / probs.double().sum()
+    assert counts[probs == 0].sum() == 0, "a zero-probability token was drawn"
+    exp = probs * n
+    big = exp >= 5
+    obs_b, exp_b = counts[big].double().tolist(), exp[big].tolist()
+    if (~big).any() and exp[~big].sum() > 0:
+        obs_b.append(float(counts[~big].sum()))
+        exp_b.append(float(exp[~big].sum()))
+    return float(scipy.stats.chisquare(obs_b, exp_b).pvalue)
+
+
+def run_cli(capsys, argv):
+    rc = sd.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling maths
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.3])
+def test_processed_probs_temperature_is_softmax_of_scaled_logits(temperature):
+    torch.manual_seed(10)
+    logits = torch.randn(6, 20) * 3
+    got = sd.processed_probs(logits, sd.SamplingParams(temperature))
+    manual = torch.exp(logits.double() / temperature)
+    manual = manual / manual.sum(-1, keepdim=True)
+    assert torch.allclose(got.double(), manual, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 20, 25])
+def test_processed_probs_top_k_matches_bruteforce(k):
+    torch.manual_seed(11)
+    logits = torch.randn(8, 20) * 2
+    s = sd.SamplingParams(0.9, top_k=k)
+    got = sd.processed_probs(logits, s)
+    for b in range(8):
+        want = torch.tensor(bf_processed(logits[b], s), dtype=torch.float64)
+        assert torch.allclose(got[b].double(), want, atol=1e-6)
+        assert int((got[b] > 0).sum()) == min(k, 20)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.75, 0.95])
+def test_processed_probs_top_p_matches_bruteforce(top_p):
+    torch.manual_seed(12)
+    logits = torch.randn(8, 20) * 2
+    s = sd.SamplingParams(1.3, top_p=top_p)
+    got = sd.processed_probs(logits, s)
+    for b in range(8):
+        want = torch.tensor(bf_processed(logits[b], s), dtype=torch.float64)
+        assert torch.allclose(got[b].double(), want, atol=1e-6)
+
+
+def test_processed_probs_top_k_then_top_p_matches_bruteforce():
+    torch.manual_seed(13)
+    logits = torch.randn(3, 4, 16) * 2  # extra leading dims are batch dims
+    s = sd.SamplingParams(0.7, top_k=6, top_p=0.8)
+    got = sd.processed_probs(logits, s)
+    for idx in [(i, j) for i in range(3) for j in range(4)]:
+        want = torch.tensor(bf_processed(logits[idx], s), dtype=torch.float64)
+        assert torch.allclose(got[idx].double(), want, atol=1e-6)
+
+
+def test_processed_probs_greedy_is_one_hot_argmax():
+    torch.manual_seed(14)
+    logits = torch.randn(10, 30)
+    for s in [sd.SamplingParams(0.0), sd.SamplingParams(0.0, top_k=3, top_p=0.5)]:
+        got = sd.processed_probs(logits, s)
+        for b in range(10):
+            m = max(range(30), key=lambda i: float(logits[b, i]))
+            assert got[b, m].item() == 1.0 and got[b].sum().item() == 1.0
+
+
+@pytest.mark.parametrize("s", [sd.SamplingParams(1.0), sd.SamplingParams(0.3, top_k=4),
+                               sd.SamplingParams(2.0, top_p=0.6),
+                               sd.SamplingParams(0.5, top_k=10, top_p=0.9)])
+def test_processed_probs_rows_are_distributions(s):
+    torch.manual_seed(15)
+    p = sd.processed_probs(torch.randn(50, 40) * 4, s)
+    assert (p >= 0).all()
+    assert torch.allclose(p.double().sum(-1), torch.ones(50, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_processed_probs_is_fp32_for_half_inputs(dtype):
+    torch.manual_seed(16)
+    logits = (torch.randn(4, 24) * 3).to(dtype)
+    s = sd.SamplingParams(0.7, top_k=8)
+    got = sd.processed_probs(logits, s)
+    assert got.dtype == torch.float32
+    for b in range(4):  # oracle: the maths on the exactly-upcast logits
+        want = torch.tensor(bf_processed(logits[b].float(), s), dtype=torch.float64)
+        assert torch.allclose(got[b].double(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
+                                    dict(top_k=-1), dict(top_k=2.5), dict(top_p=0.0),
+                                    dict(top_p=1.5)])
+def test_sampling_params_rejects_values_outside_the_spec(kwargs):
+    with pytest.raises(ValueError):
+        sd.SamplingParams(**kwargs)
+
+
+def random_pair(seed, n=6, sparse=False):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+    q = torch.rand(n, generator=g, dtype=torch.float64) ** 3
+    if sparse:
+        p[torch.rand(n, generator=g) < 0.4] = 0
+        q[torch.rand(n, generator=g) < 0.4] = 0
+        p[0], q[-1] = max(p[0], 0.1), max(q[-1], 0.1)
+    return p / p.sum(), q / q.sum()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_acceptance_matches_enumeration_and_one_minus_tv(seed):
+    p, q = random_pair(seed, sparse=seed % 2 == 1)
+    # oracle 1: P(accept) of "x ~ q, accept w.p. min(1, p/q)", enumerated over x
+    enum = sum(q[x].item() * min(1.0, p[x].item() / q[x].item()) for x in range(6) if q[x] > 0)
+    tv = 0.5 * sum(abs(a - b) for a, b in zip(p.tolist(), q.tolist()))
+    got = sd.acceptance(p, q).item()
+    assert got == pytest.approx(enum, abs=1e-12)
+    assert got == pytest.approx(1 - tv, abs=1e-12)
+
+
+def test_acceptance_identical_is_one_and_disjoint_is_zero():
+    torch.manual_seed(17)
+    p = torch.softmax(torch.randn(5, 12), -1)
+    assert torch.allclose(sd.acceptance(p, p), torch.ones(5), atol=1e-6)
+    a = torch.zeros(12).index_fill_(0, torch.tensor([0, 3, 5]), 1 / 3)
+    b = torch.zeros(12).index_fill_(0, torch.tensor([1, 2, 11]), 1 / 3)
+    assert sd.acceptance(a, b).item() == 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_residual_identity_output_distribution_is_p(seed):
+    p, q = random_pair(100 + seed, n=5, sparse=seed >= 3)
+    r = sd.residual(p[None], q[None])[0]
+    # exact law of the emitted token, enumerated: propose x ~ q, keep it w.p. min(1, p/q),
+    # otherwise draw from the residual
+    out = torch.zeros(5, dtype=torch.float64)
+    for x in range(5):
+        if q[x] == 0:
+            continue
+        keep = min(1.0, (p[x] / q[x]).item())
+        out[x] += q[x] * keep
+        out += q[x] * (1 - keep) * r
+    assert torch.allclose(out, p, atol=1e-6)
+
+
+def test_residual_falls_back_to_p_when_p_equals_q():
+    torch.manual_seed(18)
+    p = torch.softmax(torch.randn(3, 9), -1)
+    r = sd.residual(p, p.clone())
+    assert torch.equal(r, p)
+    # one row equal, one row not: only the equal row falls back
+    q = torch.stack([p[0], torch.softmax(torch.randn(9), -1)])
+    r = sd.residual(torch.stack([p[0], p[1]]), q)
+    assert torch.equal(r[0], p[0])
+    want = (p[1] - q[1]).clamp_min(0)
+    assert torch.allclose(r[1], want / want.sum(), atol=1e-6)
+
+
+def test_sample_from_never_draws_zero_probability_tokens():
+    g = torch.Generator().manual_seed(19)
+    probs = torch.rand(200, 16, generator=g)
+    probs[torch.rand(200, 16, generator=g) < 0.6] = 0
+    probs[:, 7] += 1e-3  # no empty rows
+    probs = probs / probs.sum(-1, keepdim=True)
+    u = torch.rand(200, generator=g)
+    u[:20] = 0.0
+    u[20:40] = 1 - 2 ** -24  # the largest float32 below 1
+    idx = sd.sample_from(probs, u)
+    assert (probs.gather(-1, idx[:, None]) > 0).all()
+    for b in range(200):  # and each is the inverse-CDF draw
+        assert int(idx[b]) == bf_sample(probs[b].tolist(), float(u[b]))
+
+
+def test_sample_from_edge_uniforms_pick_first_and_last_supported_token():
+    p = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
+    assert int(sd.sample_from(p, torch.tensor(0.0))) == 2
+    assert int(sd.sample_from(p, torch.tensor(1 - 2 ** -24))) == 4
+    assert int(sd.sample_from(p, torch.tensor(0.2499))) == 2
+    assert int(sd.sample_from(p, torch.tensor(0.2501))) == 4
+
+
+def test_sample_from_float64_uniform_near_one_stays_in_support():
+    p = torch.tensor([0.3, 0.7, 0.0, 0.0])
+    u = torch.tensor(1 - 1e-12, dtype=torch.float64)  # a valid u in [0, 1)
+    assert p[int(sd.sample_from(p, u))] > 0
+
+
+def test_sample_from_goodness_of_fit():
+    g = torch.Generator().manual_seed(20)
+    probs = torch.softmax(torch.randn(12, generator=g) * 1.5, -1)
+    probs[3] = 0
+    n = 20000
+    idx = sd.sample_from(probs.expand(n, 12), torch.rand(n, generator=g))
+    counts = torch.bincount(idx, minlength=12)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    # power: the same draws are clearly not uniform over the support
+    flat = (probs > 0).float()
+    assert chi2_pvalue(counts, flat / flat.sum()) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# closed forms
+
+
+def accepted_by_enumeration(alphas: list[float]) -> float:
+    """E[accepted] over all 2^gamma accept/reject patterns; position j accepts w.p. alphas[j]."""
+    gamma, total = len(alphas), 0.0
+    for mask in range(2 ** gamma):
+        bits = [(mask >> j) & 1 for j in range(gamma)]
+        prob = math.prod(a if b else 1 - a for a, b in zip(alphas, bits))
+        run = next((j for j, b in enumerate(bits) if not b), gamma)
+        total += prob * run
+    return total
+
+
+@pytest.mark.parametrize("alpha,gamma", [(0.0, 3), (0.3, 1), (0.5, 4), (0.9, 6), (0.999, 5)])
+def test_expected_accepted_iid_matches_enumeration(alpha, gamma):
+    want = accepted_by_enumeration([alpha] * gamma)
+    assert sd.expected_accepted_iid(alpha, gamma) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 7])
+def test_expected_accepted_iid_alpha_one_is_gamma(gamma):
+    assert sd.expected_accepted_iid(1.0, gamma) == gamma
+
+
+def test_expected_accepted_positional_matches_naive_loop():
+    g = torch.Generator().manual_seed(21)
+    seqs = [torch.rand(n, generator=g) for n in (9, 3, 5, 1, 12)]
+    gamma = 4
+    total, count = 0.0, 0
+    for a in seqs:
+        a = a.tolist()
+        for t in range(len(a) - gamma + 1):
+            total += sum(math.prod(a[t:t + k]) for k in range(1, gamma + 1))
+            count += 1
+    got = sd.expected_accepted_positional(seqs, gamma)
+    assert got == pytest.approx(total / count, abs=1e-9)
+    # and each window equals the enumeration over accept patterns with those alphas
+    a = seqs[0].double().tolist()
+    one = sd.expected_accepted_positional([seqs[0][:gamma]], gamma)
+    assert one == pytest.approx(accepted_by_enumeration(a[:gamma]), abs=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.65, 0.95])
+def test_expected_accepted_positional_constant_alpha_is_iid(alpha):
+    alphas = [torch.full((n,), alpha) for n in (5, 8, 4)]
+    got = sd.expected_accepted_positional(alphas, 4)
+    assert got == pytest.approx(sd.expected_accepted_iid(alpha, 4), abs=1e-6)
+    assert got == pytest.approx(sum(alpha ** k for k in range(1, 5)), abs=1e-6)
+
+
+def test_expected_accepted_positional_needs_a_full_window():
+    assert sd.expected_accepted_positional([torch.rand(2), torch.rand(3)], 4) is None
+
+
+@pytest.mark.parametrize("tpc,gamma,c", [(3.2, 4, 0.1), (1.0, 1, 0.0), (5.0, 4, 1.0)])
+def test_est_speedup_formula(tpc, gamma, c):
+    assert sd.est_speedup(tpc, gamma, c) == pytest.approx(tpc / (gamma * c + 1), rel=1e-12)
+
+
+def test_ratio_stderr_direct_computation_and_mean_special_case():
+    g = torch.Generator().manual_seed(22)
+    num = (torch.rand(9, generator=g) * 10).tolist()
+    den = (torch.rand(9, generator=g) * 10 + 1).tolist()
+    n = len(num)
+    r = sum(num) / sum(den)
+    var = sum((a - r * b) ** 2 for a, b in zip(num, den)) / (n * (n - 1))
+    assert sd.ratio_stderr(num, den) == pytest.approx(math.sqrt(var) / (sum(den) / n), rel=1e-9)
+    # every denominator 1: the standard error of the mean, std/sqrt(n)
+    x = torch.tensor(num, dtype=torch.float64)
+    sem = x.std(unbiased=True).item() / math.sqrt(n)
+    assert sd.ratio_stderr(num, [1.0] * n) == pytest.approx(sem, rel=1e-9)
+    assert sd.ratio_stderr([1.0], [2.0]) is None
+    assert sd.ratio_stderr([0.0, 0.0], [0.0, 0.0]) is None
+
+
+@pytest.mark.parametrize("tpc,gamma,c,v", [(3.2, 4, 0.1, 1.3), (2.0, 2, 0.5, 2.0)])
+def test_est_speedup_with_verify_cost(tpc, gamma, c, v):
+    assert sd.est_speedup(tpc, gamma, c, v) == pytest.approx(tpc / (gamma * c + v), rel=1e-12)
+
+
+def test_bootstrap_weights_are_resampling_counts():
+    w = sd.bootstrap_weights(7, 500, seed=3)
+    assert w.shape == (500, 7)
+    assert torch.equal(w, w.round()) and (w >= 0).all()
+    assert torch.equal(w.sum(1), torch.full((500,), 7.0, dtype=torch.float64))
+    # each unit is drawn Binomial(7, 1/7) times: mean 1, variance 6/7
+    assert w.mean().item() == pytest.approx(1.0, abs=1e-12)
+    assert w.var().item() == pytest.approx(6 / 7, abs=0.08)
+    assert torch.equal(w, sd.bootstrap_weights(7, 500, seed=3))
+
+
+def test_bootstrap_ci_is_the_percentile_interval_of_resampled_ratios():
+    import numpy as np
+    g = torch.Generator().manual_seed(23)
+    den = (torch.randint(3, 12, (10,), generator=g)).double().tolist()
+    num = [torch.binomial(torch.tensor(d), torch.tensor(0.4), generator=g).item() for d in den]
+    w = sd.bootstrap_weights(10, 400, seed=1)
+    ratios = []
+    for row in w.tolist():  # resample by hand: unit i taken row[i] times
+        top = sum(c * a for c, a in zip(row, num))
+        bottom = sum(c * b for c, b in zip(row, den))
+        ratios.append(top / bottom)
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    got = sd.bootstrap_ci(num, den, w)
+    assert got[0] == pytest.approx(lo, abs=1e-12) and got[1] == pytest.approx(hi, abs=1e-12)
+    assert sd.bootstrap_ci([1.0], [2.0], sd.bootstrap_weights(1, 10, 0)) is None
+    # every unit with the same ratio: a zero-width interval at that ratio
+    same = sd.bootstrap_ci([0.5 * d for d in den], den, w)
+    assert same[0] == pytest.approx(0.5, abs=1e-12) and same[1] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_bootstrap_ci_coverage():
+    """Seeded repeat experiment: the 95% interval covers the true ratio about 95% of the time."""
+    g = torch.Generator().manual_seed(24)
+    hits, reps = 0, 300
+    for rep in range(reps):
+        den = torch.randint(5, 16, (30,), generator=g).double()
+        num = torch.binomial(den, torch.full_like(den, 0.6), generator=g)
+        lo, hi = sd.bootstrap_ci(num.tolist(), den.tolist(), sd.bootstrap_weights(30, 400, rep))
+        hits += lo <= 0.6 <= hi
+    # binomial(300, ~0.94): 0.88..0.99 is several standard deviations wide
+    assert 0.88 <= hits / reps <= 0.99
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4])
+def test_accepted_from_offsets_matches_enumeration(gamma):
+    rates = [0.9, 0.7, 0.4, 0.8]
+    # conditional rates: offset j accepts w.p. rates[j] given offsets < j were accepted
+    want = accepted_by_enumeration(rates[:gamma])
+    assert sd.accepted_from_offsets(rates, gamma) == pytest.approx(want, abs=1e-12)
+
+
+def test_accepted_from_offsets_edges():
+    assert sd.accepted_from_offsets([0.5, 0.5], 3) is None  # past the simulated block
+    assert sd.accepted_from_offsets([0.0, None, None], 3) == 0.0  # never reached: no mass
+    assert sd.accepted_from_offsets([1.0] * 4, 4) == 4.0
+
+
+# ----------------------------------------------------------------------------------------------
+# simulation: batched + cached loop against the plain one-prompt, no-cache loop
+
+_REFERENCE = {}
+
+
+def reference(family, key, pairs, seqs, gamma=3, budget=12):
+    if (family, key) not in _REFERENCE:
+        t, d = pairs[family]
+        _REFERENCE[family, key] = sd.simulate_reference(
+            t, d, seqs, SAMPLINGS[key], gamma, budget, device=CPU, vocab=V, eos=set(), seed=5)
+    return _REFERENCE[family, key]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("key", list(SAMPLINGS))
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_run_simulation_equals_uncached_reference(family, key, batch_size, pairs, seqs):
+    t, d = pairs[family]
+    want = reference(family, key, pairs, seqs)
+    got = sd.run_simulation(t, d, seqs, SAMPLINGS[key], 3, 12, device=CPU, vocab=V, eos=set(),
+                            seed=5, batch_size=batch_size)
+    assert sorted(got) == list(range(len(seqs)))
+    for i in range(len(seqs)):
+        assert got[i] == want[i], f"prompt {i} ({PROMPTS[i]!r}) differs"
+    assert sum(r.examined for r in got.values()) > 0
+
+
+@pytest.mark.parametrize("prompts,gamma,budget", [(["a", "b", "c"], 1, 3),
+                                                   (["a", "bb", "hello world"], 6, 2),
+                                                   (["ab", "q"], 2, 1)])
+def test_run_simulation_edge_shapes_equal_reference(prompts, gamma, budget, llama, llama2,
+                                                    tok_plain):
+    """One-token prompts (an empty prefill), blocks longer than the budget, a budget of 1."""
+    seqs = sd.build_sequences(prompts, tok_plain)
+    s = SAMPLINGS["t1"]
+    got = sd.run_simulation(llama, llama2, seqs, s, gamma, budget, device=CPU, vocab=V,
+                            eos=set(), seed=6, batch_size=8)
+    want = sd.simulate_reference(llama, llama2, seqs, s, gamma, budget, device=CPU, vocab=V,
+                                 eos=set(), seed=6)
+    assert got == want
+    assert all(len(r.tokens) == budget for r in got.values())
+
+
+@pytest.mark.parametrize("key", ["t1", "greedy"])
+def test_identical_models_accept_everything_in_both_modes(key, llama, seqs):
+    gamma, K = 3, 8  # K = 2 (gamma + 1): no censored cycle
+    r = sd.measure_acceptance(llama, llama, seqs, sampling=SAMPLINGS[key], device=CPU,
+                              gamma=gamma, continuation_tokens=K, simulate=True, seed=1)
+    assert r.alpha == pytest.approx(1.0, abs=1e-5)
+    assert r.tokens_per_cycle == pytest.approx(gamma + 1, abs=1e-4)
+    assert r.empirical_alpha == 1.0
+    assert r.mean_accepted_length == gamma
+    assert r.empirical_tokens_per_cycle == gamma + 1
+    assert r.alpha_by_draft_offset == [1.0] * gamma
+    assert r.accepted_per_cycle_by_draft_offset == [1.0] * gamma
+    assert r.cycles == len(seqs) * K // (gamma + 1) and r.censored_cycles == 0
+    for row in r.gamma_table:
+        if row["gamma"] <= gamma:
+            assert row["sim_tokens_per_cycle"] == row["gamma"] + 1
+        assert row["tokens_per_cycle"] == pytest.approx(row["gamma"] + 1, abs=1e-4)
+    assert r.cost_ratio == 1.0 and r.empirical_est_speedup == pytest.approx((gamma + 1) / 4)
+
+
+@pytest.mark.parametrize("budget,gamma", [(10, 3), (7, 2), (5, 1)])
+def test_censoring_closed_form_with_identical_models(budget, gamma, gpt2, seqs):
+    # every cycle emits gamma + 1 tokens, so cycles and censoring follow from the budget alone
+    rows = sd.run_simulation(gpt2, gpt2, seqs, SAMPLINGS["t1"], gamma, budget, device=CPU,
+                             vocab=V, eos=set(), seed=2, batch_size=4)
+    full, rest = divmod(budget, gamma + 1)
+    n_cycles = full + (rest > 0)
+    for r in rows.values():
+        assert len(r.tokens) == budget
+        assert r.cycles == full and r.censored == int(rest > 0)
+        assert r.accepted == r.examined == gamma * n_cycles
+        assert r.reached == [n_cycles] * gamma and r.accepted_at == [n_cycles] * gamma
+        assert r.cycle_accepted == gamma * full
+
+
+def test_censoring_counts_are_consistent_with_unrelated_draft(llama, llama2, seqs):
+    budget, gamma = 11, 3
+    rows = sd.run_simulation(llama, llama2, seqs, SAMPLINGS["t1"], gamma, budget, device=CPU,
+                             vocab=V, eos=set(), seed=3, batch_size=4)
+    for r in rows.values():
+        assert len(r.tokens) == budget
+        assert sum(r.reached) == r.examined and sum(r.accepted_at) == r.accepted
+        assert r.accepted <= r.examined
+        assert all(a <= n for a, n in zip(r.accepted_at, r.reached))
+        assert all(x >= y for x, y in zip(r.reached, r.reached[1:]))  # a shrinking cohort
+        assert r.censored in (0, 1)
+        complete_tokens = r.cycle_accepted + r.cycles  # accepted + 1 per complete cycle
+        assert complete_tokens == budget if r.censored == 0 else complete_tokens < budget
+    rep = sd.measure_acceptance(llama, llama2, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                gamma=gamma, continuation_tokens=budget, simulate=True, seed=3)
+    assert rep.examined_tokens == sum(rep.reached_by_draft_offset)
+    took = sum(round(a * n) for a, n in zip(rep.alpha_by_draft_offset, rep.reached_by_draft_offset)
+               if a is not None)
+    assert rep.accepted_tokens == took <= rep.examined_tokens
+    assert rep.generated_tokens == budget * len(seqs)
+    assert rep.mean_accepted_length == pytest.approx(
+        sum(r.cycle_accepted for r in rows.values()) / sum(r.cycles for r in rows.values()))
+    assert rep.empirical_alpha == pytest.approx(
+        sum(r.accepted for r in rows.values()) / sum(r.examined for r in rows.values()))
+    # the report's aggregates are the sums of the per-prompt statistics of a separate run
+    assert rep.cycles == sum(r.cycles for r in rows.values())
+    assert rep.censored_cycles == sum(r.censored for r in rows.values())
+    all_cycles = rep.cycles + rep.censored_cycles
+    for j in range(gamma):
+        took_j = sum(r.accepted_at[j] for r in rows.values())
+        assert rep.accepted_per_cycle_by_draft_offset[j] == pytest.approx(took_j / all_cycles)
+        assert rep.reached_by_draft_offset[j] == sum(r.reached[j] for r in rows.values())
+    for row in rep.per_prompt:
+        r = rows[row["index"]]
+        assert (row["accepted"], row["examined"], row["cycles"], row["cycle_accepted"],
+                row["censored"]) == (r.accepted, r.examined, r.cycles, r.cycle_accepted,
+                                     r.censored)
+    assert sorted(row["index"] for row in rep.per_prompt) == sorted(rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_simulation_emits_the_targets_own_greedy_tokens(family, pairs, seqs):
+    t, d = pairs[family]
+    n = 10
+    rows = sd.run_simulation(t, d, seqs, SAMPLINGS["greedy"], 3, n, device=CPU, vocab=V,
+                             eos=set(), seed=0, batch_size=4)
+    assert sum(r.accepted for r in rows.values()) < sum(r.examined for r in rows.values())
+    for i, s in enumerate(seqs):
+        assert rows[i].tokens == greedy_loop(t, s.ids, n)
+
+
+@pytest.fixture(scope="session")
+def disjoint(llama, llama2):
+    """Target pinned to ids 0..3, draft to ids 4..7: with top_k=4 the supports never meet."""
+    return (with_head_bias(llama, {i: 30.0 for i in range(4)}),
+            with_head_bias(llama2, {i: 30.0 for i in range(4, 8)}))
+
+
+@pytest.mark.parametrize("s", [sd.SamplingParams(1.0, top_k=4), sd.SamplingParams(0.0)])
+def test_disjoint_supports_give_alpha_zero_in_both_modes(s, disjoint, seqs):
+    t, d = disjoint
+    r = sd.measure_acceptance(t, d, seqs, sampling=s, device=CPU, gamma=3,
+                              continuation_tokens=6, simulate=True, seed=0)
+    assert r.alpha == 0.0 and r.expected_accepted == 0.0
+    assert r.empirical_alpha == 0.0 and r.mean_accepted_length == 0.0
+    assert r.alpha_by_draft_offset == [0.0, None, None]
+    assert r.reached_by_draft_offset[1:] == [0, 0]
+    assert r.reached_by_draft_offset[0] == r.examined_tokens > 0
+    text = sd.format_report(r)
+    line = next(x for x in text.splitlines() if "alpha by draft offset" in x)
+    assert line.split()[-3:] == ["0.00", "-", "-"]
+    line = next(x for x in text.splitlines() if "cycles reaching it" in x)
+    assert line.split()[-3:] == [str(r.reached_by_draft_offset[0]), "0", "0"]
+
+
+@pytest.mark.parametrize("s", [sd.SamplingParams(1.0), sd.SamplingParams(0.7, top_k=8,
+                                                                          top_p=0.9)])
+def test_simulation_is_lossless_goodness_of_fit(s, llama, llama2, tok_plain):
+    """The simulator's first and second tokens follow the target's law, not the draft's."""
+    prompt = tok_plain("hi")["input_ids"]
+    n = 3000
+    seqs = [sd.TokenSequence(list(prompt))] * n
+    rows = sd.run_simulation(llama, llama2, seqs, s, 2, 2, device=CPU, vocab=V, eos=set(),
+                             seed=7, batch_size=n)
+    first = torch.tensor([rows[i].tokens[0] for i in range(n)])
+    second = torch.tensor([rows[i].tokens[1] for i in range(n)])
+    with torch.no_grad():
+        p1 = torch.tensor(bf_processed(last_logits(llama, prompt), s), dtype=torch.float64)
+        q1 = torch.tensor(bf_processed(last_logits(llama2, prompt), s), dtype=torch.float64)
+        ext = torch.tensor([list(prompt) + [v] for v in range(V)])
+        lp2 = llama(input_ids=ext).logits[:, -1]
+        p2 = sum(p1[v] * torch.tensor(bf_processed(lp2[v], s), dtype=torch.float64)
+                 for v in range(V))
+    assert sd.acceptance(p1, q1).item() < 0.8  # a draft that really differs
+    c1, c2 = torch.bincount(first, minlength=V), torch.bincount(second, minlength=V)
+    assert chi2_pvalue(c1, p1) > 1e-3
+    assert chi2_pvalue(c2, p2) > 1e-3
+    assert chi2_pvalue(c1, 0.5 * p1 + 0.5 * q1) < 1e-3  # power: a half-draft law is rejected
+
+
+@pytest.fixture(scope="session")
+def eos_model(llama):
+    """Llama stand-in with eos_token_id=9 in its config and a head that makes 9 common."""
+    m = with_head_bias(llama, {9: 2.5})
+    m.config.eos_token_id = 9
+    m.generation_config.eos_token_id = 9
+    return m
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_simulation_stops_at_eos(same, eos_model, llama2, seqs):
+    draft = eos_model if same else llama2
+    eos = sd.eos_ids(eos_model)
+    assert eos == {9}
+    K = 20
+    kw = dict(device=CPU, vocab=V, seed=4)
+    with_eos = sd.run_simulation(eos_model, draft, seqs, SAMPLINGS["t1"], 3, K, eos=eos,
+                                 batch_size=4, **kw)
+    ref = sd.simulate_reference(eos_model, draft, seqs, SAMPLINGS["t1"], 3, K, eos=eos, **kw)
+    free = sd.run_simulation(eos_model, draft, seqs, SAMPLINGS["t1"], 3, K, eos=set(),
+                             batch_size=4, **kw)
+    stopped = 0
+    for i in range(len(seqs)):
+        toks, ft = with_eos[i].tokens, free[i].tokens
+        assert with_eos[i] == ref[i]
+        # oracle: the same random streams without EOS, cut after the first EOS
+        cut = ft.index(9) + 1 if 9 in ft else len(ft)
+        assert toks == ft[:cut]
+        assert 9 not in toks[:-1]
+        stopped += toks[-1] == 9
+        assert sum(with_eos[i].reached) == with_eos[i].examined
+    assert stopped >= 3  # EOS really was exercised
+
+
+def test_sample_continuations_stop_at_eos(eos_model, seqs):
+    kw = dict(device=CPU, vocab=V, seed=2, batch_size=3)
+    with_eos = sd.sample_continuations(eos_model, seqs, SAMPLINGS["t1"], 20, eos={9}, **kw)
+    free = sd.sample_continuations(eos_model, seqs, SAMPLINGS["t1"], 20, eos=set(), **kw)
+    hits = 0
+    for a, b in zip(with_eos, free):
+        cut = b.index(9) + 1 if 9 in b else len(b)
+        assert a == b[:cut]
+        hits += 9 in a
+    assert hits >= 3
+    # the teacher-forced measurement scores exactly those continuations (EOS from the config)
+    r = sd.measure_acceptance(eos_model, eos_model, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              continuation_tokens=20, seed=2, batch_size=3)
+    assert r.scored_positions == sum(len(a) for a in with_eos)
+
+
+def test_eos_ids_unions_configs_and_tokenizer(llama, tok):
+    m = copy.deepcopy(llama)
+    m.config.eos_token_id = 5
+    m.generation_config.eos_token_id = [6, 7]
+    t = copy.deepcopy(tok)
+    t.eos_token = "</s>"
+    assert sd.eos_ids(m, t) == {5, 6, 7, 2}
+    assert sd.eos_ids(llama) == set()
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher-forced measurement
+
+
+@pytest.mark.parametrize("family,key", [("llama", "t1"), ("gpt2", "topk_topp"),
+                                        ("llama", "greedy")])
+def test_measure_alpha_matches_bruteforce_per_sequence(family, key, pairs, seqs):
+    t, d = pairs[family]
+    s, K, gamma = SAMPLINGS[key], 7, 3
+    r = sd.measure_acceptance(t, d, seqs, sampling=s, device=CPU, gamma=gamma,
+                              continuation_tokens=K, seed=3, batch_size=3)
+    conts = [ref_continuation(t, q.ids, s, K, 3, i) for i, q in enumerate(seqs)]
+    per = tf_oracle(t, d, seqs, conts, s)
+    flat = [a for alphas, _, _ in per for a in alphas]
+    means = torch.tensor([sum(a) / len(a) for a, _, _ in per], dtype=torch.float64)
+    assert r.scored_positions == len(flat) == len(seqs) * K and r.n_sequences == len(seqs)
+    assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+    assert r.alpha_std == pytest.approx(means.std(unbiased=True).item(), abs=1e-5)
+    assert r.alpha_stderr == pytest.approx(
+        sd.ratio_stderr([sum(a) for a, _, _ in per], [len(a) for a, _, _ in per]), abs=1e-5)
+    assert r.greedy_agreement == pytest.approx(
+        sum(x for _, t1, _ in per for x in t1) / len(flat), abs=1e-9)
+    assert r.p_argmax_q == pytest.approx(sum(x for _, _, pq in per for x in pq) / len(flat),
+                                         abs=1e-5)
+    # positional estimator over the same alpha_t's, by a naive loop
+    tot, cnt = 0.0, 0
+    for a, _, _ in per:
+        for i in range(len(a) - gamma + 1):
+            tot += sum(math.prod(a[i:i + k]) for k in range(1, gamma + 1))
+            cnt += 1
+    assert r.estimator == "positional"
+    assert r.expected_accepted == pytest.approx(tot / cnt, abs=1e-5)
+    assert r.tokens_per_cycle == pytest.approx(tot / cnt + 1, abs=1e-5)
+    assert r.expected_accepted_iid == pytest.approx(
+        accepted_by_enumeration([r.alpha] * gamma), abs=1e-9)
+    ppt = lambda m: sum(p.numel() for n, p in m.named_parameters()  # noqa: E731
+                        if "embed" not in n and "wte" not in n and "wpe" not in n) + \
+        (V * 32 if family == "gpt2" else 0)
+    assert r.cost_ratio == pytest.approx(ppt(d) / ppt(t), rel=1e-12)
+    assert r.est_speedup == pytest.approx((tot / cnt + 1) / (gamma * r.cost_ratio + 1), abs=1e-5)
+    # the best-gamma table: the same naive positional estimator at every block size 1..8
+    table = {row["gamma"]: row for row in r.gamma_table}
+    for g in range(1, 9):
+        wins = [sum(math.prod(a[i:i + k]) for k in range(1, g + 1))
+                for a, _, _ in per for i in range(len(a) - g + 1)]
+        if not wins:
+            assert g not in table  # no continuation holds a window this long
+            continue
+        tpc = sum(wins) / len(wins) + 1
+        assert table[g]["tokens_per_cycle"] == pytest.approx(tpc, abs=1e-5)
+        assert table[g]["est_speedup"] == pytest.approx(tpc / (g * r.cost_ratio + 1), abs=1e-5)
+    assert r.best_gamma == max(table.values(), key=lambda row: row["est_speedup"])["gamma"]
+    # per-prompt rows: the same per-sequence sums, keyed by the prompt's index
+    assert [row["index"] for row in r.per_prompt] == list(range(len(seqs)))
+    for row, (a, _, _) in zip(r.per_prompt, per):
+        assert row["scored"] == len(a) and row["alpha_sum"] == pytest.approx(sum(a), abs=1e-5)
+
+
+def test_measure_alpha_is_independent_of_batch_size(llama, llama2, seqs):
+    kw = dict(sampling=SAMPLINGS["topk_topp"], device=CPU, gamma=3, continuation_tokens=6,
+              simulate=True, seed=8)
+    r1 = sd.measure_acceptance(llama, llama2, seqs, batch_size=1, **kw)
+    r5 = sd.measure_acceptance(llama, llama2, seqs, batch_size=5, **kw)
+    assert r1.alpha == pytest.approx(r5.alpha, abs=1e-6)
+    assert r1.alpha_std == pytest.approx(r5.alpha_std, abs=1e-6)
+    assert r1.scored_positions == r5.scored_positions
+    assert (r1.accepted_tokens, r1.examined_tokens) == (r5.accepted_tokens, r5.examined_tokens)
+
+
+def test_measure_with_zero_continuation_scores_the_prompt(llama, llama2, seqs):
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=s, device=CPU, gamma=2,
+                              continuation_tokens=0, batch_size=4)
+    per = tf_oracle(llama, llama2, seqs, [[] for _ in seqs], s)
+    flat = [a for alphas, _, _ in per for a in alphas]
+    assert r.scored_on == "prompt"
+    assert r.scored_positions == sum(len(q.ids) - 1 for q in seqs) == len(flat)
+    assert r.n_sequences == sum(len(q.ids) >= 2 for q in seqs)  # 1-token prompts score nothing
+    assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+    assert "PROMPT TOKENS SCORED" in r.notes[0]
+    assert "PROMPT TOKENS SCORED" in sd.format_report(r)
+
+
+def test_alpha_by_category_matches_bruteforce(llama, llama2, tok_plain):
+    prompts = [sd.Prompt("one two", "a"), sd.Prompt("three", "b"), sd.Prompt("four five", "a")]
+    seqs = sd.build_sequences(prompts, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=s, device=CPU, continuation_tokens=5,
+                              seed=0, batch_size=2)
+    conts = [ref_continuation(llama, q.ids, s, 5, 0, i) for i, q in enumerate(seqs)]
+    per = tf_oracle(llama, llama2, seqs, conts, s)
+    a = per[0][0] + per[2][0]
+    assert set(r.alpha_by_category) == {"a", "b"}
+    assert r.alpha_by_category["a"] == pytest.approx(sum(a) / len(a), abs=1e-5)
+    assert r.alpha_by_category["b"] == pytest.approx(sum(per[1][0]) / 5, abs=1e-5)
+
+
+@pytest.mark.parametrize("key", ["t1", "topk_topp"])
+def test_sample_continuations_batched_equals_plain_loop(key, gpt2, seqs):
+    s = SAMPLINGS[key]
+    got = sd.sample_continuations(gpt2, seqs, s, 6, device=CPU, vocab=V, eos=set(), seed=4,
+                                  batch_size=3)
+    one = [sd.sample_continuations(gpt2, [q], s, 6, device=CPU, vocab=V, eos=set(), seed=4,
+                                   indices=[i])[0] for i, q in enumerate(seqs)]
+    want = [ref_continuation(gpt2, q.ids, s, 6, 4, i) for i, q in enumerate(seqs)]
+    assert got == want
+    assert one == want  # one prompt at a time, each on its own stream
+
+
+def test_greedy_continuation_equals_generate(llama, seqs):
+    got = sd.sample_continuations(llama, seqs, SAMPLINGS["greedy"], 8, device=CPU, vocab=V,
+                                  eos=set(), batch_size=4)
+    for q, cont in zip(seqs, got):
+        x = torch.tensor([q.ids])
+        out = llama.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
+                             do_sample=False, pad_token_id=0)
+        assert cont == out[0, x.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_head_route_in_chunks_equals_full_logits(family, pairs, seqs):
+    t, d = pairs[family]
+    rows = [list(q.ids) + [5, 6, 7] for q in seqs]
+    spans = [(len(q.ids) - 1, len(q.ids) + 2) for q in seqs]
+    s = SAMPLINGS["topk_topp"]
+    probe = torch.tensor([rows[2][:16]])
+    assert sd._head_route(t, probe) and sd._head_route(d, probe)
+    hp = sd.scored_outputs(t, rows, spans, CPU, True)
+    hq = sd.scored_outputs(d, rows, spans, CPU, True)
+    lp = sd.scored_outputs(t, rows, spans, CPU, False)
+    lq = sd.scored_outputs(d, rows, spans, CPU, False)
+    assert hp.shape == (3 * len(seqs), 32) and lp.shape == (3 * len(seqs), V)
+    chunked = sd.position_stats(t, d, hp, hq, s, V, (True, True), chunk=2)
+    full = sd.position_stats(t, d, lp, lq, s, V, (False, False), chunk=10_000)
+    for k in ("alpha", "top1", "p_argmax_q"):
+        assert torch.allclose(chunked[k], full[k], atol=1e-5), k
+    # and the full-logits route matches each sequence run alone
+    per = tf_oracle(t, d, seqs, [[5, 6, 7]] * len(seqs), s)
+    flat = torch.tensor([a for alphas, _, _ in per for a in alphas])
+    assert torch.allclose(full["alpha"].double(), flat.double(), atol=1e-5)
+
+
+@pytest.fixture(scope="session")
+def nan_draft(disjoint):
+    """The pinned draft (ids 4..7 under top_k=4, never a 'z') with a NaN embedding for 'z':
+    every position at or after a 'z' in the prompt is non-finite."""
+    m = copy.deepcopy(disjoint[1])
+    with torch.no_grad():
+        m.model.embed_tokens.weight[3 + CHARS.index("z")] = float("nan")
+    return m
+
+
+def test_non_finite_draft_logits_name_the_model_and_prompt(disjoint, nan_draft, tok_plain):
+    target = disjoint[0]  # with top_k=4 it only ever writes ids 0..3, the draft 4..7
+    s = sd.SamplingParams(1.0, top_k=4)
+    seqs = sd.build_sequences(["hello", "abc", "zebra", "ok"], tok_plain)
+    assert tok_plain.convert_ids_to_tokens(seqs[2].ids)[0] == "z"
+    assert all("z" not in tok_plain.convert_ids_to_tokens(q.ids) for q in seqs[:2] + seqs[3:])
+    for bs in (1, 4):
+        with pytest.raises(FloatingPointError, match=r"draft.*prompt 2\b"):
+            sd.measure_acceptance(target, nan_draft, seqs, sampling=s, device=CPU,
+                                  continuation_tokens=3, batch_size=bs)
+        with pytest.raises(FloatingPointError, match=r"draft.*prompt 2\b"):
+            sd.run_simulation(target, nan_draft, seqs, s, 2, 4, device=CPU, vocab=V, eos=set(),
+                              batch_size=bs)
+    # the same draft on the prompts without a 'z' is fine
+    ok = sd.measure_acceptance(target, nan_draft, seqs[:2] + seqs[3:], sampling=s, device=CPU,
+                               continuation_tokens=3, simulate=True)
+    assert ok.alpha == 0.0 and ok.empirical_alpha == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# vocabulary
+
+
+@pytest.fixture(scope="session")
+def wide_draft():
+    """A draft with 56 logit rows; its surplus rows 48..55 carry most of the raw mass."""
+    return with_head_bias(make_llama(3, vocab=56), {i: 8.0 for i in range(V, 56)})
+
+
+def test_wider_draft_vocab_is_cut_before_sampling(llama, wide_draft, seqs):
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, wide_draft, seqs, sampling=s, device=CPU, gamma=2,
+                              continuation_tokens=5, simulate=True, seed=6, batch_size=4)
+    assert r.vocab == V
+    assert any("vocab widths differ" in n and "48" in n and "56" in n for n in r.notes)
+    conts = [ref_continuation(llama, q.ids, s, 5, 6, i) for i, q in enumerate(seqs)]
+    per = tf_oracle(llama, wide_draft, seqs, conts, s, vocab=V)
+    flat = [a for alphas, _, _ in per for a in alphas]
+    assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+    rows = sd.run_simulation(llama, wide_draft, seqs, s, 2, 5, device=CPU, vocab=V, eos=set(),
+                             seed=6, batch_size=4)
+    ref = sd.simulate_reference(llama, wide_draft, seqs, s, 2, 5, device=CPU, vocab=V,
+                                eos=set(), seed=6)
+    assert all(rows[i] == ref[i] for i in rows)
+    assert all(t < V for row in rows.values() for t in row.tokens)
+
+
+def test_check_tokenizers_refuses_disagreeing_vocabularies(tok, tok_plain):
+    sd.check_tokenizers(tok, tok_plain, V)  # equal vocabularies: no error
+    bad = make_tokenizer(swap=("a", "b"))
+    with pytest.raises(ValueError, match="disagree"):
+        sd.check_tokenizers(tok, bad, V)
+    sd.check_tokenizers(tok, bad, 4)  # ids 0..3 agree: no error
+
+
+# ----------------------------------------------------------------------------------------------
+# early-exit drafts and parameter counts
+
+
+def final_norm(model):
+    return model.model.norm if hasattr(model, "model") else model.transformer.ln_f
+
+
+def layer_list(model):
+    return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_early_exit_draft_is_the_layer_n_hidden_state(family, n):
+    model = make_llama(4, layers=3) if family == "llama" else make_gpt2(4, layers=3)
+    x = torch.tensor([[3, 7, 9, 11, 4, 20]])
+    with torch.no_grad():
+        before = model(input_ids=x, output_hidden_states=True)
+        draft = sd.early_exit_draft(model, n)
+        got = draft(input_ids=x).logits
+        after = model(input_ids=x).logits
+        h = before.hidden_states[n]
+        want = model.get_output_embeddings()(final_norm(model)(h)) if n < 3 else before.logits
+    assert len(layer_list(draft)) == n and len(layer_list(model)) == 3
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(after, before.logits)  # the full model is unchanged
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    assert all(p.data_ptr() in ptrs for p in draft.parameters())  # no copies
+
+
+@pytest.mark.parametrize("n", [0, 3, -1])
+def test_early_exit_draft_out_of_range(n, llama):
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        sd.early_exit_draft(llama, n)
+
+
+def test_params_per_token_hand_count():
+    h, i, v = 32, 64, V
+    llama_layer = 4 * h * h + 3 * h * i + 2 * h  # q k v o, gate up down, two RMSNorms
+    llama3 = make_llama(4, layers=3)
+    assert sd.params_per_token(llama3) == 3 * llama_layer + h + v * h  # + final norm + head
+    assert sd.params_per_token(sd.early_exit_draft(llama3, 1)) == llama_layer + h + v * h
+    gpt_layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + \
+        (4 * h * h + h)
+    gpt3 = make_gpt2(4, layers=3)
+    # tied head counted once as a matmul; token and position lookups not counted
+    assert sd.params_per_token(gpt3) == 3 * gpt_layer + 2 * h + v * h
+    assert sd.params_per_token(sd.early_exit_draft(gpt3, 2)) == 2 * gpt_layer + 2 * h + v * h
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def test_builtin_prompts_cover_the_categories():
+    prompts = sd.load_texts("builtin")
+    assert len(prompts) >= 32
+    cats = {p.category for p in prompts}
+    assert cats == {"chat", "code", "maths", "summarisation", "translation", "creative",
+                    "extraction"}
+    assert all(isinstance(p.content, str) and p.content.strip() for p in prompts)
+    help_text = sd.build_parser().format_help()
+    m = re.search(r"builtin \(default, (\d+) prompts in (\d+) categories", " ".join(
+        help_text.split()))
+    assert m and (int(m[1]), int(m[2])) == (len(prompts), len(cats))
+
+
+def test_builtin_first_prompts_span_every_category():
+    prompts = sd.load_texts("builtin")
+    n_cat = len({p.category for p in prompts})
+    assert len({p.category for p in prompts[:n_cat]}) == n_cat  # --max-samples 7 sees all 7
+    assert sorted(prompts) == sorted(sd.Prompt(t, c) for c, t in sd.BUILTIN_PROMPTS)
+
+
+def test_load_texts_txt(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\n   \nsecond prompt\r\nthird\n", "utf-8")
+    assert [p.content for p in sd.load_texts(str(f))] == ["first prompt", "second prompt",
+                                                          "third"]
+
+
+def test_load_texts_jsonl_fields_and_categories(tmp_path):
+    recs = [{"prompt": "p1", "category": "c1"}, {"instruction": "i1"}, {"question": "q1"},
+            {"text": "t1", "task": "c2"},
+            {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"}], "category": "chat"},
+            {"prompt": "  ", "text": "fallback"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n", "utf-8")
+    got = sd.load_texts(str(f))
+    assert [p.content for p in got] == ["p1", "i1", "q1", "t1",
+                                        [{"role": "user", "content": "hi"}], "fallback"]
+    assert [p.category for p in got] == ["c1", None, None, "c2", "chat", None]
+
+
+def test_load_texts_sharegpt_roles_become_user_and_assistant(tmp_path):
+    rec = {"conversations": [{"from": "system", "value": "be brief"},
+                             {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
+                             {"from": "human", "value": "and?"}]}
+    f = tmp_path / "sharegpt.jsonl"
+    f.write_text(json.dumps(rec) + "\n", "utf-8")
+    (p,) = sd.load_texts(str(f))
+    assert [m["content"] for m in p.content] == ["be brief", "hi", "yo", "and?"]
+    assert [m["role"] for m in p.content] == ["system", "user", "assistant", "user"]
+
+
+def test_load_texts_json_list_and_wrapped_list(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["plain one", {"question": "q?", "category": "maths"}, ""]), "utf-8")
+    got = sd.load_texts(str(f))
+    assert [(p.content, p.category) for p in got] == [("plain one", None), ("q?", "maths")]
+    g = tmp_path / "w.json"
+    g.write_text(json.dumps({"meta": 1, "data": [{"prompt": "x"}, "y"]}), "utf-8")
+    assert [p.content for p in sd.load_texts(str(g))] == ["x", "y"]
+
+
+def test_load_texts_hf_local_folders(tmp_path):
+    import datasets
+    ds = datasets.Dataset.from_dict({"question": ["q1", "q2"], "text": ["t1", "t2"],
+                                     "category": ["maths", "code"]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    got = sd.load_texts(f"hf:{tmp_path / 'ds'}")
+    assert [(p.content, p.category) for p in got] == [("q1", "maths"), ("q2", "code")]
+    got = sd.load_texts(f"hf:{tmp_path / 'ds'}::train:text")
+    assert [p.content for p in got] == ["t1", "t2"]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a", "b"]}),
+                               "test": datasets.Dataset.from_dict({"prompt": ["c"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert [p.content for p in sd.load_texts(f"hf:{tmp_path / 'dd'}")] == ["c"]  # test first
+    assert [p.content for p in sd.load_texts(f"hf:{tmp_path / 'dd'}::train")] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"no split 'dev'.*\['test', 'train'\]"):
+        sd.load_texts(f"hf:{tmp_path / 'dd'}::dev")
+    with pytest.raises(ValueError, match=r"no field 'body'.*question.*text.*category"):
+        sd.load_texts(f"hf:{tmp_path / 'ds'}::train:body")
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("empty.txt", "\n  \n", "no prompts"),
+    ("nofield.jsonl", '{"foo": "x", "bar": 1}\n', r"saw fields \['bar', 'foo'\]"),
+    ("broken.jsonl", '{"prompt": "x"\n', "not valid JSON"),
+    ("scalar.jsonl", '"just a string"\n', "JSON object"),
+    ("notalist.json", '{"a": 1}', "JSON list"),
+    ("nofield.json", '[{"answer": "x"}]', r"saw fields \['answer'\]"),
+])
+def test_load_texts_bad_files_raise_valueerror(tmp_path, name, content, match):
+    f = tmp_path / name
+    f.write_text(content, "utf-8")
+    with pytest.raises(ValueError, match=match):
+        sd.load_texts(str(f))
+
+
+def test_load_texts_missing_unreadable_and_malformed_hf(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        sd.load_texts(str(tmp_path / "missing.txt"))
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 \xff\xfe\n")
+    with pytest.raises(ValueError, match="cannot read"):
+        sd.load_texts(str(bad))
+    for spec in ["hf:", "hf:a:b:c:d:e"]:
+        with pytest.raises(ValueError, match="malformed"):
+            sd.load_texts(spec)
+
+
+def test_hf_data_without_datasets_installed_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(ValueError, match="pip install datasets"):
+        sd.load_texts(f"hf:{tmp_path}")
+
+
+def test_resolve_dtype_and_device_follow_the_spec():
+    assert sd.resolve_dtype("auto", CPU) == torch.float32  # auto = fp32 off CUDA
+    assert sd.resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert sd.resolve_device("cpu") == CPU
+    with pytest.raises(ValueError):
+        sd.resolve_dtype("float8", CPU)
+    with pytest.raises(ValueError):
+        sd.resolve_device("tpu")
+
+
+def test_build_sequences_left_truncation_keeps_the_end(tok_plain):
+    text = "abcdefghijklmnopqrstuvwxyz"
+    full = tok_plain(text)["input_ids"]
+    out = sd.build_sequences([text, "short"], tok_plain, max_length=10)
+    assert out[0].ids == full[-10:] and out[0].truncated
+    assert out[1].ids == tok_plain("short")["input_ids"] and not out[1].truncated
+    assert "".join(tok_plain.convert_ids_to_tokens(out[0].ids)) == text[-10:]
+
+
+def test_build_sequences_chat_template_on_off_and_max_samples(tok, tok_plain):
+    prompts = [sd.Prompt("hi there", "chat"), "second", "third"]
+    on = sd.build_sequences(prompts, tok)
+    want = tok("user: hi there\nassistant:", add_special_tokens=False)["input_ids"]
+    assert on[0].ids == want and on[0].category == "chat"
+    off = sd.build_sequences(prompts, tok, chat_template="off")
+    assert off[0].ids == tok("hi there")["input_ids"]
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    assert sd.build_sequences([sd.Prompt(msgs)], tok)[0].ids == tok(
+        "user: a\nassistant: b\nuser: c\nassistant:", add_special_tokens=False)["input_ids"]
+    assert sd.build_sequences([sd.Prompt(msgs)], tok, chat_template="off")[0].ids == tok(
+        "user: a\nassistant: b\nuser: c")["input_ids"]
+    assert len(sd.build_sequences(prompts, tok, max_samples=2)) == 2
+    with pytest.raises(ValueError):
+        sd.build_sequences(prompts, tok_plain, chat_template="on")
+    with pytest.raises(ValueError):
+        sd.build_sequences(prompts, tok, max_samples=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+REPORT_FIELDS = ["alpha", "alpha_std", "scored_positions", "n_sequences", "gamma", "cost_ratio",
+                 "expected_accepted", "tokens_per_cycle", "est_speedup", "empirical_alpha",
+                 "mean_accepted_length", "empirical_tokens_per_cycle", "empirical_est_speedup",
+                 "alpha_by_draft_offset", "reached_by_draft_offset"]
+SIM_FIELDS = ["empirical_alpha", "mean_accepted_length", "empirical_tokens_per_cycle",
+              "empirical_est_speedup", "alpha_by_draft_offset", "reached_by_draft_offset"]
+
+
+@pytest.fixture(scope="session")
+def sim_report(llama, llama2, seqs):
+    return sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9, top_k=12),
+                                 device=CPU, gamma=3, continuation_tokens=9, simulate=True,
+                                 seed=11, cost_ratio=0.25, batch_size=4)
+
+
+def test_report_to_dict_fields(llama, llama2, seqs, sim_report):
+    d = sim_report.to_dict()
+    for k in REPORT_FIELDS:
+        assert k in d and d[k] is not None, k
+    assert d["gamma"] == 3 and d["cost_ratio"] == 0.25 and d["cost_ratio_source"] == "given"
+    assert json.loads(json.dumps(d)) == json.loads(json.dumps(d, default=list))  # serialisable
+    plain = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9, top_k=12),
+                                  device=CPU, gamma=3, continuation_tokens=9, seed=11,
+                                  cost_ratio=0.25, batch_size=4).to_dict()
+    assert all(plain[k] is None for k in SIM_FIELDS)
+    # the distributional half does not depend on whether the simulation ran
+    for k in ["alpha", "alpha_std", "scored_positions", "expected_accepted", "est_speedup"]:
+        assert plain[k] == d[k]
+
+
+def test_gamma_table_simulation_columns(sim_report):
+    r = sim_report
+    for row in r.gamma_table:
+        g = row["gamma"]
+        if g > r.gamma:  # the simulation ran blocks of r.gamma: it cannot speak for longer ones
+            assert row["sim_tokens_per_cycle"] is None and row["sim_est_speedup"] is None
+            continue
+        acc, run = 0.0, 1.0
+        for a in r.alpha_by_draft_offset[:g]:
+            if a is None:  # never reached (no EOS here): every cycle stopped before it
+                assert run == 0.0
+                break
+            run *= a
+            acc += run
+        assert row["sim_tokens_per_cycle"] == pytest.approx(acc + 1, abs=1e-12)
+        assert row["sim_est_speedup"] == pytest.approx((acc + 1) / (g * 0.25 + 1), abs=1e-12)
+
+
+def test_format_report_shows_the_dataclass_numbers(sim_report):
+    r = sim_report
+    text = sd.format_report(r)
+    lines = text.splitlines()
+
+    def line(label):
+        return next(x for x in lines if label in x)
+
+    assert "draft  ⇒  target" in lines[0]
+    assert "temperature=0.9" in lines[1] and "top_k=12" in lines[1] and "gamma" in lines[1]
+    assert line("acceptance rate").split()[3] == f"{r.alpha:.3f}"
+    assert f"± {r.alpha_std:.3f}" in line("acceptance rate")
+    assert f"{r.scored_positions:,} over {r.n_sequences} sequences" in text
+    assert line("E[accepted draft tokens]").split()[3] == f"{r.expected_accepted:.3f}"
+    assert line("E[tokens per cycle]").split()[3] == f"{r.tokens_per_cycle:.3f}"
+    assert f"{r.est_speedup:.2f}x" in line("est. speedup") and "cost_ratio=0.25" in text
+    gen = lines[lines.index(next(x for x in lines if "generative" in x)):]
+    assert next(x for x in gen if "acceptance rate" in x).split()[3] == f"{r.empirical_alpha:.3f}"
+    nums = re.findall(r"[\d,]+", next(x for x in gen if "examined" in x))
+    assert f"{r.examined_tokens:,}" in nums and f"{r.accepted_tokens:,}" in nums
+    assert f"[{r.alpha_ci[0]:.3f}, {r.alpha_ci[1]:.3f}]" in line("acceptance rate")
+    assert line("mean accepted length").split()[3] == f"{r.mean_accepted_length:.3f}"
+    assert line("tokens per cycle   ").split()[3] == f"{r.empirical_tokens_per_cycle:.3f}"
+    assert f"{r.empirical_est_speedup:.2f}x" in next(x for x in gen if "est. speedup" in x)
+    want = ["-" if a is None else f"{a:.2f}" for a in r.alpha_by_draft_offset]
+    assert line("alpha by draft offset").split()[-3:] == want
+    assert line("cycles reaching it").split()[-3:] == [str(n) for n in r.reached_by_draft_offset]
+    assert "indication, not a benchmark" in text
+
+
+def test_measure_rejects_bad_arguments(llama, seqs):
+    for kw in [dict(gamma=0), dict(gamma=True), dict(continuation_tokens=-1),
+               dict(batch_size=0), dict(estimator="x"), dict(cost_ratio=-1.0),
+               dict(simulate=True, continuation_tokens=0)]:
+        with pytest.raises(ValueError):
+            sd.measure_acceptance(llama, llama, seqs, device=CPU, **kw)
+    with pytest.raises(ValueError):
+        sd.measure_acceptance(llama, llama, [sd.TokenSequence([1, 60])], device=CPU)
+
+
+def test_iid_estimator_option(llama, llama2, seqs):
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=4, continuation_tokens=5, estimator="iid", seed=0)
+    assert r.estimator == "iid"
+    assert r.expected_accepted == pytest.approx(sum(r.alpha ** k for k in range(1, 5)), abs=1e-9)
+
+
+def test_same_seed_same_report(llama, llama2, seqs):
+    kw = dict(sampling=SAMPLINGS["topk_topp"], device=CPU, gamma=2, continuation_tokens=6,
+              simulate=True, batch_size=3)
+    a = sd.measure_acceptance(llama, llama2, seqs, seed=9, **kw).to_dict()
+    b = sd.measure_acceptance(llama, llama2, seqs, seed=9, **kw).to_dict()
+    c = sd.measure_acceptance(llama, llama2, seqs, seed=10, **kw).to_dict()
+    assert a == b
+    assert a != c  # and the seed does matter
+
+
+def test_measure_drafts_equals_one_draft_at_a_time(llama, llama2, seqs):
+    """Several drafts share the target's passes; each report equals measuring it alone."""
+    ee = sd.early_exit_draft(llama, 1)
+    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, gamma=3, continuation_tokens=6,
+              simulate=True, seed=12, batch_size=4)
+    many = sd.measure_drafts(llama, [("other", llama2), ("exit1", ee), ("self", llama)],
+                             seqs, **kw)
+    assert [r.draft for r in many] == ["other", "exit1", "self"]
+    for r, (name, d) in zip(many, [("other", llama2), ("exit1", ee), ("self", llama)]):
+        alone = sd.measure_acceptance(llama, d, seqs, draft_name=name, **kw)
+        assert r.to_dict() == alone.to_dict()
+    assert many[2].alpha == pytest.approx(1.0, abs=1e-5) and many[2].empirical_alpha == 1.0
+
+
+def test_measured_cost_ratio_feeds_the_speedup(llama, llama2, seqs):
+    r = sd.measure_acceptance(llama, llama2, seqs[:3], sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=2, continuation_tokens=4, cost_ratio="measure", seed=0)
+    c = r.costs
+    assert c["target_step_s"] > 0 and c["draft_step_s"] > 0
+    assert r.cost_ratio == pytest.approx(c["draft_step_s"] / c["target_step_s"], rel=1e-12)
+    assert r.verify_cost == pytest.approx(c["verify_cost"][2], rel=1e-12) and r.verify_cost > 0
+    assert r.est_speedup == pytest.approx(
+        r.tokens_per_cycle / (2 * r.cost_ratio + r.verify_cost), rel=1e-9)
+    assert r.cost_ratio_source.startswith("measured")
+
+
+def interrupt_after(monkeypatch, n_calls):
+    """Make the n-th call of sample_continuations raise KeyboardInterrupt (a Ctrl-C)."""
+    orig, calls = sd.sample_continuations, []
+
+    def boom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) >= n_calls:
+            raise KeyboardInterrupt
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(sd, "sample_continuations", boom)
+
+
+def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
+    interrupt_after(monkeypatch, 2)  # the first batch of 3 finishes, the second is cut
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=s, device=CPU, gamma=2,
+                              continuation_tokens=5, simulate=True, seed=13, batch_size=3)
+    monkeypatch.undo()
+    first = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))[:3]  # shortest first
+    assert r.partial and r.n_sequences == 3 and r.simulated_prompts == 3
+    assert "3 of 7" in r.progress_note and "PARTIAL" in sd.format_report(r)
+    sub = [seqs[i] for i in first]
+    conts = [ref_continuation(llama, seqs[i].ids, s, 5, 13, i) for i in first]
+    per = tf_oracle(llama, llama2, sub, conts, s)
+    flat = [a for alphas, _, _ in per for a in alphas]
+    assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+
+
+def test_interrupt_in_the_first_batch_gives_an_empty_partial_report(monkeypatch, llama, seqs):
+    interrupt_after(monkeypatch, 1)
+    r = sd.measure_acceptance(llama, llama, seqs, device=CPU, continuation_tokens=4,
+                              batch_size=3)
+    assert r.partial and r.alpha is None and r.n_sequences == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+CLI_COMMON = ["--max-samples", "3", "--continuation-tokens", "6", "--gamma", "2",
+              "--temperature", "0.8", "--seed", "1", "--device", "cpu", "--dtype", "float32",
+              "--simulate", "--quiet"]
+
+
+@pytest.mark.parametrize("form", [[], ["measure"]])
+def test_cli_both_forms_print_the_report(form, capsys, model_dirs, data_txt):
+    rc, out, err = run_cli(capsys, form + ["--target", model_dirs["target"], "--draft",
+                                           model_dirs["draft"], "--data", data_txt] + CLI_COMMON)
+    assert rc == 0, err
+    assert "speculative-decoding acceptance" in out and "generative" in out
+    assert f"{model_dirs['draft']}  ⇒  {model_dirs['target']}" in out
+
+
+def test_cli_json_equals_library_report(capsys, tmp_path, model_dirs, data_txt):
+    path = tmp_path / "r.json"
+    rc, out, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                    model_dirs["draft"], "--data", data_txt, "--json", path]
+                           + CLI_COMMON)
+    assert rc == 0, err
+    got = json.loads(path.read_text("utf-8"))
+    target, tok, dev = sd.load_model_and_tokenizer(model_dirs["target"], "cpu", "float32")
+    draft, _, _ = sd.load_model_and_tokenizer(model_dirs["draft"], dev, "float32")
+    seqs = sd.build_sequences(sd.load_texts(data_txt), tok, max_samples=3)
+    want = sd.measure_acceptance(target, draft, seqs, sampling=sd.SamplingParams(0.8),
+                                 device=dev, gamma=2, continuation_tokens=6, simulate=True,
+                                 seed=1, eos=sd.eos_ids(target, tok),
+                                 target_name=model_dirs["target"],
+                                 draft_name=model_dirs["draft"]).to_dict()
+    want = json.loads(json.dumps(want))  # tuples become lists, as in the file
+    assert got.pop("notes")[:-1] == want.pop("notes")
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == (pytest.approx(v, abs=1e-12) if isinstance(v, float) else v), k
+    assert f"{want['alpha']:.3f}" in out
+
+
+def test_cli_json_to_stdout(capsys, model_dirs, data_txt):
+    rc, out, err = run_cli(capsys, ["measure", "--target", model_dirs["target"], "--data",
+                                    data_txt, "--draft-layers", "1", "--json", "-"] + CLI_COMMON)
+    assert rc == 0, err
+    d = json.loads(out)  # stdout holds the JSON alone; the text report went to stderr
+    assert d["draft"] == f"{model_dirs['target']} [first 1 layers]"
+    assert "speculative-decoding acceptance" in err
+    assert f"{d['alpha']:.3f}" in err and 0 < d["cost_ratio"] < 1
+
+
+def test_cli_identical_models_report_alpha_one(capsys, tmp_path, model_dirs, data_txt):
+    path = tmp_path / "same.json"
+    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                  model_dirs["target"], "--data", data_txt, "--json", path,
+                                  "--max-samples", "2", "--continuation-tokens", "6", "--gamma",
+                                  "2", "--simulate", "--quiet", "--cost-ratio", "0.5"])
+    assert rc == 0, err
+    d = json.loads(path.read_text("utf-8"))
+    assert d["alpha"] == pytest.approx(1, abs=1e-5) and d["empirical_alpha"] == 1.0
+    assert d["empirical_tokens_per_cycle"] == 3.0
+    assert d["empirical_est_speedup"] == pytest.approx(3 / (2 * 0.5 + 1))
+
+
+def test_cli_several_drafts_and_temperatures(capsys, tmp_path, model_dirs, data_txt):
+    path = tmp_path / "many.json"
+    t, d = model_dirs["target"], model_dirs["draft"]
+    argv = ["--target", t, "--draft", d, "--draft", t, "--temperature", "0,1", "--data",
+            data_txt, "--json", path, "--max-samples", "3", "--continuation-tokens", "5",
+            "--gamma", "2", "--seed", "4", "--simulate", "--quiet", "--cost-ratio", "0.3"]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 0, err
+    got = json.loads(path.read_text("utf-8"))
+    assert [(r["draft"], r["temperature"]) for r in got] == [(d, 0.0), (t, 0.0), (d, 1.0),
+                                                             (t, 1.0)]
+    target, tok, dev = sd.load_model_and_tokenizer(t, "cpu")
+    draft, _, _ = sd.load_model_and_tokenizer(d, dev)
+    seqs = sd.build_sequences(sd.load_texts(data_txt), tok, max_samples=3)
+    want = []
+    for temp in (0.0, 1.0):
+        want += sd.measure_drafts(target, [(d, draft), (t, target)], seqs,
+                                  sampling=sd.SamplingParams(temp), device=dev, gamma=2,
+                                  cost_ratio=0.3, continuation_tokens=5, simulate=True, seed=4,
+                                  eos=sd.eos_ids(target, tok), target_name=t)
+    for g, w in zip(got, want):
+        w = json.loads(json.dumps(w.to_dict()))
+        assert g.pop("notes")[:-1] == w.pop("notes")
+        assert g == w
+    assert got[1]["alpha"] == pytest.approx(1, abs=1e-5) and got[3]["empirical_alpha"] == 1.0
+    assert "ranking" in out and out.count("speculative-decoding acceptance") == 4
+
+
+def test_cli_draft_layers_list(capsys, tmp_path, model_dirs, data_txt):
+    path = tmp_path / "layers.json"
+    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft-layers", "1,2",
+                                  "--data", data_txt, "--json", path] + CLI_COMMON)
+    assert rc == 0, err
+    one, two = json.loads(path.read_text("utf-8"))
+    assert one["draft"].endswith("[first 1 layers]") and two["draft"].endswith("[first 2 layers]")
+    # all the layers of a 2-layer model is the model itself; params per token give the ratio
+    assert two["alpha"] == pytest.approx(1, abs=1e-5) and two["empirical_alpha"] == 1.0
+    assert two["cost_ratio"] == 1.0
+    layer = 4 * 32 * 32 + 3 * 32 * 64 + 2 * 32
+    assert one["cost_ratio"] == pytest.approx((layer + 32 + V * 32) / (2 * layer + 32 + V * 32))
+
+
+@pytest.mark.parametrize("which,threshold", [("both", 0.5), ("both", 0.999), ("self", 0.999)])
+def test_cli_min_alpha_gate(which, threshold, capsys, tmp_path, model_dirs, data_txt):
+    path = tmp_path / "gate.json"
+    t, d = model_dirs["target"], model_dirs["draft"]
+    drafts = ["--draft", d, "--draft", t] if which == "both" else ["--draft", t]
+    rc, out, err = run_cli(capsys, ["--target", t] + drafts + ["--data", data_txt, "--json",
+                                    path, "--min-alpha", threshold] + CLI_COMMON)
+    reports = json.loads(path.read_text("utf-8"))
+    reports = reports if isinstance(reports, list) else [reports]
+    low = {r["draft"]: r["empirical_alpha_ci"][0] for r in reports}  # --simulate: generative
+    assert low[t] == 1.0  # the target as its own draft accepts everything
+    failed = [name for name, x in low.items() if x < threshold]
+    assert rc == (1 if failed else 0)
+    assert "speculative-decoding acceptance" in out  # the report comes first either way
+    gate = [x for x in err.splitlines() if "alpha gate failed" in x]
+    assert len(gate) == len(failed) and all(any(n in x for x in gate) for n in failed)
+
+
+def test_cli_ctrl_c_in_the_first_batch_exits_130(monkeypatch, capsys, model_dirs, data_txt):
+    interrupt_after(monkeypatch, 1)
+    rc, out, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                    model_dirs["draft"], "--data", data_txt] + CLI_COMMON)
+    assert rc == 130 and "Traceback" not in err
+
+
+def test_cli_quiet_writes_nothing_to_stderr(capsys, model_dirs, data_txt):
+    rc, out, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                    model_dirs["draft"], "--data", data_txt] + CLI_COMMON)
+    assert rc == 0 and out and err == ""
+
+
+def bad_cases(d, data_txt, tmp):
+    """name -> (argv, a word the one error line must contain)."""
+    t = ["--target", d["target"], "--draft", d["draft"], "--data", data_txt, "--quiet"]
+    return {
+        "unknown-model-path": (["--target", os.path.join(tmp, "no-such-model"), "--draft",
+                                d["draft"], "--data", data_txt], "not found"),
+        "missing-gguf-file": (["--target", os.path.join(tmp, "model.gguf"), "--draft",
+                               d["draft"], "--data", data_txt], "GGUF"),
+        "empty-model-folder": (["--target", d["empty"], "--draft", d["draft"], "--data",
+                                data_txt], "config.json"),
+        "not-a-causal-lm": (["--target", d["t5"], "--draft", d["draft"], "--data", data_txt],
+                            "not a causal language model"),
+        "gamma-0": (t + ["--gamma", "0"], "--gamma"),
+        "negative-temperature": (t + ["--temperature", "-0.5"], "temperature"),
+        "top-p-0": (t + ["--top-p", "0"], "top-p"),
+        "top-p-1.5": (t + ["--top-p", "1.5"], "top-p"),
+        "top-k-negative": (t + ["--top-k", "-1"], "top-k"),
+        "max-samples-0": (t + ["--max-samples", "0"], "--max-samples"),
+        "max-length-0": (t + ["--max-length", "0"], "--max-length"),
+        "empty-data-file": (t + ["--data", os.path.join(tmp, "empty.txt")], "no prompts"),
+        "missing-data-file": (t + ["--data", os.path.join(tmp, "missing.txt")], "not found"),
+        "unreadable-data-file": (t + ["--data", os.path.join(tmp, "binary.txt")], "cannot read"),
+        "jsonl-no-usable-field": (t + ["--data", os.path.join(tmp, "nofield.jsonl")],
+                                  "saw fields ['answer', 'score']"),
+        "malformed-hf-empty": (t + ["--data", "hf:"], "malformed"),
+        "malformed-hf-too-many-parts": (t + ["--data", "hf:a:b:c:d:e"], "malformed"),
+        "json-into-missing-folder": (t + ["--json", os.path.join(tmp, "nope", "r.json")],
+                                     "does not exist"),
+        "json-is-a-folder": (t + ["--json", tmp], "folder"),
+        "draft-layers-out-of-range": (["--target", d["target"], "--draft-layers", "3", "--data",
+                                       data_txt, "--quiet"], "between 1 and 2"),
+        "draft-layers-not-a-number": (["--target", d["target"], "--draft-layers", "two",
+                                       "--data", data_txt], "--draft-layers"),
+        "use-unsloth-without-gpu": (t + ["--use-unsloth"], "unsloth"),
+        "tokenizers-disagree": (["--target", d["target"], "--draft", d["badtok"], "--data",
+                                 data_txt, "--quiet"], "disagree"),
+        "cost-ratio-abc": (t + ["--cost-ratio", "abc"], "--cost-ratio"),
+        "cost-ratio-negative": (t + ["--cost-ratio", "-1"], "--cost-ratio"),
+        "no-draft": (["--target", d["target"], "--data", data_txt], "--draft"),
+        "simulate-without-budget": (t + ["--simulate", "--continuation-tokens", "0"],
+                                    "--continuation-tokens"),
+        "device-cuda-absent": (t + ["--device", "cuda"], "cuda"),
+        "nothing-to-score": (t + ["--continuation-tokens", "0", "--max-length", "1"],
+                             "nothing to score"),
+        "temperature-not-a-number": (t + ["--temperature", "warm"], "--temperature"),
+    }
+
+
+BAD_NAMES = list(bad_cases({k: "" for k in ("target", "draft", "badtok", "empty", "t5")}, "",
+                           ""))
+
+
+@pytest.fixture(scope="session")
+def bad_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "empty.txt").write_text("", "utf-8")
+    (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00bad \xe9\n")
+    (tmp / "nofield.jsonl").write_text('{"answer": "x", "score": 3}\n', "utf-8")
+    return str(tmp)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the --use-unsloth / cuda cases assume "
+                    "a machine without a GPU")
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_cli_bad_input_exits_2_with_one_line(name, capsys, model_dirs, data_txt, bad_files):
+    argv, word = bad_cases(model_dirs, data_txt, bad_files)[name]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.strip("\n").split("\n")
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: "), err
+    assert word in lines[0]
+
+
+@pytest.mark.parametrize("argv", [["--gamma", "abc"], ["--dtype", "float8"], []])
+def test_cli_argparse_errors_exit_2_with_one_line(argv, capsys, model_dirs):
+    args = argv if argv == [] else ["--target", model_dirs["target"]] + argv
+    with pytest.raises(SystemExit) as e:
+        sd.main(args)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("specdec: error:")
