@@ -1645,3 +1645,158 @@ def test_cli_argparse_errors_exit_2_with_one_line(argv, capsys, model_dirs):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("specdec: error:")
+
+
+# ----------------------------------------------------------------------------------------------
+# interruption and nothing half-written
+
+SPECDEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specdec.py")
+
+
+def test_sigint_to_a_running_cli_prints_a_partial_report_and_json(tmp_path, model_dirs):
+    import signal
+    import subprocess
+    import sys
+    import time
+    data = tmp_path / "many.txt"
+    data.write_text("\n".join(f"prompt {i}: tell me about {i} cats" for i in range(400)), "utf-8")
+    out = tmp_path / "partial.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, SPECDEC, "--target", model_dirs["target"], "--draft",
+         model_dirs["draft"], "--data", str(data), "--max-samples", "400", "--batch-size", "2",
+         "--continuation-tokens", "48", "--simulate", "--cost-ratio", "0.5", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # the CLI says when measuring starts (models loaded); interrupt a little after that
+    line = proc.stderr.readline()
+    assert "measuring 400 prompts" in line, line
+    time.sleep(3)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 10  # stops within a few seconds
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "PARTIAL RESULT — interrupted:" in stdout
+    report = json.loads(out.read_text("utf-8"))
+    assert report["partial"] is True
+    # whole batches of 2 were measured before the interrupt, and not all 400 prompts
+    assert 0 < report["n_sequences"] < 400 and report["n_sequences"] % 2 == 0
+    # the simulation of the batch in flight may have been cut: at most one batch behind
+    assert report["n_sequences"] - 2 <= report["simulated_prompts"] <= report["n_sequences"]
+    assert f"{report['n_sequences']} of 400 sequences scored" in report["progress_note"]
+    assert report["alpha"] == pytest.approx(
+        sum(r["alpha_sum"] for r in report["per_prompt"] if "alpha_sum" in r)
+        / report["scored_positions"])
+
+
+def test_json_is_written_atomically_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    path.write_text("old", "utf-8")
+    sd.write_json_atomic(str(path), {"a": 1})
+    assert json.loads(path.read_text("utf-8")) == {"a": 1}
+
+    def broken_dump(obj, f, **kw):
+        f.write('{"half": ')
+        raise OSError("disk full")
+    monkeypatch.setattr(sd.json, "dump", broken_dump)
+    with pytest.raises(OSError):
+        sd.write_json_atomic(str(path), {"a": 2})
+    assert json.loads(path.read_text("utf-8")) == {"a": 1}  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left
+
+
+def test_a_failed_run_leaves_an_earlier_json_untouched(tmp_path, capsys, model_dirs, data_txt):
+    path = tmp_path / "r.json"
+    path.write_text('{"earlier": true}', "utf-8")
+    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                  model_dirs["badtok"], "--data", data_txt, "--json", path]
+                         + CLI_COMMON)
+    assert rc == 2 and "disagree" in err
+    assert json.loads(path.read_text("utf-8")) == {"earlier": True}
+
+
+# ----------------------------------------------------------------------------------------------
+# integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
+GGUF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+needs_gguf = pytest.mark.skipif(not os.path.isfile(GGUF), reason=(
+    "real-model test: ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf is absent (it ships "
+    "with the project's shared folder, not with a checkout)"))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    target, tok, dev = sd.load_model_and_tokenizer(GGUF, device="cpu", progress=False)
+    seqs = sd.build_sequences(sd.load_texts("builtin"), tok, max_samples=6)
+    return target, tok, dev, seqs
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_gguf_loads_as_fp32_llama_with_shared_head(smol):
+    target, tok, dev, _ = smol
+    assert next(target.parameters()).dtype == torch.float32
+    assert sd.vocab_width(target) == 49152 and len(target.model.layers) == 30
+    assert target.get_output_embeddings().weight is target.get_input_embeddings().weight
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_gguf_model_against_itself_is_alpha_one_in_both_modes(smol):
+    target, tok, dev, seqs = smol
+    r = sd.measure_acceptance(target, target, seqs[:4], sampling=sd.SamplingParams(0.7),
+                                   device=dev, gamma=4, continuation_tokens=16, simulate=True,
+                                   eos=sd.eos_ids(target, tok))
+    assert r.alpha == pytest.approx(1.0, abs=1e-5)
+    assert r.tokens_per_cycle == pytest.approx(5.0, abs=1e-4)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens
+    assert r.empirical_tokens_per_cycle == 5.0  # gamma + 1, exactly
+    assert r.alpha_by_draft_offset == [1.0] * 4
+
+
+@needs_gguf
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_more_early_exit_layers_give_higher_alpha_in_both_modes(smol, temperature):
+    target, tok, dev, seqs = smol
+    drafts = [("24", sd.early_exit_draft(target, 24)),
+              ("15", sd.early_exit_draft(target, 15))]
+    r24, r15 = sd.measure_drafts(target, drafts, seqs, device=dev, gamma=4,
+                                      sampling=sd.SamplingParams(temperature),
+                                      continuation_tokens=24, simulate=True,
+                                      eos=sd.eos_ids(target, tok))
+    assert r24.alpha > r15.alpha and r24.empirical_alpha > r15.empirical_alpha
+    # seen here: about 0.3 vs 0.1; both well inside (0, 1)
+    assert 0.05 < r15.alpha < r24.alpha < 0.8
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_greedy_simulation_emits_the_targets_own_greedy_generate_output(smol):
+    target, tok, dev, seqs = smol
+    draft = sd.early_exit_draft(target, 24)
+    eos = sd.eos_ids(target, tok)
+    rows = sd.run_simulation(target, draft, seqs[:3], sd.SamplingParams(0.0), 4, 24,
+                                  device=dev, vocab=49152, eos=eos, batch_size=3)
+    for i, s in enumerate(seqs[:3]):
+        ids = torch.tensor([s.ids])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=24, pad_token_id=tok.pad_token_id)
+        assert rows[i].tokens == out[0, ids.shape[1]:].tolist()
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_cli_reads_a_gguf_file_with_an_early_exit_draft(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = sd.main(["--target", GGUF, "--draft-layers", "20", "--max-samples", "2",
+                         "--continuation-tokens", "6", "--quiet", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["draft"].endswith("[first 20 layers]") and data["scored_positions"] == 12
+    assert data["cost_ratio_source"].startswith("parameters")
+    # 20 of 30 decoder layers plus the (tied) head, counted against 30 layers plus the head
+    assert 0.6 < data["cost_ratio"] < 0.75
+    assert "alpha" in capsys.readouterr().out
