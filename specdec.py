@@ -560,7 +560,8 @@ def _pick_field(record: dict, where: str) -> Prompt:
 
 
 def load_texts(source: str = "builtin") -> list[Prompt]:
-    """Prompts from `builtin`, a .txt (one per line), .jsonl/.json, or hf:NAME[:CONFIG][:SPLIT][:FIELD]."""
+    """Prompts from `builtin`, a .txt file (one per line), a .jsonl/.json file, or
+    hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME a hub data set or a local dataset folder)."""
     if source == "builtin":
         # interleave the categories, so that --max-samples N still spans all of them
         by_cat: dict[str, list[str]] = {}
@@ -627,7 +628,7 @@ def _load_hf(spec: str) -> list[Prompt]:
         else:
             ds = datasets.load_dataset(name, config or None)
         if isinstance(ds, datasets.DatasetDict):
-            split = split or ("test" if "test" in ds else "train" if "train" in ds else next(iter(ds)))
+            split = split or next((x for x in ("test", "train") if x in ds), next(iter(ds)))
             if split not in ds:
                 raise ValueError(f"{spec}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
@@ -868,7 +869,8 @@ def position_stats(target: nn.Module, draft: nn.Module, hp: torch.Tensor, hq: to
         check_finite(lq, "draft", lambda n: where(s + n))
         p, q = processed_probs(lp, sampling), processed_probs(lq, sampling)
         a = acceptance(p, q)  # (n,)
-        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, f"alpha outside [0, 1]: {a.min()} {a.max()}"
+        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
+            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
         alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
         top1.append((lp.argmax(-1) == lq.argmax(-1)).float())
         p_of_q.append(p.gather(-1, lq.argmax(-1, keepdim=True)).squeeze(-1))
@@ -956,15 +958,21 @@ def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequ
         npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # pending's position
         prev_tok = pending.clone()  # last cycle's d_G, which the draft has not yet seen
         prev_ok = torch.zeros_like(pending)  # 1 where that d_G was accepted
+        any_prev = False  # whether any row has such a token (known on the host)
         live = list(range(len(batch)))  # batch rows still generating, in tensor-row order
         while live:
             B = len(live)
             u = draw_uniforms([gens[b] for b in live], 2 * G + 1, device)  # (B, 2G+1)
-            # Step 1: the draft proposes d_1..d_G. Its first forward feeds two slots, last
-            # cycle's d_G (masked out unless it was accepted) and the pending token.
-            x = torch.stack([prev_tok, pending], 1)  # (B, 2)
-            mask_q = torch.cat([mask_q, prev_ok[:, None], torch.ones_like(prev_ok)[:, None]], 1)
-            pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
+            # Step 1: the draft proposes d_1..d_G. Its first forward feeds the pending token,
+            # preceded, when some row accepted a whole block, by last cycle's d_G (a slot that
+            # is masked out in the rows that did not).
+            if any_prev:
+                x = torch.stack([prev_tok, pending], 1)  # (B, 2)
+                pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
+                mask_q = torch.cat([mask_q, prev_ok[:, None], torch.ones_like(x[:, :1])], 1)
+            else:
+                x, pos = pending[:, None], npos[:, None]  # (B, 1)
+                mask_q = torch.cat([mask_q, torch.ones_like(x)], 1)
             logits, cache_q = model_forward(draft, x, mask_q, pos, cache_q, last_only=True)
             qs, ds = [], []
             finite_q = torch.ones(B, dtype=torch.bool, device=device)
@@ -1014,11 +1022,18 @@ def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequ
                 else:
                     still.append(r)
                 bar.update(len(stats[b].tokens) - before)
-            # Rejected slots stay in the caches but are switched off from now on.
+            # Rejected slots are switched off; trailing ones rejected in every row are cropped.
             kept = (steps[:G] < n_acc[:, None]).long()  # (B, G)
             mask_p[:, -G:] = kept
             if G > 1:
                 mask_q[:, -(G - 1):] = kept[:, :G - 1]
+            top = max(host[r][0] for r in range(B))
+            dead_p, dead_q = G - top, G - 1 - min(top, G - 1)
+            for cache, dead in ((cache_p, dead_p), (cache_q, dead_q)):
+                if dead:
+                    cache.crop(-dead)  # negative: the number of slots to drop
+            mask_p = mask_p[:, :mask_p.shape[1] - dead_p]
+            mask_q = mask_q[:, :mask_q.shape[1] - dead_q]
             prev_ok, prev_tok, pending, npos = kept[:, -1], d[:, -1], new, npos + n_acc + 1
             if len(still) < B:  # finished rows leave the batch
                 live = [live[r] for r in still]
@@ -1029,6 +1044,7 @@ def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequ
                 cache_q.batch_select_indices(keep)
                 mask_p, mask_q, prev_ok, prev_tok, pending, npos = (
                     t[keep] for t in (mask_p, mask_q, prev_ok, prev_tok, pending, npos))
+            any_prev = any(host[r][0] == G for r in still)
     return rows
 
 
@@ -1186,6 +1202,45 @@ class AcceptanceReport:
         return asdict(self)
 
 
+def check_settings(gamma: int, continuation_tokens: int, batch_size: int,
+                   cost_ratio: float | str | None, simulate: bool, seed: int) -> None:
+    """Refuse measurement settings outside their ranges (before any model work is done)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"--gamma must be a whole number >= 1, got {gamma}")
+    if continuation_tokens < 0:
+        raise ValueError(f"--continuation-tokens must be >= 0, got {continuation_tokens}")
+    if simulate and continuation_tokens < 1:
+        raise ValueError("--simulate needs --continuation-tokens >= 1 (its token budget per "
+                         "prompt)")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
+    if cost_ratio not in (None, "auto", "measure") and not (
+            isinstance(cost_ratio, (int, float)) and cost_ratio >= 0):
+        raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, "
+                         f"got {cost_ratio!r}")
+
+
+def cost_model(target: nn.Module, draft: nn.Module, cost_ratio: float | str | None,
+                sequences: list[TokenSequence], gamma: int, device: torch.device
+                ) -> dict[str, Any]:
+    """cost ratio c, verify cost per gamma (in target steps) and where they came from."""
+    gammas = sorted(set(GAMMA_TABLE) | {gamma})
+    if cost_ratio == "measure":
+        m = measure_costs(target, draft, sequences[0].ids, gammas, device)
+        m["source"] = (f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.1f} ms, "
+                       f"target step {m['target_step_s'] * 1e3:.1f} ms, "
+                       f"verify of {gamma + 1} tokens {m['verify_cost'][gamma]:.2f} target steps")
+        return m
+    if cost_ratio in (None, "auto"):
+        ratio = params_per_token(draft) / params_per_token(target)
+        source = "parameters per token, draft/target"
+    else:
+        ratio, source = float(cost_ratio), "given"
+    return {"cost_ratio": ratio, "verify_cost": {g: 1.0 for g in gammas}, "source": source}
+
+
 def measure_acceptance(target: nn.Module, draft: nn.Module, sequences: Sequence[TokenSequence],
                        *, draft_name: str = "draft", **kwargs: Any) -> AcceptanceReport:
     """Measure acceptance of `draft` against `target` on tokenised prompts.
@@ -1217,23 +1272,12 @@ def measure_drafts(target: nn.Module, drafts: Sequence[tuple[str, nn.Module]],
     costs: per draft, a cost model from `cost_model` made earlier (overrides cost_ratio), so a
     sweep can reuse one timing.
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"gamma must be a whole number >= 1, got {gamma}")
-    if continuation_tokens < 0:
-        raise ValueError(f"--continuation-tokens must be >= 0, got {continuation_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    check_settings(gamma, continuation_tokens, batch_size, cost_ratio, simulate, seed)
     if estimator not in ("positional", "iid"):
         raise ValueError(f"estimator must be positional or iid, got {estimator!r}")
-    if cost_ratio not in (None, "auto", "measure") and not (
-            isinstance(cost_ratio, (int, float)) and cost_ratio >= 0):
-        raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, got {cost_ratio!r}")
     if not sequences or not drafts:
         raise ValueError("nothing to measure: no sequences or no drafts")
     K = continuation_tokens
-    if simulate and K < 1:
-        raise ValueError("--simulate needs --continuation-tokens >= 1 (the tokens to generate "
-                         "per prompt)")
     sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
     if K == 0 and all(len(s.ids) < 2 for s in sequences):
         raise ValueError("with --continuation-tokens 0 the prompts are scored, but every prompt "
@@ -1302,25 +1346,6 @@ def measure_drafts(target: nn.Module, drafts: Sequence[tuple[str, nn.Module]],
                               f"rows are padding")
         reports.append(r)
     return reports
-
-
-def cost_model(target: nn.Module, draft: nn.Module, cost_ratio: float | str | None,
-                sequences: list[TokenSequence], gamma: int, device: torch.device
-                ) -> dict[str, Any]:
-    """cost ratio c, verify cost per gamma (in target steps) and where they came from."""
-    gammas = sorted(set(GAMMA_TABLE) | {gamma})
-    if cost_ratio == "measure":
-        m = measure_costs(target, draft, sequences[0].ids, gammas, device)
-        m["source"] = (f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.1f} ms, "
-                       f"target step {m['target_step_s'] * 1e3:.1f} ms, "
-                       f"verify of {gamma + 1} tokens {m['verify_cost'][gamma]:.2f} target steps")
-        return m
-    if cost_ratio in (None, "auto"):
-        ratio = params_per_token(draft) / params_per_token(target)
-        source = "parameters per token, draft/target"
-    else:
-        ratio, source = float(cost_ratio), "given"
-    return {"cost_ratio": ratio, "verify_cost": {g: 1.0 for g in gammas}, "source": source}
 
 
 def _summarise(d: dict, sequences: list[TokenSequence], *, sampling: SamplingParams,
@@ -1575,7 +1600,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="specdec.py", description="Measure speculative-decoding acceptance "
-                 "(alpha) and expected speedup of draft models against a target model.")
+                 "(alpha) and expected speedup of draft models against a target model.",
+                 epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
+                 "0 done, 1 --min-alpha gate failed, 2 bad input, 130 interrupted (the partial "
+                 "report is printed).")
     ap.add_argument("--target", required=True,
                     help="target model: hub id, local folder or .gguf file")
     ap.add_argument("--draft", action="append", default=[], metavar="MODEL",
@@ -1617,7 +1645,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CI gate: exit with status 1 (after the report) when the lower 95%% "
                     "confidence bound of alpha (generative with --simulate, else "
                     "distributional) is below X, for any draft or temperature")
-    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed, 0..4294967295; the same seed gives the same numbers "
+                    "(default 0)")
     ap.add_argument("--batch-size", type=int, default=8, metavar="B",
                     help="prompts per forward pass (default 8)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -1632,7 +1662,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH",
                     help="also write every number as JSON to PATH ('-' = stdout, the text report "
                     "then goes to stderr); several drafts or temperatures give a list")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bars and no status line on stderr")
     return ap
 
 
@@ -1666,7 +1697,8 @@ def _number_list(text: str, what: str, kind: type) -> list:
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{what} takes a number or a comma list of numbers, got {text!r}") from None
+        raise ValueError(f"{what} takes a number or a comma list of numbers, "
+                         f"got {text!r}") from None
     if not values:
         raise ValueError(f"{what} is empty")
     return values
@@ -1678,18 +1710,10 @@ def run(args: argparse.Namespace) -> list[AcceptanceReport]:
     samplings = [SamplingParams(t, args.top_k, args.top_p) for t in temperatures]
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
-    if args.gamma < 1:
-        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
     if args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
     if args.max_length < 1:
         raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
-    if args.continuation_tokens < 0:
-        raise ValueError(f"--continuation-tokens must be >= 0, got {args.continuation_tokens}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if not 0 <= args.seed < 2**32:
-        raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {args.seed}")
     cost_ratio: float | str = args.cost_ratio
     if cost_ratio not in ("auto", "measure"):
         try:
@@ -1697,10 +1721,8 @@ def run(args: argparse.Namespace) -> list[AcceptanceReport]:
         except ValueError:
             raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, "
                              f"got {args.cost_ratio!r}") from None
-        if not cost_ratio >= 0:
-            raise ValueError(f"--cost-ratio must be >= 0, got {args.cost_ratio}")
-    if args.simulate and args.continuation_tokens < 1:
-        raise ValueError("--simulate needs --continuation-tokens >= 1 (its token budget)")
+    check_settings(args.gamma, args.continuation_tokens, args.batch_size, cost_ratio,
+                   args.simulate, args.seed)
     _check_json_target(args.json)
     if not args.draft and not layers:
         raise ValueError("give --draft MODEL, or --draft-layers N to draft with the target's "
