@@ -850,7 +850,8 @@ def test_measure_alpha_matches_bruteforce_per_sequence(family, key, pairs, seqs)
     t, d = pairs[family]
     s, K, gamma = SAMPLINGS[key], 7, 3
     r = sd.measure_acceptance(t, d, seqs, sampling=s, device=CPU, gamma=gamma,
-                              continuation_tokens=K, seed=3, batch_size=3)
+                              continuation_tokens=K, seed=3, batch_size=3,
+                              estimator="positional")
     conts = [ref_continuation(t, q.ids, s, K, 3, i) for i, q in enumerate(seqs)]
     per = tf_oracle(t, d, seqs, conts, s)
     flat = [a for alphas, _, _ in per for a in alphas]
@@ -1348,11 +1349,16 @@ def test_measure_rejects_bad_arguments(llama, seqs):
         sd.measure_acceptance(llama, llama, [sd.TokenSequence([1, 60])], device=CPU)
 
 
-def test_iid_estimator_option(llama, llama2, seqs):
-    r = sd.measure_acceptance(llama, llama2, seqs, sampling=SAMPLINGS["t1"], device=CPU,
-                              gamma=4, continuation_tokens=5, estimator="iid", seed=0)
+def test_iid_estimator_is_the_default_and_positional_an_option(llama, llama2, seqs):
+    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, gamma=4, continuation_tokens=5, seed=0)
+    r = sd.measure_acceptance(llama, llama2, seqs, **kw)
     assert r.estimator == "iid"
     assert r.expected_accepted == pytest.approx(sum(r.alpha ** k for k in range(1, 5)), abs=1e-9)
+    assert r.tokens_per_cycle == pytest.approx(r.expected_accepted + 1, abs=1e-12)
+    p = sd.measure_acceptance(llama, llama2, seqs, estimator="positional", **kw)
+    assert p.estimator == "positional"
+    assert p.expected_accepted == pytest.approx(r.expected_accepted_positional, abs=1e-12)
+    assert p.alpha == r.alpha
 
 
 def test_same_seed_same_report(llama, llama2, seqs):

@@ -1,6 +1,7 @@
 """The README's validation table: the two measurement routes on a real pair, and the endpoints.
 
     python benchmarks/validate.py [--max-samples 32] [--continuation-tokens 64] [--out FILE]
+    python benchmarks/validate.py --save-random-draft DIR   # the random draft, for the CLI
 
 Target: ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf. Drafts: the model itself (alpha = 1),
 its first 24 and first 15 decoder layers (early-exit self-drafts), and an unrelated tiny random
@@ -54,11 +55,19 @@ def main() -> int:
     ap.add_argument("--continuation-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--out", help="also write all reports as JSON here")
+    ap.add_argument("--save-random-draft", metavar="DIR",
+                    help="only save the random draft (with the target's tokenizer) to DIR, so "
+                    "that `python specdec.py --target GGUF --draft DIR` reproduces its row")
     args = ap.parse_args()
     if not os.path.isfile(GGUF):
         print(f"skipped: {GGUF} not found")
         return 0
     target, tok, dev = specdec.load_model_and_tokenizer(GGUF, progress=False)
+    if args.save_random_draft:
+        random_draft(target).save_pretrained(args.save_random_draft)
+        tok.save_pretrained(args.save_random_draft)
+        print(f"saved the random draft to {args.save_random_draft}")
+        return 0
     seqs = specdec.build_sequences(specdec.load_texts("builtin"), tok,
                                    max_samples=args.max_samples)
     drafts = [("itself (30 layers)", target),
@@ -80,10 +89,10 @@ def main() -> int:
         for r in reports:
             gap = r.alpha - r.empirical_alpha
             se = paired_gap_stderr(r.per_prompt)
-            within = "yes" if abs(gap) <= 2 * se or abs(gap) < 1e-9 else "NO"
+            within = "yes" if abs(gap) <= 2 * se + 1e-6 else "NO"  # 1e-6: float rounding
             d_iid = abs(r.expected_accepted_iid - r.mean_accepted_length)
             d_pos = abs(r.expected_accepted_positional - r.mean_accepted_length)
-            closer = "iid" if d_iid < d_pos else "positional" if d_pos < d_iid else "tie"
+            closer = ("tie" if abs(d_iid - d_pos) < 1e-6 else "iid" if d_iid < d_pos else "positional")
             print(f"| {r.draft} | {temperature:g} | {r.alpha:.3f} ± {r.alpha_stderr:.3f} "
                   f"| {r.scored_positions:,} | {r.empirical_alpha:.3f} ± "
                   f"{r.empirical_alpha_stderr:.3f} | {r.examined_tokens:,} "
