@@ -392,11 +392,12 @@ def _layer_path(model: nn.Module) -> list[str]:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object whose children/parameters dicts are its own but hold shared tensors."""
+    """A new module object with dicts of its own (children, parameters, buffers, hooks) that
+    hold the same tensors, so changing one module's structure leaves the other's alone."""
     clone = copy.copy(module)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):
+            setattr(clone, name, copy.copy(value))
     return clone
 
 
@@ -417,25 +418,19 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
     config.num_hidden_layers = n_layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:n_layers]
-    draft = _shallow_copy(model)
-    node = draft
+    draft = node = _shallow_copy(model)
+    copies = [draft]  # the modules on the path to the layer list, now the draft's own
     for part in path[:-1]:
-        child = _shallow_copy(getattr(node, part))
-        setattr(node, part, child)
-        node = child
+        node = _shallow_copy(getattr(node, part))
+        setattr(copies[-1], part, node)
+        copies.append(node)
     setattr(node, path[-1], nn.ModuleList(list(parent)[:n_layers]))
-    for m in (draft, *_walk(draft, path[:-1])):
+    for m in copies:
         if hasattr(m, "config"):
             m.config = config
+    if getattr(model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(model.generation_config)
     return draft
-
-
-def _walk(model: nn.Module, parts: list[str]) -> list[nn.Module]:
-    out, node = [], model
-    for part in parts:
-        node = getattr(node, part)
-        out.append(node)
-    return out
 
 
 def params_per_token(model: nn.Module) -> int:

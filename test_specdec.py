@@ -1079,6 +1079,22 @@ def test_early_exit_draft_is_the_layer_n_hidden_state(family, n):
     assert all(p.data_ptr() in ptrs for p in draft.parameters())  # no copies
 
 
+def test_early_exit_draft_keeps_its_own_hooks_and_generation_config(llama):
+    draft = sd.early_exit_draft(llama, 1)
+    calls = []
+    handle = llama.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    try:
+        ids = torch.tensor([[3, 4, 5]])
+        draft(input_ids=ids)
+        assert calls == []  # a hook put on the full model after the fact is not the draft's
+        llama(input_ids=ids)
+        assert calls == [llama]
+    finally:
+        handle.remove()
+    assert draft.generation_config is not llama.generation_config
+    assert llama.config.num_hidden_layers == 2 and draft.config.num_hidden_layers == 1
+
+
 @pytest.mark.parametrize("n", [0, 3, -1])
 def test_early_exit_draft_out_of_range(n, llama):
     with pytest.raises(ValueError, match="between 1 and 2"):
