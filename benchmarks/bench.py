@@ -172,7 +172,8 @@ class HFRecorder:
             return valid, n
 
         gu._speculative_sampling = speculative_sampling
-        self._warper_cls, self._orig_call = TemperatureLogitsWarper, TemperatureLogitsWarper.__call__
+        self._warper_cls = TemperatureLogitsWarper
+        self._orig_call = TemperatureLogitsWarper.__call__
 
         def call(warper, input_ids, scores):
             rec.temps.append((rec.last, float(warper.temperature)))
@@ -466,7 +467,8 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
 
     argv_txt = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    print(f"specdec benchmark  {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    print(f"specdec benchmark  {now}")
     print(f"reproduce: cd {shlex.quote(ROOT)} && python benchmarks/bench.py {argv_txt}".rstrip())
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, torch threads {torch.get_num_threads()}"
@@ -474,7 +476,7 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, {platform.machine()}")
     device = sd.resolve_device(args.device)
     t0 = time.perf_counter()
-    target, tok, device = sd.load_model_and_tokenizer(model_path, device)
+    target, tok, device = sd.load_model_and_tokenizer(model_path, device, progress=False)
     draft = sd.early_exit_draft(target, DRAFT_LAYERS)
     # the early-exit draft shares the target's generation_config object: give it its own, with a
     # constant block of GAMMA assistant tokens for HF's assisted generation
@@ -520,7 +522,8 @@ def main(argv=None):
     results["temperature_check"] = stage("HF assisted generation: temperature check",
                                          lambda: verify_temperature(ctx))
     results["m1"] = stage("1. distributional measurement vs floor", lambda: measure_1(sd, ctx, cfg))
-    results["m2"] = stage("2. simulation vs HF assisted generation", lambda: measure_2(sd, ctx, cfg))
+    results["m2"] = stage("2. simulation vs HF assisted generation",
+                          lambda: measure_2(sd, ctx, cfg))
     results["m3"] = stage("3. simulation vs no-cache reference", lambda: measure_3(sd, ctx, cfg))
     if not args.skip_memory:
         results["m4"] = stage("4. peak memory of a full run (subprocess)",
@@ -588,9 +591,9 @@ def report(res, cfg):
     else:
         print(f"   tokens per cycle comparable ({tpc_s:.2f} vs {tpc_h:.2f}, within 15%)")
     print(f"3. timed {len(m3['times_s']['batch1'])}x (simulation), "
-          f"{len(m3['times_s']['reference'])}x (reference)"
-          + ("; with one prompt, batch size 8 runs the batch-1 computation"
-             if m3["prompts"] == 1 else ""))
+          f"{len(m3['times_s']['reference'])}x (reference); the reference ran "
+          f"{m3['prompts']} prompt(s), the batched simulation {m3['batch_prompts']}: compared "
+          f"per prompt (the reference takes them one at a time)")
     print(f"   tokens vs reference: " + "; ".join(
         f"{k}: {v['identical_rows']}/{v['rows']} rows identical, common prefix "
         f"{v['common_prefix']}" for k, v in m3["tokens_match"].items()))
@@ -598,7 +601,8 @@ def report(res, cfg):
           f"{[round(x, 2) for x in m1['specdec_s']]}, floor {[round(x, 2) for x in m1['floor_s']]}")
     if m4:
         print(f"4. {m4['command']}  (wall {m4['wall_s']:.0f} s, peak RSS "
-              f"{m4['peak_rss_bytes'] / 2**20:.0f} MiB, weights {m4['weight_bytes'] / 2**20:.0f} MiB)")
+              f"{m4['peak_rss_bytes'] / 2**20:.0f} MiB, "
+              f"weights {m4['weight_bytes'] / 2**20:.0f} MiB)")
         if m4["returncode"]:
             print(f"   subprocess failed: {m4['stderr_tail']}")
     print(f"benchmark wall time {res['bench_wall_s']:.0f} s")

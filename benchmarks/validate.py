@@ -92,7 +92,8 @@ def main() -> int:
             within = "yes" if abs(gap) <= 2 * se + 1e-6 else "NO"  # 1e-6: float rounding
             d_iid = abs(r.expected_accepted_iid - r.mean_accepted_length)
             d_pos = abs(r.expected_accepted_positional - r.mean_accepted_length)
-            closer = ("tie" if abs(d_iid - d_pos) < 1e-6 else "iid" if d_iid < d_pos else "positional")
+            closer = ("tie" if abs(d_iid - d_pos) < 1e-6
+                      else "iid" if d_iid < d_pos else "positional")
             print(f"| {r.draft} | {temperature:g} | {r.alpha:.3f} ± {r.alpha_stderr:.3f} "
                   f"| {r.scored_positions:,} | {r.empirical_alpha:.3f} ± "
                   f"{r.empirical_alpha_stderr:.3f} | {r.examined_tokens:,} "
