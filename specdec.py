@@ -262,6 +262,74 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
     return DTYPES[name]
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dtype,
+                     kwargs: dict, progress: bool) -> tuple[Any, Any, nn.Module]:
+    config = transformers.AutoConfig.from_pretrained(source, **kwargs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{name!r} is not a causal language model (its type is "
+                         f"{config.model_type!r}); give a decoder-only LM such as Llama or GPT-2")
+    tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    # the GGUF reader draws its own progress bar, which nothing else switches off
+    with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    return config, tok, model
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str, bars: bool = False):
+    """Silence the loaders' warnings (and, with bars, their progress bars) for a while, then put
+    the caller's settings back: importing specdec must not change anyone's logging."""
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    hf_bars = None
+    if bars and "transformers" in names:
+        from transformers.utils import logging as hf_logging
+        hf_bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+        if hf_bars:
+            from transformers.utils import logging as hf_logging
+            hf_logging.enable_progress_bar()
+
+
+def _cached(repo_id: str) -> bool:
+    """True if the hub cache already holds a config for repo_id (so no network is needed)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub library rejects is simply not cached
+        return False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP check, so a machine without network fails in seconds, not after retries."""
+    import socket
+    from urllib.parse import urlparse
+    try:
+        from huggingface_hub import constants
+        url = urlparse(constants.ENDPOINT)
+    except Exception:
+        return True  # cannot tell: let transformers try
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_model_and_tokenizer(name: str, device: torch.device | str | None = None,
                              dtype: torch.dtype | str | None = None,
                              use_unsloth: bool = False, progress: bool = True
@@ -293,26 +361,14 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
         return _load_unsloth(name, device, dtype)
 
     import transformers
-    transformers.logging.set_verbosity_error()
-    if not progress:
-        transformers.logging.disable_progress_bar()
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     if not os.path.exists(source) and not _cached(source) and not _hub_reachable():
         raise ValueError(f"could not load {name!r}: no such local folder or .gguf file, not in "
                          f"the hub cache, and the hub is unreachable from here; download it "
                          f"where there is a network, or give a local path")
     try:
-        config = transformers.AutoConfig.from_pretrained(source, **kwargs)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ValueError(f"{name!r} is not a causal language model (its type is "
-                             f"{config.model_type!r}); give a decoder-only LM such as Llama "
-                             f"or GPT-2")
-        tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
-        # the GGUF reader draws its own progress bar, which nothing else switches off
-        with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):
-            model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                                      **kwargs)
+        with _quiet_loggers("transformers", "huggingface_hub", bars=not progress):
+            config, tok, model = _from_pretrained(transformers, name, source, dtype, kwargs,
+                                                  progress)
     except ValueError as e:
         if "is not a causal language model" in str(e):
             raise
@@ -330,33 +386,6 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
     return model, tok, device
 
 
-def _cached(repo_id: str) -> bool:
-    """True if the hub cache already holds a config for repo_id (so no network is needed)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except Exception:  # an id the hub library rejects is simply not cached
-        return False
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick TCP check, so a machine without network fails in seconds, not after retries."""
-    import socket
-    from urllib.parse import urlparse
-    try:
-        from huggingface_hub import constants
-        url = urlparse(constants.ENDPOINT)
-    except Exception:
-        return True  # cannot tell: let transformers try
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
     """--use-unsloth: load through unsloth.FastLanguageModel (CUDA only)."""
     if not torch.cuda.is_available() or device.type != "cuda":
@@ -369,11 +398,6 @@ def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
     model, tok = FastLanguageModel.from_pretrained(name, dtype=dtype, load_in_4bit=False)
     FastLanguageModel.for_inference(model)
     return model.eval(), tok, device
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 _LAYER_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
@@ -618,13 +642,18 @@ def _load_hf(spec: str) -> list[Prompt]:
         import datasets
     except ImportError:
         raise ValueError("hf: data needs the datasets package: pip install datasets") from None
-    datasets.logging.set_verbosity_error()
+    local = os.path.isdir(name)
+    if not local and not _hub_reachable():
+        raise ValueError(f"could not load data set {name!r}: not a local folder and the hub is "
+                         f"unreachable from here; save it with save_to_disk where there is a "
+                         f"network and pass that folder")
     try:
-        if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_info.json"))
-                                    or os.path.exists(os.path.join(name, "dataset_dict.json"))):
+        if local and (os.path.exists(os.path.join(name, "dataset_info.json"))
+                      or os.path.exists(os.path.join(name, "dataset_dict.json"))):
             ds = datasets.load_from_disk(name)
         else:
-            ds = datasets.load_dataset(name, config or None)
+            with _quiet_loggers("datasets", "huggingface_hub"):
+                ds = datasets.load_dataset(name, config or None)
         if isinstance(ds, datasets.DatasetDict):
             split = split or next((x for x in ("test", "train") if x in ds), next(iter(ds)))
             if split not in ds:
@@ -637,7 +666,9 @@ def _load_hf(spec: str) -> list[Prompt]:
     if fieldname:
         if fieldname not in ds.column_names:
             raise ValueError(f"{spec}: no field {fieldname!r}; fields are {ds.column_names}")
-        return [Prompt(str(x)) for x in ds[fieldname]]
+        cat = next((c for c in ("category", "task", "type") if c in ds.column_names), None)
+        cats = [str(c) for c in ds[cat]] if cat else [None] * len(ds)
+        return [Prompt(str(x), c) for x, c in zip(ds[fieldname], cats)]
     return [_pick_field(dict(r), spec) for r in ds]
 
 
@@ -836,10 +867,12 @@ def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
     ids, mask = ids.to(device), mask.to(device)
     pos = torch.arange(width, device=device).expand(len(rows), width)
     if head_route:
-        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                               use_cache=False)
         states = out.last_hidden_state  # (B, T, H)
     else:
-        states = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # (B, T, V)
+        states = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       use_cache=False).logits  # (B, T, V)
     return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)])  # (N, H or V)
 
 
@@ -896,7 +929,13 @@ class RowStats:
 
 def _record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
                   budget: int, eos: set[int]) -> bool:
-    """Account one cycle of one row; returns True when the row is finished."""
+    """Account one cycle of one row; returns True when the row is finished.
+
+    A cycle is censored (counted for alpha, not for lengths) when EOS ends it among the accepted
+    drafts, or when the token budget left at its start could not hold a full cycle (gamma + 1
+    tokens). The budget rule looks only at the start, never at the outcome: censoring the
+    cycles that happened to accept more than the room left would bias lengths downwards.
+    """
     emitted = drafted[:n_acc] + [new_token]
     cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
     if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
@@ -905,7 +944,7 @@ def _record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int,
     else:
         examined, accepted = min(n_acc + 1, gamma), n_acc
     room = budget - len(row.tokens)
-    censored = cut is not None or len(emitted) > room
+    censored = cut is not None or room < gamma + 1
     row.tokens += emitted[:room]
     row.accepted += accepted
     row.examined += examined
@@ -917,7 +956,7 @@ def _record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int,
     else:
         row.cycles += 1
         row.cycle_accepted += accepted
-    return censored or len(row.tokens) >= budget or emitted[-1] in eos
+    return cut is not None or len(row.tokens) >= budget or emitted[-1] in eos
 
 
 @torch.no_grad()
@@ -1215,7 +1254,7 @@ def check_settings(gamma: int, continuation_tokens: int, batch_size: int,
     if not 0 <= seed < 2**32:
         raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
     if cost_ratio not in (None, "auto", "measure") and not (
-            isinstance(cost_ratio, (int, float)) and cost_ratio >= 0):
+            isinstance(cost_ratio, (int, float)) and 0 <= cost_ratio < math.inf):
         raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, "
                          f"got {cost_ratio!r}")
 
@@ -1240,13 +1279,23 @@ def cost_model(target: nn.Module, draft: nn.Module, cost_ratio: float | str | No
 
 
 def measure_acceptance(target: nn.Module, draft: nn.Module, sequences: Sequence[TokenSequence],
-                       *, draft_name: str = "draft", **kwargs: Any) -> AcceptanceReport:
+                       *, sampling: SamplingParams = SamplingParams(),
+                       device: torch.device | str | None = None, gamma: int = 4,
+                       cost_ratio: float | str | None = None, continuation_tokens: int = 64,
+                       simulate: bool = False, seed: int = 0, batch_size: int = 8,
+                       estimator: str = "iid", progress: bool = False,
+                       eos: set[int] | None = None, target_name: str = "target",
+                       draft_name: str = "draft") -> AcceptanceReport:
     """Measure acceptance of `draft` against `target` on tokenised prompts.
 
-    Keyword arguments are those of `measure_drafts` (sampling, device, gamma, cost_ratio,
-    continuation_tokens, simulate, seed, batch_size, estimator, progress, eos, target_name).
+    The arguments are those of `measure_drafts`, for one draft. Note the library's default
+    sampling is SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
     """
-    return measure_drafts(target, [(draft_name, draft)], sequences, **kwargs)[0]
+    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
+                          device=device, gamma=gamma, cost_ratio=cost_ratio,
+                          continuation_tokens=continuation_tokens, simulate=simulate,
+                          seed=seed, batch_size=batch_size, estimator=estimator,
+                          progress=progress, eos=eos, target_name=target_name)[0]
 
 
 def measure_drafts(target: nn.Module, drafts: Sequence[tuple[str, nn.Module]],
@@ -1328,9 +1377,11 @@ def measure_drafts(target: nn.Module, drafts: Sequence[tuple[str, nn.Module]],
             if simulate:
                 bar.set_description("simulation")
                 for k, (_, draft) in enumerate(drafts):
-                    run_simulation(target, draft, sub, sampling, gamma, K, device=device,
-                                   vocab=vocab, eos=eos, seed=seed, batch_size=len(sub),
-                                   indices=batch, bar=bar, rows_out=data[k]["sim"])
+                    # whole batches only: the rows of a batch that finish first are the
+                    # fast-accepting ones, so a cut batch would bias a partial report upwards
+                    data[k]["sim"].update(run_simulation(
+                        target, draft, sub, sampling, gamma, K, device=device, vocab=vocab,
+                        eos=eos, seed=seed, batch_size=len(sub), indices=batch, bar=bar))
     except KeyboardInterrupt:
         interrupted = True
     bar.close()
@@ -1468,7 +1519,8 @@ def _fill_simulation(report: AcceptanceReport, rows: list[RowStats], seed: int,
     report.accepted_per_cycle_by_draft_offset = [t / all_cycles if all_cycles else None
                                                  for t in took]
     for row in report.gamma_table or []:  # the simulation speaks for blocks up to its own
-        e = accepted_from_offsets(report.alpha_by_draft_offset, row["gamma"])
+        e = (report.mean_accepted_length if row["gamma"] == gamma
+             else accepted_from_offsets(report.alpha_by_draft_offset, row["gamma"]))
         row["sim_tokens_per_cycle"] = None if e is None else e + 1
         row["sim_est_speedup"] = None if e is None else est_speedup(
             e + 1, row["gamma"], c, verify[row["gamma"]])
@@ -1675,7 +1727,10 @@ def write_json_atomic(path: str, data: Any) -> None:
     """Write JSON so that PATH holds either its old content or the whole new file."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".json.tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
@@ -1811,9 +1866,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         low = [(_alpha_low(r), r) for r in reports]
         failed = [(a, r) for a, r in low if a is None or a < args.min_alpha]
         for a, r in failed:
+            ci = r.empirical_alpha_ci if r.empirical_alpha is not None else r.alpha_ci
+            what = "lower 95% bound" if ci else "alpha (no interval from a single prompt)"
             print(f"specdec: alpha gate failed for {r.draft} at temperature {r.temperature:g}: "
-                  f"lower bound {_num(a, '.3f')} < --min-alpha {args.min_alpha}",
-                  file=sys.stderr)
+                  f"{what} {_num(a, '.3f')} < --min-alpha {args.min_alpha}", file=sys.stderr)
         if failed:
             return 1
     return 0
