@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import json
@@ -268,7 +269,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dtype,
-                     kwargs: dict, progress: bool) -> tuple[Any, Any, nn.Module]:
+                     kwargs: dict, progress: bool) -> tuple[Any, nn.Module]:
     config = transformers.AutoConfig.from_pretrained(source, **kwargs)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -278,7 +279,7 @@ def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dty
     # the GGUF reader draws its own progress bar, which nothing else switches off
     with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    return config, tok, model
+    return tok, model
 
 
 @contextlib.contextmanager
@@ -288,18 +289,19 @@ def _quiet_loggers(*names: str, bars: bool = False):
     levels = {n: logging.getLogger(n).level for n in names}
     for n in names:
         logging.getLogger(n).setLevel(logging.ERROR)
-    hf_bars = None
+    hf_logging = None  # set when we switched transformers' bars off and owe them back
     if bars and "transformers" in names:
         from transformers.utils import logging as hf_logging
-        hf_bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+        else:
+            hf_logging = None
     try:
         yield
     finally:
         for n, level in levels.items():
             logging.getLogger(n).setLevel(level)
-        if hf_bars:
-            from transformers.utils import logging as hf_logging
+        if hf_logging is not None:
             hf_logging.enable_progress_bar()
 
 
@@ -367,8 +369,7 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
                          f"where there is a network, or give a local path")
     try:
         with _quiet_loggers("transformers", "huggingface_hub", bars=not progress):
-            config, tok, model = _from_pretrained(transformers, name, source, dtype, kwargs,
-                                                  progress)
+            tok, model = _from_pretrained(transformers, name, source, dtype, kwargs, progress)
     except ValueError as e:
         if "is not a causal language model" in str(e):
             raise
@@ -729,12 +730,18 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
 # uncached forward over the row's tokens computes.
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """transformers renamed past_key_values to cache during 5.x: the name this class takes."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def model_forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
                   cache: Any, last_only: bool = False) -> tuple[torch.Tensor, Any]:
     """ids/pos (B, t), mask (B, past + t) -> logits (B, t or 1, V_model), cache."""
     kwargs = {"logits_to_keep": 1} if last_only else {}
-    # transformers renamed past_key_values to cache during 5.x; speak whichever this one knows
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    name = _cache_keyword(type(model))
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 **{name: cache}, **kwargs)
     logits = out.logits[:, -1:] if last_only else out.logits
@@ -963,8 +970,8 @@ def _record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int,
 def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequence],
                    sampling: SamplingParams, gamma: int, n_tokens: int, *,
                    device: torch.device, vocab: int, eos: set[int], seed: int = 0,
-                   batch_size: int = 8, indices: Sequence[int] | None = None, bar: Any = None,
-                   rows_out: dict | None = None) -> dict[int, RowStats]:
+                   batch_size: int = 8, indices: Sequence[int] | None = None, bar: Any = None
+                   ) -> dict[int, RowStats]:
     """Speculative sampling from every prompt, up to n_tokens each; statistics per prompt.
 
     Each cycle: the draft proposes gamma tokens autoregressively from its own output, the target
@@ -972,11 +979,10 @@ def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequ
     min(1, p_i(d_i)/q_i(d_i)), the first rejection is replaced by a draw from
     normalise((p - q)+), and a fully accepted block earns a bonus token from p_{gamma+1}.
     Results are keyed by indices[i] (default i), which also names prompt i's random stream.
-    `rows_out`, if given, is filled as rows finish, so an interrupted run keeps them.
     """
     indices = list(range(len(seqs))) if indices is None else list(indices)
     bar = bar or _NoBar()
-    rows = {} if rows_out is None else rows_out
+    rows: dict[int, RowStats] = {}
     G = gamma
     steps = torch.arange(G + 1, device=device)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
@@ -1830,11 +1836,12 @@ def run(args: argparse.Namespace) -> list[AcceptanceReport]:
     return reports
 
 
-def _alpha_low(r: AcceptanceReport) -> float | None:
-    """The lower confidence bound --min-alpha compares with (the point value without a CI)."""
-    if r.empirical_alpha is not None:
-        return r.empirical_alpha_ci[0] if r.empirical_alpha_ci else r.empirical_alpha
-    return r.alpha_ci[0] if r.alpha_ci else r.alpha
+def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
+    """What --min-alpha compares with: the lower 95% bound of alpha (generative when simulated),
+    or the point value when there is no interval; and whether it is a bound."""
+    alpha, ci = ((r.empirical_alpha, r.empirical_alpha_ci) if r.empirical_alpha is not None
+                 else (r.alpha, r.alpha_ci))
+    return (ci[0], True) if ci else (alpha, False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1863,11 +1870,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(r.partial for r in reports):
         return 130
     if args.min_alpha is not None:
-        low = [(_alpha_low(r), r) for r in reports]
-        failed = [(a, r) for a, r in low if a is None or a < args.min_alpha]
-        for a, r in failed:
-            ci = r.empirical_alpha_ci if r.empirical_alpha is not None else r.alpha_ci
-            what = "lower 95% bound" if ci else "alpha (no interval from a single prompt)"
+        low = [(*_alpha_low(r), r) for r in reports]
+        failed = [(a, bound, r) for a, bound, r in low if a is None or a < args.min_alpha]
+        for a, bound, r in failed:
+            what = "lower 95% bound" if bound else "alpha (no interval from a single prompt)"
             print(f"specdec: alpha gate failed for {r.draft} at temperature {r.temperature:g}: "
                   f"{what} {_num(a, '.3f')} < --min-alpha {args.min_alpha}", file=sys.stderr)
         if failed:
