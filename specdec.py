@@ -1,4 +1,4 @@
-"""specdec: how often would a draft model's proposals be accepted by a target model?
+"""specdec: how often would a draft's proposals be accepted by a target model?
 
     python specdec.py --target TARGET --draft DRAFT [--simulate] [--temperature 0.7] [--gamma 4]
 
@@ -16,8 +16,25 @@ Sampling".
 
 Notation, kept throughout: p = target distribution, q = draft distribution (as in Leviathan et
 al.; Chen et al. swap the letters). gamma = draft block, the tokens proposed per cycle.
-Shape legend: B batch rows, T positions, V vocabulary (the prefix both models share),
-N scored positions, H hidden width, G = gamma.
+Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix both models
+share), N scored positions, H hidden width, G = gamma.
+
+The file reads top to bottom:
+  sampling maths       processed_probs, acceptance, residual, sample_from: fp32, pure
+  forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
+                       decoding exact (padding, rejected tokens, sliding windows)
+  drafters             what proposes tokens. A drafter has two jobs: `score` the target's
+                       continuation (teacher-forced q at each position) and `propose` gamma
+                       tokens with their q in the simulation (plus `settle`/`select` to follow
+                       the loop). ModelDrafter (a separate model or an early-exit view) is one;
+                       a new kind of drafter is a new class with those methods, nothing else.
+  teacher-forced       sample_continuations, scored_outputs, position_stats
+  simulation           propose -> verify -> accept -> advance, one cycle at a time, many prompts
+                       as one batch (simulate_batch)
+  statistics, report   PromptResult (per-prompt sums) -> AcceptanceReport, format_report
+  measurement          Settings, measure_drafts, measure_acceptance
+  loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
+  command line         build_parser, cli_reports, main
 """
 from __future__ import annotations
 
@@ -34,11 +51,37 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
+
+
+class UsageError(ValueError):
+    """A user mistake: main prints its message as one line and exits with status 2."""
+
+
+class StepError(RuntimeError):
+    """An unforeseen failure inside torch or transformers, with the step and model named:
+    main prints one line and exits with status 3 (--traceback shows the whole chain)."""
+
+
+@contextlib.contextmanager
+def step(what: str):
+    """Name the step (and model) in any failure that is not already a clear message."""
+    try:
+        yield
+    except (UsageError, FloatingPointError, StepError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise StepError(f"{what} failed: {type(e).__name__}: {_one_line(e)[:300]}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
 
 # ----------------------------------------------------------------------------------------------
 # sampling maths: everything here is fp32 and works on the last (vocabulary) dimension
@@ -54,11 +97,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k}")
+            raise UsageError(f"top-k must be a whole number >= 0 (0 = off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
-            raise ValueError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise UsageError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +167,593 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
     return torch.stack([torch.rand(n, generator=g) for g in gens]).to(device)
 
 
+# ----------------------------------------------------------------------------------------------
+# forward passes over KV slots
+#
+# Rows of a batch hold sequences of different lengths, and during simulation they accept
+# different numbers of drafted tokens. Rather than cropping caches row by row, every row's cache
+# grows by the same number of physical slots, and a Slots value says what each slot holds.
+
+
+@dataclass
+class Slots:
+    """A KV cache and what its slots hold.
+
+    Invariant: slot s of row b holds the keys and values of the token at logical position
+    pos[b, s], and live[b, s] = 0 marks a dead slot (left padding, or a token that was
+    rejected). A forward attends to live slots only, at their logical positions: explicit
+    position ids, and, for sliding-window layers, a window measured in positions rather than
+    slots. So a cached, padded forward computes exactly what an unpadded, uncached forward over
+    the row's own tokens computes. The cache keeps every slot, sliding layers included (no
+    ring buffer: a window counted in slots would count the dead ones), so it can be cropped.
+    """
+
+    cache: Any
+    live: torch.Tensor  # (B, S) 1 = attend, 0 = dead
+    pos: torch.Tensor  # (B, S) logical position of each slot
+
+
+def new_slots(batch: int, device: torch.device) -> Slots:
+    from transformers import DynamicCache  # no config: plain layers, never a sliding ring
+    empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
+    return Slots(DynamicCache(), empty, empty.clone())
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """transformers renamed past_key_values to cache during 5.x: the name this class takes."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def sliding_layout(model: nn.Module) -> tuple[int | None, bool]:
+    """(window, mixed): the sliding attention window in positions (None: no sliding layers),
+    and whether sliding and full-attention layers are mixed (masks then go by layer type)."""
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or [])
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise UsageError(f"{type(model).__name__} has {', '.join(sorted(unknown))} layers, "
+                         f"whose cache specdec cannot roll back; it supports full and "
+                         f"sliding-window attention")
+    if not window or types == {"full_attention"}:
+        return None, False
+    return int(window), len(types) > 1
+
+
+def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
+                   query_pos: torch.Tensor) -> Any:
+    """What `model` takes as attention_mask for queries at query_pos (B, t) over slots whose
+    liveness and positions are live, pos (B, S), the queries' own slots last.
+
+    Without sliding layers the 2-D live mask is enough: live slots sit in position order, so
+    transformers' causal-by-slot mask is causal by position. With sliding layers the window
+    must count positions, so the 4-D masks are built here: slot s is seen from query i when it
+    is live, pos[s] <= query_pos[i] and (sliding layers) pos[s] > query_pos[i] - window.
+    """
+    window, mixed = sliding_layout(model)
+    if window is None:
+        return live
+    seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])  # (B, t, S)
+    near = pos[:, None, :] > query_pos[:, :, None] - window
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:  # (B, 1, t, S): 0 or a large negative
+        zero = torch.zeros((), dtype=dtype, device=live.device)
+        return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
+
+    if mixed:
+        return {"full_attention": additive(seen), "sliding_attention": additive(seen & near)}
+    return additive(seen & near)
+
+
+def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
+           live: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    """Feed ids at logical positions pos (B, t) into new slots (live unless `live` says which
+    are not) -> logits (B, t or 1, V_model)."""
+    live = torch.ones_like(ids) if live is None else live
+    slots.live = torch.cat([slots.live, live], 1)
+    slots.pos = torch.cat([slots.pos, pos], 1)
+    mask = attention_mask(model, slots.live, slots.pos, pos)
+    kwargs = {"logits_to_keep": 1} if last_only else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                **{_cache_keyword(type(model)): slots.cache}, **kwargs)
+    return out.logits[:, -1:] if last_only else out.logits
+
+
+def settle_slots(slots: Slots, keep: torch.Tensor, most: int, k: int) -> None:
+    """Of the last k slots, row b keeps its first keep[b] (B,) live and the rest die; columns
+    dead in every row (beyond `most` = max(keep), known on the host) are cropped off."""
+    slots.live[:, -k:] = (torch.arange(k, device=keep.device) < keep[:, None]).long()
+    dead = k - min(most, k)
+    if dead:
+        slots.cache.crop(-dead)  # negative: the number of slots to drop
+        slots.live, slots.pos = slots.live[:, :-dead], slots.pos[:, :-dead]
+
+
+def select_slots(slots: Slots, rows: torch.Tensor) -> None:
+    """Keep only the given batch rows (finished rows leave the batch)."""
+    slots.cache.batch_select_indices(rows)
+    slots.live, slots.pos = slots.live[rows], slots.pos[rows]
+
+
+def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Token rows -> ids, live mask, logical positions, each (B, T), padding on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    live = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r)
+            live[b, width - len(r):] = 1
+    pos = (live.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), live.to(device), pos.to(device)
+
+
+def prefill(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device,
+            last_only: bool = True) -> tuple[Slots, torch.Tensor | None]:
+    """A cache holding the given rows (left-padded) and the logits of the forward that filled
+    it (None when every row is empty)."""
+    slots = new_slots(len(rows), device)
+    ids, live, pos = left_pad(rows, device)
+    if not ids.shape[1]:
+        return slots, None
+    return slots, extend(model, slots, ids, pos, live, last_only=last_only)
+
+
+def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
+    """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
+    ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
+    if not ok.all():
+        raise FloatingPointError(f"the {name} model produced non-finite logits at "
+                                 f"{where(int((~ok).nonzero()[0]))}; try --dtype float32 or "
+                                 f"check the checkpoint")
+
+
+def _batches(order: Sequence[int], size: int) -> list[list[int]]:
+    order = list(order)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+        enabled = False
+    if not enabled:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_description(self, desc):
+        pass
+
+    def close(self):
+        pass
+
+
+def head_route(model: nn.Module, probe: torch.Tensor) -> bool:
+    """True if head(base_model(x)) reproduces model(x).logits, so logits can be made from
+    hidden states in chunks; False for a head that is more than a linear map."""
+    base, head = getattr(model, "base_model", None), model.get_output_embeddings()
+    if base is None or base is model or head is None:
+        return False
+    try:
+        full = model(input_ids=probe).logits
+        via = head(base(input_ids=probe).last_hidden_state)
+    except Exception:
+        return False
+    return full.shape == via.shape and torch.allclose(full.float(), via.float(), atol=1e-4,
+                                                      rtol=1e-4)
+
+
+def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
+                   spans: Sequence[tuple[int, int]], device: torch.device,
+                   route: bool) -> torch.Tensor:
+    """One teacher-forced forward of right-padded rows; the outputs at scored positions.
+
+    spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
+    Returns hidden states (N, H) when route (see head_route), else logits (N, V_model).
+    """
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    live = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r)
+        live[b, :len(r)] = 1
+    ids, live = ids.to(device), live.to(device)
+    pos = torch.arange(width, device=device).expand(len(rows), width)
+    if route:
+        out = model.base_model(input_ids=ids, attention_mask=live, position_ids=pos,
+                               use_cache=False)
+        states = out.last_hidden_state  # (B, T, H)
+    else:
+        states = model(input_ids=ids, attention_mask=live, position_ids=pos,
+                       use_cache=False).logits  # (B, T, V)
+    return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)])  # (N, H or V)
+
+
+def head_logits(model: nn.Module, states: torch.Tensor, route: bool) -> torch.Tensor:
+    """Logits from what scored_outputs returned."""
+    return model.get_output_embeddings()(states) if route else states
+
+
+def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """A short real input for head_route: the first tokens of the longest row."""
+    return torch.tensor([list(max(rows, key=len))[:16]], device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: what proposes the tokens the target verifies
+
+
+class Proposal(NamedTuple):
+    """gamma drafted tokens per row and the distributions they were drawn from."""
+
+    tokens: torch.Tensor  # (B, G)
+    q: torch.Tensor  # (B, G, V) the processed q each token was drawn from
+    finite: torch.Tensor  # (B,) False where the drafter's logits held NaN/inf
+
+
+class Drafter:
+    """The interface the measurement and the simulation use; they never ask what kind it is.
+
+    Teacher-forced route:
+      score(rows, spans, device) -> states at the scored positions (N, ...), in one batch
+      q_probs(states, sampling, vocab, where) -> processed q (n, V) for a chunk of those states
+    Simulation (one cycle = propose, the target verifies, then settle):
+      begin(prompts, device) -> state; the prompts' last tokens are still to be fed
+      propose(state, pending, npos, gamma, sampling, vocab, u) -> Proposal, drawing token i of
+          row b with u[b, i]; pending (B,) is the newest token, at position npos (B,)
+      settle(state, proposal, n_acc, n_acc_host) -> follow the first n_acc[b] accepted tokens
+      select(state, rows) -> keep only those batch rows
+    Cost: step_cost(target) = one draft step in target steps, from parameter counts;
+    timing_model() = the module `--cost-ratio measure` times (None: nothing to time).
+    """
+
+    name: str
+    width: int  # logit columns: the vocabulary it can propose from
+
+
+@dataclass
+class DraftCache:
+    """A model drafter's simulation state."""
+
+    slots: Slots
+    prev_tok: torch.Tensor  # (B,) the last cycle's d_G, which the draft has not seen yet
+    prev_full: list[bool]  # whether that block was accepted whole (then d_G is fed, else dead)
+
+
+class ModelDrafter(Drafter):
+    """A draft model (or an early-exit view of the target) with a KV cache of its own."""
+
+    def __init__(self, name: str, model: nn.Module):
+        self.name, self.model, self.width = name, model, vocab_width(model)
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def score(self, rows, spans, device):
+        if self.route is None:
+            self.route = head_route(self.model, _probe(rows, device))
+        return scored_outputs(self.model, rows, spans, device, self.route)
+
+    def q_probs(self, states, sampling, vocab, where):
+        logits = head_logits(self.model, states, bool(self.route))[..., :vocab]
+        check_finite(logits, "draft", where)
+        return processed_probs(logits, sampling)
+
+    def begin(self, prompts, device):
+        slots, _ = prefill(self.model, [r[:-1] for r in prompts], device)
+        return DraftCache(slots, torch.zeros(len(prompts), dtype=torch.long, device=device),
+                          [False] * len(prompts))
+
+    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
+        slots = state.slots
+        if any(state.prev_full):  # feed last cycle's d_G too (a dead slot where not accepted)
+            x = torch.stack([state.prev_tok, pending], 1)  # (B, 2)
+            pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
+            full = torch.tensor(state.prev_full, device=x.device).long()
+            live = torch.stack([full, torch.ones_like(full)], 1)
+            logits = extend(self.model, slots, x, pos, live, last_only=True)
+        else:
+            logits = extend(self.model, slots, pending[:, None], npos[:, None], last_only=True)
+        qs, ds = [], []
+        finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
+        for i in range(gamma):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            qs.append(processed_probs(logits[:, -1, :vocab], sampling))  # (B, V)
+            ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
+            if i < gamma - 1:
+                logits = extend(self.model, slots, ds[-1][:, None], (npos + 1 + i)[:, None])
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
+
+    def settle(self, state, proposal, n_acc, n_acc_host):
+        gamma = proposal.tokens.shape[1]
+        if gamma > 1:  # the draft's cache holds d_1..d_{G-1}; keep the accepted ones
+            settle_slots(state.slots, n_acc, max(n_acc_host), gamma - 1)
+        state.prev_tok = proposal.tokens[:, -1]
+        state.prev_full = [n == gamma for n in n_acc_host]
+
+    def select(self, state, rows):
+        select_slots(state.slots, rows)
+        state.prev_tok = state.prev_tok[rows]
+        state.prev_full = [state.prev_full[r] for r in rows.tolist()]
+
+    def step_cost(self, target):
+        return params_per_token(self.model) / params_per_token(target)
+
+    def timing_model(self):
+        return self.model
+
+
+def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
+    """A drafter as given, or a plain model wrapped as one."""
+    return draft if isinstance(draft, Drafter) else ModelDrafter(name, draft)
+
+
+def params_per_token(model: nn.Module) -> int:
+    """Parameters a model multiplies per token: all but embedding lookups, head counted once."""
+    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+               for p in m.parameters()}
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in lookups:
+            total += p.numel()
+        seen.add(id(p))
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied head: a matmul, not a lookup
+        total += head.weight.numel()
+    return total
+
+
+def vocab_width(model: nn.Module) -> int:
+    """Rows of the output head: the width of the logits."""
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "weight"):
+        return head.weight.shape[0]
+    return int(model.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher-forced route: alpha_t = sum min(p_t, q_t) on the target's own continuation
+
+
+@torch.no_grad()
+def sample_continuations(target: nn.Module, seqs: Sequence[TokenSequence],
+                         sampling: SamplingParams, n_tokens: int, *, device: torch.device,
+                         vocab: int, eos: set[int] | frozenset[int], seed: int = 0,
+                         batch_size: int = 8, indices: Sequence[int] | None = None,
+                         bar: Any = None) -> list[list[int]]:
+    """Sample up to n_tokens from the target after each prompt (stopping at EOS), KV-cached.
+
+    indices[i] names prompt i's random stream (default i), so any batching gives the same draws.
+    """
+    indices = list(range(len(seqs))) if indices is None else list(indices)
+    bar = bar or _NoBar()
+    conts: list[list[int]] = [[] for _ in seqs]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths batch
+    for batch in _batches(order, batch_size):
+        gens = row_generators(seed, [indices[i] for i in batch], phase=1)
+        slots, logits = prefill(target, [seqs[i].ids for i in batch], device)
+        next_pos = slots.pos[:, -1:] + 1  # (B, 1)
+        alive = [True] * len(batch)
+        for n in range(n_tokens):
+            check_finite(logits, "target", lambda r: f"prompt {indices[batch[r]]}, "
+                                                     f"continuation token {n + 1}")
+            probs = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
+            token = sample_from(probs, draw_uniforms(gens, 1, device)[:, 0])  # (B,)
+            for b, t in enumerate(token.tolist()):
+                if alive[b]:
+                    conts[batch[b]].append(t)
+                    alive[b] = t not in eos
+            bar.update(len(batch))
+            if not any(alive) or n == n_tokens - 1:
+                break
+            logits = extend(target, slots, token[:, None], next_pos)
+            next_pos = next_pos + 1
+    return conts
+
+
+@torch.no_grad()
+def position_stats(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
+                   states_q: torch.Tensor, sampling: SamplingParams, vocab: int,
+                   route_p: bool, chunk: int | None = None,
+                   where: Callable[[int], str] = lambda n: f"scored position {n}"
+                   ) -> dict[str, torch.Tensor]:
+    """Per-position numbers (N,) from scored outputs, a chunk of positions at a time: alpha_t,
+    top-1 agreement and p(argmax q). Only a (chunk, V) slice of fp32 probabilities exists at
+    a time, whatever N and V are. where(n) names scored position n in error messages."""
+    chunk = chunk or max(16, (1 << 24) // vocab)
+    alpha, top1, p_of_q = [], [], []
+    for s in range(0, states_p.shape[0], chunk):
+        lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
+        check_finite(lp, "target", lambda n: where(s + n))
+        p = processed_probs(lp, sampling)
+        q = drafter.q_probs(states_q[s:s + chunk], sampling, vocab, lambda n: where(s + n))
+        a = acceptance(p, q)  # (n,)
+        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
+            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
+        alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
+        top1.append((lp.argmax(-1) == q.argmax(-1)).float())
+        p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1))
+    return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
+            "p_argmax_q": torch.cat(p_of_q).cpu()}
+
+
+# ----------------------------------------------------------------------------------------------
+# simulation: the real speculative-sampling loop, many prompts as one batch
+
+
+@dataclass
+class RowStats:
+    """What one prompt's simulated cycles produced."""
+
+    accepted: int = 0  # draft tokens accepted (all cycles)
+    examined: int = 0  # draft tokens examined: up to and including the first rejection
+    cycles: int = 0  # complete (uncensored) cycles
+    cycle_accepted: int = 0  # accepted tokens in complete cycles
+    censored: int = 0  # cycles cut short by the token budget or EOS
+    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
+    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
+    tokens: list[int] = field(default_factory=list)  # emitted tokens
+
+    @classmethod
+    def empty(cls, gamma: int) -> RowStats:
+        return cls(reached=[0] * gamma, accepted_at=[0] * gamma)
+
+
+def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
+                 budget: int, eos: set[int] | frozenset[int]) -> bool:
+    """Account one cycle of one row; returns True when the row is finished.
+
+    A cycle is censored (counted for alpha, not for lengths) when EOS ends it among the accepted
+    drafts, or when the token budget left at its start could not hold a full cycle (gamma + 1
+    tokens). The budget rule looks only at the start, never at the outcome: censoring the
+    cycles that happened to accept more than the room left would bias lengths downwards.
+    """
+    emitted = drafted[:n_acc] + [new_token]
+    cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
+    if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
+        examined = accepted = cut
+        emitted = emitted[:cut]
+    else:
+        examined, accepted = min(n_acc + 1, gamma), n_acc
+    room = budget - len(row.tokens)
+    censored = cut is not None or room < gamma + 1
+    row.tokens += emitted[:room]
+    row.accepted += accepted
+    row.examined += examined
+    for j in range(examined):
+        row.reached[j] += 1
+        row.accepted_at[j] += j < accepted
+    if censored:
+        row.censored += 1
+    else:
+        row.cycles += 1
+        row.cycle_accepted += accepted
+    return cut is not None or len(row.tokens) >= budget or emitted[-1] in eos
+
+
+def verify(target: nn.Module, slots: Slots, pending: torch.Tensor, npos: torch.Tensor,
+           drafted: torch.Tensor, sampling: SamplingParams, vocab: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the pending token and the G drafted ones -> p (B, G+1, V) and
+    (B,) whether the target's logits were finite."""
+    x = torch.cat([pending[:, None], drafted], 1)  # (B, G+1)
+    pos = npos[:, None] + torch.arange(x.shape[1], device=x.device)
+    logits = extend(target, slots, x, pos)  # (B, G+1, V_target)
+    return (processed_probs(logits[..., :vocab], sampling),
+            torch.isfinite(logits).flatten(1).all(1))
+
+
+def accept(p: torch.Tensor, proposal: Proposal, u: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al.'s rule, vectorised: d_i is accepted when u_i * q_i(d_i) < p_i(d_i)
+    (probability min(1, p/q)); n_acc (B,) = the accepted run's length; the next token is drawn
+    from normalise((p - q)+) at the first rejection, or, after a full block, from p_{G+1}
+    (q taken as zero there: the bonus token). u (B, G+1): G acceptance draws, then one."""
+    d, q = proposal.tokens, proposal.q
+    gamma = d.shape[1]
+    p_d = p[:, :gamma].gather(-1, d[..., None]).squeeze(-1)  # (B, G)
+    q_d = q.gather(-1, d[..., None]).squeeze(-1)  # (B, G), > 0: d was drawn from q
+    n_acc = (u[:, :gamma] * q_d < p_d).long().cumprod(1).sum(1)  # (B,)
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)  # (B, G+1, V)
+    rows = torch.arange(len(d), device=d.device)
+    new = sample_from(residual(p[rows, n_acc], q_next[rows, n_acc]), u[:, gamma])
+    return n_acc, new
+
+
+def _check_cycle_finite(host: list[list], where: Callable[[int], str]) -> None:
+    """host rows end with (target finite, draft finite); where(r) names row r."""
+    for r, row in enumerate(host):
+        for name, ok in (("target", row[-2]), ("draft", row[-1])):
+            if not ok:
+                raise FloatingPointError(f"the {name} model produced non-finite logits at "
+                                         f"{where(r)} (simulation); try --dtype float32 or "
+                                         f"check the checkpoint")
+
+
+@torch.no_grad()
+def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
+                   gens: list[torch.Generator], sampling: SamplingParams, gamma: int,
+                   budget: int, vocab: int, eos: set[int] | frozenset[int],
+                   device: torch.device, names: list[str], bar: Any) -> list[RowStats]:
+    """Speculative sampling from every prompt of one batch until each has `budget` tokens or
+    ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
+    stats = [RowStats.empty(gamma) for _ in prompts]
+    # Both caches hold every emitted token but the newest ("pending") one, at position npos.
+    slots, _ = prefill(target, [r[:-1] for r in prompts], device)
+    state = drafter.begin(prompts, device)
+    pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
+    npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # (B,)
+    live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
+    while live:
+        u = draw_uniforms([gens[b] for b in live], 2 * gamma + 1, device)  # (B, 2G+1)
+        # 1. propose: the draft drafts d_1..d_G autoregressively from its own output
+        proposal = drafter.propose(state, pending, npos, gamma, sampling, vocab, u[:, :gamma])
+        # 2. verify: one target forward scores the pending token and all G proposals
+        p, finite_p = verify(target, slots, pending, npos, proposal.tokens, sampling, vocab)
+        # 3. accept: the accepted run, and the token that follows it
+        n_acc, new = accept(p, proposal, u[:, gamma:])
+        host = torch.cat([n_acc[:, None], new[:, None], proposal.tokens, finite_p[:, None],
+                          proposal.finite[:, None]], 1).tolist()  # the cycle's one host sync
+        _check_cycle_finite(host, lambda r: f"{names[live[r]]}, position {int(npos[r])}")
+        still = []
+        for r, b in enumerate(live):
+            before = len(stats[b].tokens)
+            if not record_cycle(stats[b], host[r][2:2 + gamma], host[r][0], host[r][1], gamma,
+                                budget, eos):
+                still.append(r)
+            bar.update(len(stats[b].tokens) - before)
+        # 4. advance: rejected slots die in both caches; the new token is pending
+        n_host = [h[0] for h in host]
+        settle_slots(slots, n_acc, max(n_host), gamma)  # of d_1..d_G; pending always stays
+        drafter.settle(state, proposal, n_acc, n_host)
+        pending, npos = new, npos + n_acc + 1
+        if not still:
+            break
+        if len(still) < len(live):  # finished rows leave the batch
+            keep = torch.tensor(still, device=device)
+            select_slots(slots, keep)
+            drafter.select(state, keep)
+            pending, npos = pending[keep], npos[keep]
+            live = [live[r] for r in still]
+    return stats
+
+
+def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
+                   seqs: Sequence[TokenSequence], sampling: SamplingParams, gamma: int,
+                   budget: int, *, device: torch.device, vocab: int,
+                   eos: set[int] | frozenset[int], seed: int = 0, batch_size: int = 8,
+                   indices: Sequence[int] | None = None, bar: Any = None
+                   ) -> dict[int, RowStats]:
+    """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
+    by indices[i] (default i), which also names prompt i's random stream."""
+    indices = list(range(len(seqs))) if indices is None else list(indices)
+    drafter = as_drafter("draft", draft)
+    rows: dict[int, RowStats] = {}
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    for batch in _batches(order, batch_size):
+        keys = [indices[i] for i in batch]
+        stats = simulate_batch(target, drafter, [list(seqs[i].ids) for i in batch],
+                               row_generators(seed, keys, phase=2), sampling, gamma, budget,
+                               vocab, eos, device, [f"prompt {k}" for k in keys],
+                               bar or _NoBar())
+        rows.update(zip(keys, stats))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics: closed forms, estimators and intervals
+
+GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+N_BOOT = 1000  # bootstrap resamples for the confidence intervals
+
+
 def expected_accepted_iid(alpha: float, gamma: int) -> float:
     """E[accepted draft tokens per cycle] if every position accepts independently with alpha."""
     if alpha >= 1:
@@ -131,19 +761,13 @@ def expected_accepted_iid(alpha: float, gamma: int) -> float:
     return alpha * (1 - alpha**gamma) / (1 - alpha)
 
 
-def positional_windows(alphas: Sequence[torch.Tensor], gamma: int) -> tuple[list[float], list[int]]:
-    """Per sequence: the sum over start positions of sum_k prod_{j<k} alpha_{t+j}, and the
-    number of start positions (windows that fit)."""
-    sums, counts = [], []
-    for a in alphas:
-        if a.numel() < gamma:
-            sums.append(0.0)
-            counts.append(0)
-            continue
-        windows = a.double().unfold(0, gamma, 1)  # (n - gamma + 1, G)
-        sums.append(windows.cumprod(-1).sum().item())
-        counts.append(windows.shape[0])
-    return sums, counts
+def window_sum(alphas: torch.Tensor, gamma: int) -> tuple[float, int]:
+    """One sequence's alpha_t (n,) -> (sum over start positions t of
+    sum_{k=1..gamma} prod_{j<k} alpha_{t+j}, the number of start positions whose window fits)."""
+    if alphas.numel() < gamma:
+        return 0.0, 0
+    windows = alphas.double().unfold(0, gamma, 1)  # (n - gamma + 1, G)
+    return windows.cumprod(-1).sum().item(), windows.shape[0]
 
 
 def expected_accepted_positional(alphas: Sequence[torch.Tensor], gamma: int) -> float | None:
@@ -152,8 +776,9 @@ def expected_accepted_positional(alphas: Sequence[torch.Tensor], gamma: int) -> 
     Uses the measured alpha_t sequence of each continuation, so runs of easy or hard tokens
     count as they occur. Only windows that fit inside a sequence are used.
     """
-    sums, counts = positional_windows(alphas, gamma)
-    return sum(sums) / sum(counts) if sum(counts) else None
+    pairs = [window_sum(a, gamma) for a in alphas]
+    count = sum(n for _, n in pairs)
+    return sum(s for s, _ in pairs) / count if count else None
 
 
 def est_speedup(tokens_per_cycle: float, gamma: int, cost_ratio: float,
@@ -225,8 +850,669 @@ def accepted_from_offsets(rates: Sequence[float | None], gamma: int) -> float | 
     return total
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What a cycle costs in target steps: gamma draft steps of `ratio` each, plus a verify
+    pass of verify[gamma] (1 unless measured)."""
+
+    ratio: float
+    verify: dict[int, float]
+    source: str  # where the numbers came from, for the report
+    timings: dict[str, Any] | None = None  # measure_costs's timings, when measured
+
+    def speedup(self, tokens_per_cycle: float, gamma: int) -> float:
+        return est_speedup(tokens_per_cycle, gamma, self.ratio, self.verify[gamma])
+
+
+def cycle_numbers(accepted: float | None, accepted_ci: Sequence[float] | None, gamma: int,
+                  cost: Cost) -> tuple[Any, Any, Any, Any]:
+    """Accepted draft tokens per cycle (and its interval) -> tokens per cycle = accepted + 1
+    (the target adds one token every cycle) and the estimated speedup, each with its interval."""
+    if accepted is None:
+        return None, None, None, None
+    tpc = accepted + 1
+    tpc_ci = None if accepted_ci is None else (accepted_ci[0] + 1, accepted_ci[1] + 1)
+    return (tpc, tpc_ci, cost.speedup(tpc, gamma),
+            None if tpc_ci is None else tuple(cost.speedup(x, gamma) for x in tpc_ci))
+
+
 # ----------------------------------------------------------------------------------------------
-# models and data
+# per-prompt results and the report
+
+
+@dataclass
+class PromptResult:
+    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
+    is the same whether its prompts came from one batch, several processes or a JSON file."""
+
+    index: int
+    category: str | None = None
+    scored: int = 0  # scored positions
+    alpha_sum: float = 0.0  # sum of alpha_t
+    top1_sum: float = 0.0  # positions where the two argmaxes agree
+    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t)
+    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window_sum
+    sim: RowStats | None = None
+
+
+def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
+                  gammas: Sequence[int]) -> PromptResult:
+    """A PromptResult from position_stats' per-position numbers of one prompt."""
+    alpha = stats["alpha"].double()
+    return PromptResult(index, category, alpha.numel(), alpha.sum().item(),
+                        stats["top1"].double().sum().item(),
+                        stats["p_argmax_q"].double().sum().item(),
+                        {g: window_sum(alpha, g) for g in gammas})
+
+
+@dataclass
+class AcceptanceReport:
+    """Every number the text report shows (simulation fields are None without simulate)."""
+
+    target: str
+    draft: str
+    temperature: float
+    top_k: int
+    top_p: float
+    gamma: int
+    cost_ratio: float  # one draft step in target steps
+    cost_ratio_source: str
+    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
+    # distributional (teacher-forced)
+    alpha: float | None = None
+    alpha_std: float | None = None  # std of the per-sequence means
+    alpha_stderr: float | None = None  # standard error of alpha, sequences as units
+    alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    scored_positions: int = 0
+    n_sequences: int = 0
+    scored_on: str = "continuation"  # "continuation" or "prompt"
+    estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
+    expected_accepted: float | None = None
+    expected_accepted_iid: float | None = None
+    expected_accepted_positional: float | None = None
+    tokens_per_cycle: float | None = None
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    est_speedup: float | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    greedy_agreement: float | None = None  # top-1 agreement of the two models
+    p_argmax_q: float | None = None  # mean p(argmax q): acceptance of an argmax-proposing draft
+    alpha_by_category: dict[str, float] | None = None
+    sequences_by_category: dict[str, int] | None = None
+    gamma_table: list[dict[str, Any]] | None = None  # per gamma: tokens per cycle and speedup
+    best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
+    # generative (simulation)
+    empirical_alpha: float | None = None
+    empirical_alpha_stderr: float | None = None
+    empirical_alpha_ci: tuple[float, float] | None = None
+    accepted_tokens: int | None = None
+    examined_tokens: int | None = None
+    cycles: int | None = None  # complete cycles
+    censored_cycles: int | None = None
+    mean_accepted_length: float | None = None
+    empirical_tokens_per_cycle: float | None = None
+    empirical_tokens_per_cycle_ci: tuple[float, float] | None = None
+    empirical_est_speedup: float | None = None
+    empirical_est_speedup_ci: tuple[float, float] | None = None
+    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
+    reached_by_draft_offset: list[int] | None = None
+    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
+    generated_tokens: int | None = None
+    simulated_prompts: int | None = None
+    # context
+    vocab: int = 0
+    truncated_prompts: int = 0
+    partial: bool = False
+    progress_note: str | None = None
+    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
+    # per prompt, for analyses of one's own and to resume: the sums of PromptResult
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
+                          cost: Cost, seed: int) -> dict[str, Any]:
+    """The distributional section of a report, from the prompts that have scored positions."""
+    scored = [r for r in results if r.scored]
+    if not scored:
+        return {}
+    sums, counts = [r.alpha_sum for r in scored], [r.scored for r in scored]
+    n_pos = sum(counts)
+    alpha = sum(sums) / n_pos
+    means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
+    weights = bootstrap_weights(len(scored), N_BOOT, seed)
+    alpha_ci = bootstrap_ci(sums, counts, weights)
+    exp_iid = expected_accepted_iid(alpha, gamma)
+    win_sums, win_counts = zip(*(r.windows[gamma] for r in scored))
+    exp_pos = sum(win_sums) / sum(win_counts) if sum(win_counts) else None
+    used = "positional" if estimator == "positional" and exp_pos is not None else "iid"
+    if used == "positional":
+        expected, acc_ci = exp_pos, bootstrap_ci(win_sums, win_counts, weights)
+    else:
+        expected = exp_iid
+        acc_ci = None if alpha_ci is None else [expected_accepted_iid(a, gamma) for a in alpha_ci]
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost)
+    table = gamma_rows(scored, alpha, used, cost)
+    return dict(
+        alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
+        alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
+        n_sequences=len(scored), estimator=used, expected_accepted=expected,
+        expected_accepted_iid=exp_iid, expected_accepted_positional=exp_pos,
+        tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci, est_speedup=speed,
+        est_speedup_ci=speed_ci, greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
+        p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
+        best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
+        **category_fields(scored))
+
+
+def category_fields(scored: Sequence[PromptResult]) -> dict[str, Any]:
+    """alpha and the number of sequences per category, where the prompts have categories."""
+    names = sorted({r.category for r in scored if r.category is not None})
+    if not names:
+        return {}
+    members = {c: [r for r in scored if r.category == c] for c in names}
+    return {"alpha_by_category": {c: sum(r.alpha_sum for r in rs) / sum(r.scored for r in rs)
+                                  for c, rs in members.items()},
+            "sequences_by_category": {c: len(rs) for c, rs in members.items()}}
+
+
+def gamma_rows(scored: Sequence[PromptResult], alpha: float, estimator: str,
+               cost: Cost) -> list[dict[str, Any]]:
+    """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
+    table = []
+    for g in sorted(cost.verify):
+        if estimator == "positional":
+            count = sum(r.windows[g][1] for r in scored)
+            e = sum(r.windows[g][0] for r in scored) / count if count else None
+        else:
+            e = expected_accepted_iid(alpha, g)
+        if e is not None:
+            table.append({"gamma": g, "tokens_per_cycle": e + 1,
+                          "est_speedup": cost.speedup(e + 1, g)})
+    return table
+
+
+def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
+                      seed: int) -> dict[str, Any]:
+    """The generative section of a report, from the per-prompt simulation statistics."""
+    acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
+    cycles = sum(r.cycles for r in rows)
+    all_cycles = cycles + sum(r.censored for r in rows)
+    weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
+    reached = [sum(r.reached[j] for r in rows) for j in range(gamma)]
+    took = [sum(r.accepted_at[j] for r in rows) for j in range(gamma)]
+    length = sum(r.cycle_accepted for r in rows) / cycles if cycles else None
+    length_ci = bootstrap_ci([r.cycle_accepted for r in rows], [r.cycles for r in rows],
+                             weights) if cycles else None
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost)
+    return dict(
+        accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
+        censored_cycles=all_cycles - cycles,
+        generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
+        empirical_alpha=sum(acc) / sum(exam) if sum(exam) else None,
+        empirical_alpha_stderr=ratio_stderr(acc, exam),
+        empirical_alpha_ci=bootstrap_ci(acc, exam, weights), mean_accepted_length=length,
+        empirical_tokens_per_cycle=tpc, empirical_tokens_per_cycle_ci=tpc_ci,
+        empirical_est_speedup=speed, empirical_est_speedup_ci=speed_ci,
+        reached_by_draft_offset=reached,
+        alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
+        accepted_per_cycle_by_draft_offset=[t / all_cycles if all_cycles else None
+                                            for t in took])
+
+
+def add_simulated_gammas(report: AcceptanceReport, cost: Cost) -> None:
+    """The simulation speaks for blocks up to its own: its measured length at its gamma, and
+    the run implied by its acceptance by offset for shorter blocks."""
+    for row in report.gamma_table or []:
+        g = row["gamma"]
+        e = (report.mean_accepted_length if g == report.gamma
+             else accepted_from_offsets(report.alpha_by_draft_offset, g))
+        row["sim_tokens_per_cycle"] = None if e is None else e + 1
+        row["sim_est_speedup"] = None if e is None else cost.speedup(e + 1, g)
+
+
+def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
+    """The JSON's per-prompt sums: everything a report is computed from."""
+    out = []
+    for r in sorted(results, key=lambda r: r.index):
+        if not r.scored and r.sim is None:
+            continue
+        row = {k: v for k, v in asdict(r).items() if k not in ("sim", "windows")}
+        row["windows"] = {str(g): list(w) for g, w in r.windows.items()}
+        if r.sim is not None:
+            row.update({k: v for k, v in asdict(r.sim).items() if k != "tokens"},
+                       generated=len(r.sim.tokens))
+        out.append(row)
+    return out
+
+
+def summarise(results: Sequence[PromptResult], *, target_name: str, draft_name: str,
+              sampling: SamplingParams, settings: Settings, cost: Cost, vocab: int,
+              sequences: Sequence[TokenSequence], interrupted: bool) -> AcceptanceReport:
+    """One drafter's per-prompt results -> its report (text notes included)."""
+    results = sorted(results, key=lambda r: r.index)  # the order bootstrap units are drawn in
+    report = AcceptanceReport(
+        target=target_name, draft=draft_name, temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, gamma=settings.gamma,
+        cost_ratio=cost.ratio, cost_ratio_source=cost.source,
+        verify_cost=cost.verify[settings.gamma], vocab=vocab, costs=cost.timings,
+        scored_on="continuation" if settings.continuation_tokens > 0 else "prompt",
+        truncated_prompts=sum(s.truncated for s in sequences))
+    fields = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
+                                   settings.seed)
+    if not fields and not interrupted:
+        raise UsageError("nothing to score: no scored position in any sequence; use longer "
+                         "prompts or --continuation-tokens > 0")
+    report = replace(report, **fields)
+    simulated = [r.sim for r in results if r.sim is not None]
+    if settings.simulate and simulated:
+        report = replace(report, **simulation_fields(simulated, settings.gamma, cost,
+                                                     settings.seed))
+        add_simulated_gammas(report, cost)
+    report.per_prompt = per_prompt_rows(results)
+    if interrupted:
+        done = f", {len(simulated)} of {len(sequences)} prompts simulated" \
+            if settings.simulate else ""
+        report.partial = True
+        report.progress_note = (f"interrupted: {report.n_sequences} of {len(sequences)} "
+                                f"sequences scored{done}")
+    report.notes = report_notes(report, sampling, settings.continuation_tokens)
+    return report
+
+
+def report_notes(report: AcceptanceReport, sampling: SamplingParams, n_tokens: int
+                 ) -> list[str]:
+    """The warnings printed under a report."""
+    notes = []
+    if n_tokens == 0:
+        notes.append("PROMPT TOKENS SCORED (--continuation-tokens 0): the draft is judged on "
+                     "human text, not on what the target would write; alpha can differ a lot "
+                     "from serving")
+    if sampling.greedy:
+        notes.append("temperature 0: acceptance is exact top-1 agreement; it over-states "
+                     "acceptance under sampling")
+    if report.truncated_prompts:
+        notes.append(f"{report.truncated_prompts} prompt(s) longer than --max-length were cut "
+                     f"from the left (their ends kept)")
+    if report.cost_ratio_source.startswith("parameters"):
+        notes.append("cost ratio from parameter counts: a rough guide; memory-bound serving and "
+                     "the verify pass's real cost can differ (--cost-ratio measure times them)")
+    return notes
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
+    return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+RULE = "  " + "─" * 66
+
+
+def _teacher_forced_lines(r: AcceptanceReport, cost: str) -> list[str]:
+    std = "" if r.alpha_std is None else f"   ± {r.alpha_std:.3f} (per-seq)"
+    est = "positional" if r.estimator == "positional" else "i.i.d. closed form"
+    return [
+        f"  distributional (teacher-forced on target {r.scored_on})",
+        f"    acceptance rate  alpha        {_num(r.alpha, '.3f')}{std}{_ci(r.alpha_ci)}",
+        f"    scored positions              {r.scored_positions:,} over {r.n_sequences} sequences",
+        f"    E[accepted draft tokens]      {_num(r.expected_accepted, '.3f')}  of {r.gamma}"
+        f"   ({est} estimator)",
+        f"    E[tokens per cycle]           {_num(r.tokens_per_cycle, '.3f')}"
+        f"{_ci(r.tokens_per_cycle_ci)}",
+        f"    est. speedup                  {_num(r.est_speedup, '5.2f') + 'x':>6}   {cost}"
+        f"{_ci(r.est_speedup_ci, '.2f')}"]
+
+
+def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
+    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in r.alpha_by_draft_offset)
+    reached = "".join(f"{n:>6}" for n in r.reached_by_draft_offset)
+    return [
+        RULE, "  generative (real rejection sampling — the number to trust)",
+        f"    acceptance rate  alpha        {_num(r.empirical_alpha, '.3f')}"
+        f"{_ci(r.empirical_alpha_ci)}",
+        f"    examined draft tokens         {r.examined_tokens:,} ({r.accepted_tokens:,} "
+        f"accepted) from {r.simulated_prompts} prompts",
+        f"    mean accepted length          {_num(r.mean_accepted_length, '.3f')}  "
+        f"of {r.gamma}   ({r.cycles:,} complete cycles, {r.censored_cycles} censored)",
+        f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
+        f"{_ci(r.empirical_tokens_per_cycle_ci)}",
+        f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
+        f"{cost}{_ci(r.empirical_est_speedup_ci, '.2f')}",
+        f"    alpha by draft offset 1..{r.gamma:<3}{offsets}",
+        f"    cycles reaching it         {reached}",
+        "      (a steep fall = the draft degrades as it runs ahead)"]
+
+
+def _gamma_lines(r: AcceptanceReport) -> list[str]:
+    table = r.gamma_table
+    lines = [RULE, f"  best gamma at cost_ratio={r.cost_ratio:.2f} "
+                   f"(* = highest est. speedup, teacher-forced)",
+             "    gamma            " + "".join(f"{row['gamma']:>7}" for row in table),
+             "    tokens/cycle     " + "".join(f"{row['tokens_per_cycle']:>7.2f}"
+                                              for row in table),
+             "    est. speedup     " + "".join(
+                 f"{row['est_speedup']:>6.2f}{'*' if row['gamma'] == r.best_gamma else ' '}"
+                 for row in table)]
+    if any(row.get("sim_tokens_per_cycle") is not None for row in table):
+        for label, key in (("sim tokens/cycle ", "sim_tokens_per_cycle"),
+                           ("sim speedup      ", "sim_est_speedup")):
+            lines.append(f"    {label}" + "".join(f"{_num(row.get(key), '.2f'):>7}"
+                                                   for row in table))
+    return lines
+
+
+def format_report(r: AcceptanceReport) -> str:
+    """The text report (layout of SPEC.md), notes underneath."""
+    sampling = f"temperature={r.temperature:g}"
+    if r.top_k:
+        sampling += f"  top_k={r.top_k}"
+    if r.top_p < 1:
+        sampling += f"  top_p={r.top_p:g}"
+    cost = f"(cost_ratio={r.cost_ratio:.2f}, rough)"
+    lines = [f"  speculative-decoding acceptance  —  {r.draft}  ⇒  {r.target}",
+             f"  sampling: {sampling}    gamma (draft block): {r.gamma}"]
+    if r.partial:
+        lines.append(f"  PARTIAL RESULT — {r.progress_note}")
+    lines += [RULE] + _teacher_forced_lines(r, cost)
+    if r.reached_by_draft_offset is not None:
+        lines += _simulation_lines(r, cost)
+    if r.gamma_table:
+        lines += _gamma_lines(r)
+    if r.alpha_by_category:
+        lines += [RULE, "  alpha by category (teacher-forced)"]
+        lines += [f"    {name:<16} {a:.3f}   ({r.sequences_by_category[name]} sequences)"
+                  for name, a in r.alpha_by_category.items()]
+    lines.append(RULE)
+    lines += [f"  note: {n}" for n in r.notes]
+    verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
+    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify}), "
+                 f"cost_ratio from {r.cost_ratio_source}: an indication, not a benchmark")
+    return "\n".join(lines)
+
+
+def format_summary(reports: Sequence[AcceptanceReport]) -> str:
+    """One row per (draft, temperature), best estimated speedup first."""
+    def speed(r: AcceptanceReport) -> float:
+        best = next((row for row in r.gamma_table or [] if row["gamma"] == r.best_gamma), None)
+        return -1.0 if best is None else best["est_speedup"]
+
+    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
+             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'gen alpha':>9} "
+             f"{'best gamma':>10} {'speedup':>8}"]
+    for r in sorted(reports, key=speed, reverse=True):
+        ci = "" if r.alpha_ci is None else f"[{r.alpha_ci[0]:.3f}, {r.alpha_ci[1]:.3f}]"
+        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
+        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
+                     f"{_num(r.empirical_alpha, '.3f'):>9} {_num(r.best_gamma, 'd'):>10} "
+                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the measurement
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a measurement runs. Constructing one checks every field (a UsageError names the
+    option to fix), so a run fails before any model work is done."""
+
+    gamma: int = 4  # draft block: tokens proposed per cycle
+    continuation_tokens: int = 64  # tokens the target writes and that are scored; sim budget
+    simulate: bool = False  # also run the real speculative-sampling loop
+    seed: int = 0
+    batch_size: int = 8  # prompts per forward pass
+    estimator: str = "iid"  # E[accepted] from alpha: "iid" closed form or "positional"
+    cost_ratio: float | str | None = None  # None/"auto" = parameters, "measure" or a number
+    eos: frozenset[int] | None = None  # ids that end a continuation; None = the target's
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise UsageError(f"--gamma must be a whole number >= 1, got {self.gamma}")
+        if self.continuation_tokens < 0:
+            raise UsageError(f"--continuation-tokens must be >= 0, got "
+                             f"{self.continuation_tokens}")
+        if self.simulate and self.continuation_tokens < 1:
+            raise UsageError("--simulate needs --continuation-tokens >= 1 (its token budget "
+                             "per prompt)")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
+        if self.estimator not in ("iid", "positional"):
+            raise UsageError(f"estimator must be iid or positional, got {self.estimator!r}")
+        c = self.cost_ratio
+        if c not in (None, "auto", "measure") and not (
+                isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf):
+            raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, got {c!r}")
+        if self.eos is not None:
+            object.__setattr__(self, "eos", frozenset(int(t) for t in self.eos))
+
+    @property
+    def gammas(self) -> list[int]:
+        """The block sizes of the best-gamma table, the chosen one included."""
+        return sorted(set(GAMMA_TABLE) | {self.gamma})
+
+
+@torch.no_grad()
+def measure_costs(target: nn.Module, draft: nn.Module, ids: Sequence[int], gammas: Sequence[int],
+                  device: torch.device, repeats: int = 7) -> dict[str, Any]:
+    """Time one cached decode step of each model and a (gamma+1)-token verify pass of the target.
+
+    Batch 1, after a prefill of `ids` and two warm-up calls; median of `repeats`. The new slots
+    are dropped after every call so each one sees the same context length.
+    """
+    def timed(model: nn.Module, n_new: int) -> float:
+        slots, _ = prefill(model, [list(ids)], device)
+        x = torch.tensor([[ids[-1]] * n_new], device=device)
+        pos = torch.arange(len(ids), len(ids) + n_new, device=device)[None]
+        times = []
+        for i in range(repeats + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            logits = extend(model, slots, x, pos)
+            logits[0, -1, 0].item()  # wait for the device
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+            settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0, n_new)
+        return sorted(times)[len(times) // 2]
+
+    step_p, step_q = timed(target, 1), timed(draft, 1)
+    verify = {g: timed(target, g + 1) / step_p for g in gammas}
+    return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
+            "verify_cost": verify, "device": str(device)}
+
+
+def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
+               sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
+    """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
+    gammas, how = settings.gammas, settings.cost_ratio
+    if how == "measure" and drafter.timing_model() is not None:
+        with step(f"timing the models ({drafter.name})"):
+            m = measure_costs(target, drafter.timing_model(), sequences[0].ids, gammas, device)
+        v = m["verify_cost"][settings.gamma]
+        return Cost(m["cost_ratio"], m["verify_cost"],
+                    f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.1f} ms, "
+                    f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
+                    f"{settings.gamma + 1} tokens {v:.2f} target steps", m)
+    ones = {g: 1.0 for g in gammas}
+    if how in (None, "auto", "measure"):
+        return Cost(drafter.step_cost(target), ones, "parameters per token, draft/target")
+    return Cost(float(how), ones, "given")
+
+
+def vocab_groups(target: nn.Module, drafters: Sequence[Drafter]) -> dict[int, list[int]]:
+    """Drafters by the vocabulary they are measured on, min(target width, drafter width): each
+    group gets the continuations and target passes it would get alone, so a drafter's numbers
+    never depend on which other drafters share the run."""
+    groups: dict[int, list[int]] = {}
+    for k, d in enumerate(drafters):
+        groups.setdefault(min(vocab_width(target), d.width), []).append(k)
+    return groups
+
+
+def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
+                  batch: list[int], sequences: Sequence[TokenSequence],
+                  sampling: SamplingParams, settings: Settings, eos: frozenset[int],
+                  device: torch.device, results: list[dict[int, PromptResult]], bar: Any) -> None:
+    """Measure one batch of prompts against every drafter, into results[k][prompt index].
+
+    Per vocabulary group: the target's continuation (the text speculative decoding would
+    produce) and the teacher-forced passes; then, with simulate, the real loop per drafter.
+    Results land as each step finishes, so an interrupted batch keeps what it completed."""
+    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
+    groups = vocab_groups(target, drafters)
+    for vocab, members in groups.items():
+        bar.set_description("continuations")
+        with step("sampling the target's continuations"):
+            conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
+                                          vocab=vocab, eos=eos, seed=settings.seed,
+                                          batch_size=len(sub), indices=batch, bar=bar)
+                     if n_tokens else [[] for _ in sub])
+        bar.set_description("teacher-forced")
+        for k, per_prompt in zip(members, score_batch(
+                target, route_p, [drafters[k] for k in members], batch, sub, conts, sampling,
+                vocab, device)):
+            for i, stats in zip(batch, per_prompt):
+                results[k][i] = prompt_result(i, sequences[i].category, stats, settings.gammas)
+    if not settings.simulate:
+        return
+    bar.set_description("simulation")
+    for vocab, members in groups.items():
+        for k in members:
+            with step(f"the simulation with draft {drafters[k].name}"):
+                sims = run_simulation(target, drafters[k], sub, sampling, settings.gamma,
+                                      n_tokens, device=device, vocab=vocab, eos=eos,
+                                      seed=settings.seed, batch_size=len(sub), indices=batch,
+                                      bar=bar)
+            # whole batches only: the rows of a batch that finish first are the fast-accepting
+            # ones, so a cut batch would bias a partial report upwards
+            for i, row in sims.items():
+                results[k][i].sim = row
+
+
+def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
+                batch: list[int], sub: Sequence[TokenSequence], conts: list[list[int]],
+                sampling: SamplingParams, vocab: int, device: torch.device
+                ) -> list[list[dict[str, torch.Tensor]]]:
+    """Teacher-forced alpha_t at every scored position: one target pass shared by all drafters,
+    one pass of each drafter -> per drafter, per prompt, position_stats' numbers."""
+    rows = [s.ids + c for s, c in zip(sub, conts)]
+    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
+             for s, c in zip(sub, conts)]
+    sizes = [e - s for s, e in spans]
+    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s, e)]
+    with step("the target's teacher-forced pass"):
+        states_p = scored_outputs(target, rows, spans, device, route_p)  # (N, H or V)
+    out = []
+    for drafter in drafters:
+        with step(f"the teacher-forced pass of draft {drafter.name}"):
+            per_pos = position_stats(
+                target, drafter, states_p, drafter.score(rows, spans, device), sampling, vocab,
+                route_p, where=lambda n: "prompt {}, position {}".format(*labels[n]))
+        split = {key: values.split(sizes) for key, values in per_pos.items()}
+        out.append([{key: v[j] for key, v in split.items()} for j in range(len(batch))])
+    return out
+
+
+def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
+                   sequences: Sequence[TokenSequence], *,
+                   sampling: SamplingParams = SamplingParams(),
+                   device: torch.device | str | None = None, settings: Settings | None = None,
+                   progress: bool = False, target_name: str = "target",
+                   costs: Sequence[Cost] | None = None, **options: Any
+                   ) -> list[AcceptanceReport]:
+    """Measure each (name, draft) against one set of target continuations and target passes.
+
+    A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
+    The settings
+    come as a Settings value or as its fields by keyword (gamma=, continuation_tokens=,
+    simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=). Note the library's default
+    sampling is SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
+    cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
+    used per token; "measure" = timed on `device` (see measure_costs). costs: per draft, a Cost
+    made earlier by cost_model (so a sweep times the models once).
+
+    Prompts go through in batches, each batch start to finish (continuation, teacher-forced
+    scoring, simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the
+    reports then cover what finished and are marked partial.
+    """
+    settings = replace(settings, **options) if settings else Settings(**options)
+    if not sequences or not drafts:
+        raise UsageError("nothing to measure: no sequences or no drafts")
+    sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
+    if settings.continuation_tokens == 0 and all(len(s.ids) < 2 for s in sequences):
+        raise UsageError("with --continuation-tokens 0 the prompts are scored, but every prompt "
+                         "has fewer than 2 tokens: nothing to score; raise --max-length or use "
+                         "--continuation-tokens > 0")
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
+    drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
+    vocab = min([vocab_width(target)] + [d.width for d in drafters])
+    if any(max(s.ids) >= vocab for s in sequences):
+        raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
+    costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
+    results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
+                                   progress)
+    reports = []
+    for d, res, cost in zip(drafters, results, costs):
+        v = min(vocab_width(target), d.width)
+        r = summarise(list(res.values()), target_name=target_name, draft_name=d.name,
+                      sampling=sampling, settings=settings, cost=cost, vocab=v,
+                      sequences=sequences, interrupted=interrupted)
+        if d.width != vocab_width(target):
+            r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
+                              f"{d.width}): both cut to the first {v} ids before sampling; "
+                              f"exact only if the surplus rows are padding")
+        reports.append(r)
+    return reports
+
+
+def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
+            sampling: SamplingParams, settings: Settings, eos: frozenset[int],
+            device: torch.device, progress: bool
+            ) -> tuple[list[dict[int, PromptResult]], bool]:
+    """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
+    groups = len(vocab_groups(target, drafters))
+    bar = _progress(len(sequences) * settings.continuation_tokens
+                    * (groups + settings.simulate * len(drafters)), "measuring", progress)
+    results: list[dict[int, PromptResult]] = [{} for _ in drafters]
+    with step("the target's first forward"):
+        route_p = head_route(target, _probe([sequences[order[-1]].ids], device))
+    try:
+        for batch in _batches(order, settings.batch_size):
+            measure_batch(target, route_p, drafters, batch, sequences, sampling, settings, eos,
+                          device, results, bar)
+    except KeyboardInterrupt:
+        return results, True
+    finally:
+        bar.close()
+    return results, False
+
+
+def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
+                       sequences: Sequence[TokenSequence], *,
+                       sampling: SamplingParams = SamplingParams(),
+                       device: torch.device | str | None = None,
+                       settings: Settings | None = None, progress: bool = False,
+                       target_name: str = "target", draft_name: str = "draft",
+                       **options: Any) -> AcceptanceReport:
+    """Measure acceptance of one draft against `target` on tokenised prompts: measure_drafts
+    for a single draft (same arguments; gamma=, simulate=, ... or settings=)."""
+    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
+                          device=device, settings=settings, progress=progress,
+                          target_name=target_name, **options)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# loading models and data
 
 
 def resolve_device(name: str | None = "auto") -> torch.device:
@@ -238,12 +1524,12 @@ def resolve_device(name: str | None = "auto") -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible here; use --device cpu")
+        raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
     if name == "mps" and not (getattr(torch.backends, "mps", None)
                               and torch.backends.mps.is_available()):
-        raise ValueError("--device mps: MPS is not available here; use --device cpu")
+        raise UsageError("--device mps: MPS is not available here; use --device cpu")
     if name not in ("cpu", "cuda", "mps") and not name.startswith("cuda:"):
-        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or mps")
+        raise UsageError(f"unknown device {name!r}: use auto, cpu, cuda or mps")
     return torch.device(name)
 
 
@@ -259,13 +1545,8 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16")
+        raise UsageError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16")
     return DTYPES[name]
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dtype,
@@ -273,7 +1554,7 @@ def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dty
     config = transformers.AutoConfig.from_pretrained(source, **kwargs)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{name!r} is not a causal language model (its type is "
+        raise UsageError(f"{name!r} is not a causal language model (its type is "
                          f"{config.model_type!r}); give a decoder-only LM such as Llama or GPT-2")
     tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
     # the GGUF reader draws its own progress bar, which nothing else switches off
@@ -347,41 +1628,41 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
     source = name
     if name.lower().endswith(".gguf"):
         if not os.path.isfile(name):
-            raise ValueError(f"GGUF file not found: {name!r}; check the path")
+            raise UsageError(f"GGUF file not found: {name!r}; check the path")
         try:
             import gguf  # noqa: F401  (transformers needs it to read the file)
         except ImportError:
-            raise ValueError("reading .gguf files needs the gguf package: pip install gguf")
+            raise UsageError("reading .gguf files needs the gguf package: pip install gguf")
         source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name)), os.path.basename(name)
     elif os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise ValueError(f"folder {name!r} holds no config.json: not a saved model "
+        raise UsageError(f"folder {name!r} holds no config.json: not a saved model "
                          f"(save_pretrained writes one)")
     elif not os.path.exists(os.path.expanduser(name)) and (
             name.startswith((".", "~", os.path.sep)) or name.count("/") > 1):
-        raise ValueError(f"model folder not found: {name!r}; check the path")  # not a hub id
+        raise UsageError(f"model folder not found: {name!r}; check the path")  # not a hub id
     if use_unsloth:
         return _load_unsloth(name, device, dtype)
 
     import transformers
     if not os.path.exists(source) and not _cached(source) and not _hub_reachable():
-        raise ValueError(f"could not load {name!r}: no such local folder or .gguf file, not in "
+        raise UsageError(f"could not load {name!r}: no such local folder or .gguf file, not in "
                          f"the hub cache, and the hub is unreachable from here; download it "
                          f"where there is a network, or give a local path")
     try:
         with _quiet_loggers("transformers", "huggingface_hub", bars=not progress):
             tok, model = _from_pretrained(transformers, name, source, dtype, kwargs, progress)
+    except UsageError:
+        raise
     except ValueError as e:
-        if "is not a causal language model" in str(e):
-            raise
         if "Unrecognized configuration class" in str(e) or "AutoModelForCausalLM" in str(e):
-            raise ValueError(f"{name!r} is not a causal language model "
+            raise UsageError(f"{name!r} is not a causal language model "
                              f"(AutoModelForCausalLM cannot load it)") from None
-        raise ValueError(f"could not load {name!r}: {_one_line(e)}") from None
+        raise UsageError(f"could not load {name!r}: {_one_line(e)}") from None
     except OSError as e:
-        raise ValueError(f"could not load {name!r}: not a model folder, .gguf file or hub id "
+        raise UsageError(f"could not load {name!r}: not a model folder, .gguf file or hub id "
                          f"that can be read ({_one_line(e)[:200]})") from None
     except Exception as e:  # a corrupt or unsupported checkpoint: say so, not a traceback
-        raise ValueError(f"could not load {name!r} ({type(e).__name__}: "
+        raise UsageError(f"could not load {name!r} ({type(e).__name__}: "
                          f"{_one_line(e)[:200]})") from None
     model.to(device).eval().requires_grad_(False)
     return model, tok, device
@@ -390,11 +1671,11 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
 def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
     """--use-unsloth: load through unsloth.FastLanguageModel (CUDA only)."""
     if not torch.cuda.is_available() or device.type != "cuda":
-        raise ValueError("--use-unsloth needs a CUDA GPU; drop the flag to load with transformers")
+        raise UsageError("--use-unsloth needs a CUDA GPU; drop the flag to load with transformers")
     try:
         from unsloth import FastLanguageModel
     except ImportError:
-        raise ValueError("--use-unsloth: unsloth is not installed (pip install unsloth), "
+        raise UsageError("--use-unsloth: unsloth is not installed (pip install unsloth), "
                          "or drop the flag") from None
     model, tok = FastLanguageModel.from_pretrained(name, dtype=dtype, load_in_4bit=False)
     FastLanguageModel.for_inference(model)
@@ -412,7 +1693,7 @@ def _layer_path(model: nn.Module) -> list[str]:
             obj = getattr(obj, part, None)
         if isinstance(obj, nn.ModuleList):
             return path.split(".")
-    raise ValueError(f"--draft-layers: cannot find the decoder layer list of "
+    raise UsageError(f"--draft-layers: cannot find the decoder layer list of "
                      f"{type(model).__name__} (looked for {', '.join(_LAYER_PATHS)})")
 
 
@@ -437,7 +1718,7 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
         parent = getattr(parent, part)
     total = len(parent)
     if not 1 <= n_layers <= total:
-        raise ValueError(f"--draft-layers must be between 1 and {total} for this model "
+        raise UsageError(f"--draft-layers must be between 1 and {total} for this model "
                          f"({total} decoder layers), got {n_layers}")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = n_layers
@@ -458,29 +1739,6 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
     return draft
 
 
-def params_per_token(model: nn.Module) -> int:
-    """Parameters a model multiplies per token: all but embedding lookups, head counted once."""
-    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
-               for p in m.parameters()}
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen and id(p) not in lookups:
-            total += p.numel()
-        seen.add(id(p))
-    head = model.get_output_embeddings()
-    if head is not None and id(head.weight) in lookups:  # tied head: a matmul, not a lookup
-        total += head.weight.numel()
-    return total
-
-
-def vocab_width(model: nn.Module) -> int:
-    """Rows of the output head: the width of the logits."""
-    head = model.get_output_embeddings()
-    if head is not None and hasattr(head, "weight"):
-        return head.weight.shape[0]
-    return int(model.config.vocab_size)
-
-
 def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
     """Refuse a pair whose tokenizers map a shared id to different tokens."""
     if tok_p is tok_q:
@@ -490,7 +1748,7 @@ def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
     a, b = tok_p.convert_ids_to_tokens(ids), tok_q.convert_ids_to_tokens(ids)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            raise ValueError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
+            raise UsageError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
                              f"target, {y!r} for the draft): speculative decoding needs a "
                              f"shared tokenizer; pick a draft from the target's family")
 
@@ -578,7 +1836,7 @@ def _pick_field(record: dict, where: str) -> Prompt:
     for key in ("prompt", "instruction", "question", "input", "text", "content", "query"):
         if isinstance(record.get(key), str) and record[key].strip():
             return Prompt(record[key], category)
-    raise ValueError(f"{where}: no usable prompt field; saw fields {sorted(record)}; "
+    raise UsageError(f"{where}: no usable prompt field; saw fields {sorted(record)}; "
                      f"expected one of prompt, instruction, question, input, text, messages")
 
 
@@ -597,13 +1855,13 @@ def load_texts(source: str = "builtin") -> list[Prompt]:
         prompts = _load_hf(source)
     else:
         if not os.path.isfile(source):
-            raise ValueError(f"data file not found: {source!r}; give builtin, a .txt, .jsonl or "
+            raise UsageError(f"data file not found: {source!r}; give builtin, a .txt, .jsonl or "
                              f".json file, or hf:NAME")
         try:
             with open(source, encoding="utf-8") as f:
                 raw = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read data file {source!r}: {_one_line(e)}") from None
+            raise UsageError(f"cannot read data file {source!r}: {_one_line(e)}") from None
         if source.endswith(".jsonl"):
             prompts = []
             for n, line in enumerate(raw.splitlines(), 1):
@@ -611,41 +1869,41 @@ def load_texts(source: str = "builtin") -> list[Prompt]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{source}:{n}: not valid JSON ({e.msg})") from None
+                        raise UsageError(f"{source}:{n}: not valid JSON ({e.msg})") from None
                     if not isinstance(record, dict):
-                        raise ValueError(f"{source}:{n}: expected a JSON object per line")
+                        raise UsageError(f"{source}:{n}: expected a JSON object per line")
                     prompts.append(_pick_field(record, f"{source}:{n}"))
         elif source.endswith(".json"):
             try:
                 data = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
+                raise UsageError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
             if isinstance(data, dict):  # {"data": [...]} or similar: the first list inside
                 data = next((v for v in data.values() if isinstance(v, list)), None)
             if not isinstance(data, list):
-                raise ValueError(f"{source}: expected a JSON list of prompts or records")
+                raise UsageError(f"{source}: expected a JSON list of prompts or records")
             prompts = [Prompt(x) if isinstance(x, str) else _pick_field(x, f"{source}[{i}]")
                        for i, x in enumerate(data) if isinstance(x, (str, dict))]
         else:
             prompts = [Prompt(line) for line in raw.splitlines() if line.strip()]
     prompts = [p for p in prompts if p.content]
     if not prompts:
-        raise ValueError(f"data source {source!r} holds no prompts")
+        raise UsageError(f"data source {source!r} holds no prompts")
     return prompts
 
 
 def _load_hf(spec: str) -> list[Prompt]:
     parts = spec[3:].split(":")
     if not parts[0] or len(parts) > 4:
-        raise ValueError(f"malformed {spec!r}: use hf:NAME[:CONFIG][:SPLIT][:FIELD]")
+        raise UsageError(f"malformed {spec!r}: use hf:NAME[:CONFIG][:SPLIT][:FIELD]")
     name, config, split, fieldname = (parts + [None] * 4)[:4]
     try:
         import datasets
     except ImportError:
-        raise ValueError("hf: data needs the datasets package: pip install datasets") from None
+        raise UsageError("hf: data needs the datasets package: pip install datasets") from None
     local = os.path.isdir(name)
     if not local and not _hub_reachable():
-        raise ValueError(f"could not load data set {name!r}: not a local folder and the hub is "
+        raise UsageError(f"could not load data set {name!r}: not a local folder and the hub is "
                          f"unreachable from here; save it with save_to_disk where there is a "
                          f"network and pass that folder")
     try:
@@ -658,15 +1916,15 @@ def _load_hf(spec: str) -> list[Prompt]:
         if isinstance(ds, datasets.DatasetDict):
             split = split or next((x for x in ("test", "train") if x in ds), next(iter(ds)))
             if split not in ds:
-                raise ValueError(f"{spec}: no split {split!r}; it has {sorted(ds)}")
+                raise UsageError(f"{spec}: no split {split!r}; it has {sorted(ds)}")
             ds = ds[split]
-    except ValueError:
+    except UsageError:
         raise
     except Exception as e:  # datasets raises many types for "not found / no network"
-        raise ValueError(f"could not load data set {name!r}: {_one_line(e)[:200]}") from None
+        raise UsageError(f"could not load data set {name!r}: {_one_line(e)[:200]}") from None
     if fieldname:
         if fieldname not in ds.column_names:
-            raise ValueError(f"{spec}: no field {fieldname!r}; fields are {ds.column_names}")
+            raise UsageError(f"{spec}: no field {fieldname!r}; fields are {ds.column_names}")
         cat = next((c for c in ("category", "task", "type") if c in ds.column_names), None)
         cats = [str(c) for c in ds[cat]] if cat else [None] * len(ds)
         return [Prompt(str(x), c) for x, c in zip(ds[fieldname], cats)]
@@ -679,6 +1937,13 @@ class TokenSequence(NamedTuple):
     truncated: bool = False
 
 
+def check_prompt_budget(max_samples: int | None, max_length: int) -> None:
+    if max_samples is not None and max_samples < 1:
+        raise UsageError(f"--max-samples must be >= 1, got {max_samples}")
+    if max_length < 1:
+        raise UsageError(f"--max-length must be >= 1, got {max_length}")
+
+
 def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
                     max_samples: int | None = None, max_length: int = 512,
                     chat_template: str = "auto") -> list[TokenSequence]:
@@ -687,15 +1952,12 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
     Prompts longer than max_length keep their last max_length tokens (the part the model
     continues).
     """
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
-    if max_length < 1:
-        raise ValueError(f"--max-length must be >= 1, got {max_length}")
+    check_prompt_budget(max_samples, max_length)
     if chat_template not in ("auto", "on", "off"):
-        raise ValueError(f"--chat-template must be auto, on or off, got {chat_template!r}")
+        raise UsageError(f"--chat-template must be auto, on or off, got {chat_template!r}")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template == "on" and not has_template:
-        raise ValueError("--chat-template on: this tokenizer has no chat template; use off")
+        raise UsageError("--chat-template on: this tokenizer has no chat template; use off")
     use_template = has_template and chat_template != "off"
     out = []
     for prompt in list(prompts)[:max_samples]:
@@ -715,936 +1977,10 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
         if ids:
             out.append(TokenSequence(ids[-max_length:], prompt.category, len(ids) > max_length))
     if not out:
-        raise ValueError("no prompt produced any tokens; check the data source")
+        raise UsageError("no prompt produced any tokens; check the data source")
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# batched forward passes with masked (dead) cache slots
-#
-# Rows of a batch hold sequences of different lengths, and during simulation they accept
-# different numbers of drafted tokens. Rather than cropping caches row by row, every row's cache
-# grows by the same number of physical slots; slots that hold padding or rejected tokens are
-# switched off in the 2-D attention mask, and each token gets its logical position id
-# explicitly. A cached forward over valid slots then computes exactly what an unpadded,
-# uncached forward over the row's tokens computes.
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(model_class: type) -> str:
-    """transformers renamed past_key_values to cache during 5.x: the name this class takes."""
-    params = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def model_forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-                  cache: Any, last_only: bool = False) -> tuple[torch.Tensor, Any]:
-    """ids/pos (B, t), mask (B, past + t) -> logits (B, t or 1, V_model), cache."""
-    kwargs = {"logits_to_keep": 1} if last_only else {}
-    name = _cache_keyword(type(model))
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                **{name: cache}, **kwargs)
-    logits = out.logits[:, -1:] if last_only else out.logits
-    return logits, out["cache"] if "cache" in out else out.past_key_values
-
-
-def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Token rows -> ids, mask, logical positions, each (B, T), padding on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, width - len(r):] = torch.tensor(r)
-            mask[b, width - len(r):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    return ids.to(device), mask.to(device), pos.to(device)
-
-
-def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
-    """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
-    ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
-    if not ok.all():
-        raise FloatingPointError(f"the {name} model produced non-finite logits at "
-                                 f"{where(int((~ok).nonzero()[0]))}; try --dtype float32 or "
-                                 f"check the checkpoint")
-
-
-def _batches(order: Sequence[int], size: int) -> list[list[int]]:
-    order = list(order)
-    return [order[i:i + size] for i in range(0, len(order), size)]
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bars are optional
-        enabled = False
-    if not enabled:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def set_description(self, desc):
-        pass
-
-    def close(self):
-        pass
-
-
-# ----------------------------------------------------------------------------------------------
-# the target's continuation
-
-
-@torch.no_grad()
-def sample_continuations(target: nn.Module, seqs: Sequence[TokenSequence],
-                         sampling: SamplingParams, n_tokens: int, *, device: torch.device,
-                         vocab: int, eos: set[int], seed: int = 0, batch_size: int = 8,
-                         indices: Sequence[int] | None = None, bar: Any = None
-                         ) -> list[list[int]]:
-    """Sample up to n_tokens from the target after each prompt (stopping at EOS), KV-cached.
-
-    indices[i] names prompt i's random stream (default i), so any batching gives the same draws.
-    """
-    indices = list(range(len(seqs))) if indices is None else list(indices)
-    bar = bar or _NoBar()
-    conts: list[list[int]] = [[] for _ in seqs]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths batch
-    for batch in _batches(order, batch_size):
-        gens = row_generators(seed, [indices[i] for i in batch], phase=1)
-        ids, mask, pos = left_pad([seqs[i].ids for i in batch], device)
-        logits, cache = model_forward(target, ids, mask, pos, None, last_only=True)
-        next_pos = pos[:, -1:] + 1  # (B, 1)
-        alive = [True] * len(batch)
-        for step in range(n_tokens):
-            check_finite(logits, "target", lambda r: f"prompt {indices[batch[r]]}, "
-                                                     f"continuation token {step + 1}")
-            probs = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
-            token = sample_from(probs, draw_uniforms(gens, 1, device)[:, 0])  # (B,)
-            for b, t in enumerate(token.tolist()):
-                if alive[b]:
-                    conts[batch[b]].append(t)
-                    alive[b] = t not in eos
-            bar.update(len(batch))
-            if not any(alive) or step == n_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            logits, cache = model_forward(target, token[:, None], mask, next_pos, cache)
-            next_pos = next_pos + 1
-    return conts
-
-
-# ----------------------------------------------------------------------------------------------
-# teacher-forced measurement: alpha_t = sum min(p_t, q_t) on the target's own continuation
-
-
-def _head_route(model: nn.Module, probe: torch.Tensor) -> bool:
-    """True if head(base_model(x)) reproduces model(x).logits, so logits can be made in chunks."""
-    base, head = getattr(model, "base_model", None), model.get_output_embeddings()
-    if base is None or base is model or head is None:
-        return False
-    try:
-        full = model(input_ids=probe).logits
-        via = head(base(input_ids=probe).last_hidden_state)
-    except Exception:
-        return False
-    return full.shape == via.shape and torch.allclose(full.float(), via.float(), atol=1e-4,
-                                                      rtol=1e-4)
-
-
-@torch.no_grad()
-def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
-                   spans: Sequence[tuple[int, int]], device: torch.device,
-                   head_route: bool) -> torch.Tensor:
-    """One teacher-forced forward of right-padded rows; the outputs at scored positions.
-
-    spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
-    Returns hidden states (N, H) when head_route, else logits (N, V_model).
-    """
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r)
-        mask[b, :len(r)] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    pos = torch.arange(width, device=device).expand(len(rows), width)
-    if head_route:
-        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                               use_cache=False)
-        states = out.last_hidden_state  # (B, T, H)
-    else:
-        states = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                       use_cache=False).logits  # (B, T, V)
-    return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)])  # (N, H or V)
-
-
-def _logits(model: nn.Module, states: torch.Tensor, head_route: bool) -> torch.Tensor:
-    return model.get_output_embeddings()(states) if head_route else states
-
-
-@torch.no_grad()
-def position_stats(target: nn.Module, draft: nn.Module, hp: torch.Tensor, hq: torch.Tensor,
-                   sampling: SamplingParams, vocab: int, routes: tuple[bool, bool],
-                   chunk: int | None = None,
-                   where: Callable[[int], str] = lambda n: f"scored position {n}"
-                   ) -> dict[str, torch.Tensor]:
-    """Per-position acceptance numbers (N,) from scored outputs, a chunk of positions at a time.
-
-    Only a (chunk, V) slice of fp32 probabilities ever exists, whatever N and V are.
-    where(n) names scored position n in error messages.
-    """
-    chunk = chunk or max(16, (1 << 24) // vocab)
-    alpha, top1, p_of_q = [], [], []
-    for s in range(0, hp.shape[0], chunk):
-        lp = _logits(target, hp[s:s + chunk], routes[0])[..., :vocab]  # (n, V)
-        lq = _logits(draft, hq[s:s + chunk], routes[1])[..., :vocab]
-        check_finite(lp, "target", lambda n: where(s + n))
-        check_finite(lq, "draft", lambda n: where(s + n))
-        p, q = processed_probs(lp, sampling), processed_probs(lq, sampling)
-        a = acceptance(p, q)  # (n,)
-        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
-            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
-        alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
-        top1.append((lp.argmax(-1) == lq.argmax(-1)).float())
-        p_of_q.append(p.gather(-1, lq.argmax(-1, keepdim=True)).squeeze(-1))
-    return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
-            "p_argmax_q": torch.cat(p_of_q).cpu()}
-
-
-# ----------------------------------------------------------------------------------------------
-# simulation: the real speculative-sampling loop, many prompts as one batch
-
-
-@dataclass
-class RowStats:
-    """What one prompt's simulated cycles produced."""
-
-    accepted: int = 0  # draft tokens accepted (all cycles)
-    examined: int = 0  # draft tokens examined: up to and including the first rejection
-    cycles: int = 0  # complete (uncensored) cycles
-    cycle_accepted: int = 0  # accepted tokens in complete cycles
-    censored: int = 0  # cycles cut short by the token budget or EOS
-    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
-    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
-    tokens: list[int] = field(default_factory=list)  # emitted tokens
-
-
-def _record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
-                  budget: int, eos: set[int]) -> bool:
-    """Account one cycle of one row; returns True when the row is finished.
-
-    A cycle is censored (counted for alpha, not for lengths) when EOS ends it among the accepted
-    drafts, or when the token budget left at its start could not hold a full cycle (gamma + 1
-    tokens). The budget rule looks only at the start, never at the outcome: censoring the
-    cycles that happened to accept more than the room left would bias lengths downwards.
-    """
-    emitted = drafted[:n_acc] + [new_token]
-    cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
-    if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
-        examined = accepted = cut
-        emitted = emitted[:cut]
-    else:
-        examined, accepted = min(n_acc + 1, gamma), n_acc
-    room = budget - len(row.tokens)
-    censored = cut is not None or room < gamma + 1
-    row.tokens += emitted[:room]
-    row.accepted += accepted
-    row.examined += examined
-    for j in range(examined):
-        row.reached[j] += 1
-        row.accepted_at[j] += j < accepted
-    if censored:
-        row.censored += 1
-    else:
-        row.cycles += 1
-        row.cycle_accepted += accepted
-    return cut is not None or len(row.tokens) >= budget or emitted[-1] in eos
-
-
-@torch.no_grad()
-def run_simulation(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequence],
-                   sampling: SamplingParams, gamma: int, n_tokens: int, *,
-                   device: torch.device, vocab: int, eos: set[int], seed: int = 0,
-                   batch_size: int = 8, indices: Sequence[int] | None = None, bar: Any = None
-                   ) -> dict[int, RowStats]:
-    """Speculative sampling from every prompt, up to n_tokens each; statistics per prompt.
-
-    Each cycle: the draft proposes gamma tokens autoregressively from its own output, the target
-    scores all gamma+1 positions in one forward, proposal i is accepted with probability
-    min(1, p_i(d_i)/q_i(d_i)), the first rejection is replaced by a draw from
-    normalise((p - q)+), and a fully accepted block earns a bonus token from p_{gamma+1}.
-    Results are keyed by indices[i] (default i), which also names prompt i's random stream.
-    """
-    indices = list(range(len(seqs))) if indices is None else list(indices)
-    bar = bar or _NoBar()
-    rows: dict[int, RowStats] = {}
-    G = gamma
-    steps = torch.arange(G + 1, device=device)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-    for batch in _batches(order, batch_size):
-        gens = row_generators(seed, [indices[i] for i in batch], phase=2)
-        stats = [RowStats(reached=[0] * G, accepted_at=[0] * G) for _ in batch]
-        prompts = [seqs[i].ids for i in batch]
-        # Invariant: both caches hold every emitted token but the last ("pending") one.
-        ids, mask_p, pos = left_pad([r[:-1] for r in prompts], device)  # (B, P-1)
-        cache_p = cache_q = None
-        if ids.shape[1]:
-            _, cache_p = model_forward(target, ids, mask_p, pos, None, last_only=True)
-            _, cache_q = model_forward(draft, ids, mask_p, pos, None, last_only=True)
-        mask_q = mask_p.clone()
-        pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
-        npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # pending's position
-        prev_tok = pending.clone()  # last cycle's d_G, which the draft has not yet seen
-        prev_ok = torch.zeros_like(pending)  # 1 where that d_G was accepted
-        any_prev = False  # whether any row has such a token (known on the host)
-        live = list(range(len(batch)))  # batch rows still generating, in tensor-row order
-        while live:
-            B = len(live)
-            u = draw_uniforms([gens[b] for b in live], 2 * G + 1, device)  # (B, 2G+1)
-            # Step 1: the draft proposes d_1..d_G. Its first forward feeds the pending token,
-            # preceded, when some row accepted a whole block, by last cycle's d_G (a slot that
-            # is masked out in the rows that did not).
-            if any_prev:
-                x = torch.stack([prev_tok, pending], 1)  # (B, 2)
-                pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
-                mask_q = torch.cat([mask_q, prev_ok[:, None], torch.ones_like(x[:, :1])], 1)
-            else:
-                x, pos = pending[:, None], npos[:, None]  # (B, 1)
-                mask_q = torch.cat([mask_q, torch.ones_like(x)], 1)
-            logits, cache_q = model_forward(draft, x, mask_q, pos, cache_q, last_only=True)
-            qs, ds = [], []
-            finite_q = torch.ones(B, dtype=torch.bool, device=device)
-            for i in range(G):
-                finite_q &= torch.isfinite(logits).flatten(1).all(1)
-                q = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
-                d = sample_from(q, u[:, i])  # (B,)
-                qs.append(q)
-                ds.append(d)
-                if i < G - 1:
-                    mask_q = torch.cat([mask_q, torch.ones_like(mask_q[:, :1])], 1)
-                    logits, cache_q = model_forward(draft, d[:, None], mask_q,
-                                                    (npos + 1 + i)[:, None], cache_q)
-            q = torch.stack(qs, 1)  # (B, G, V)
-            d = torch.stack(ds, 1)  # (B, G)
-            # Step 2: one target forward scores the pending token and all G proposals.
-            x = torch.cat([pending[:, None], d], 1)  # (B, G+1)
-            mask_p = torch.cat([mask_p, torch.ones_like(x)], 1)
-            lp, cache_p = model_forward(target, x, mask_p, npos[:, None] + steps, cache_p)
-            p = processed_probs(lp[..., :vocab], sampling)  # (B, G+1, V)
-            # Step 3: accept d_i with probability min(1, p/q); n_acc = length of accepted run.
-            p_d = p[:, :G].gather(-1, d[..., None]).squeeze(-1)  # (B, G)
-            q_d = q.gather(-1, d[..., None]).squeeze(-1)  # (B, G), > 0: d was drawn from q
-            accept = u[:, G:2 * G] * q_d < p_d
-            n_acc = accept.long().cumprod(1).sum(1)  # (B,)
-            # Step 4: the next token comes from the residual at the first rejection; after a
-            # full block, q is taken as zero there, so the residual is p_{G+1} (the bonus).
-            q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)  # (B, G+1, V)
-            rows_b = torch.arange(B, device=device)
-            new = sample_from(residual(p[rows_b, n_acc], q_pad[rows_b, n_acc]), u[:, 2 * G])
-            finite_p = torch.isfinite(lp).flatten(1).all(1)
-            host = torch.cat([n_acc[:, None], new[:, None], d, finite_p[:, None],
-                              finite_q[:, None]], 1).tolist()  # the cycle's one host sync
-            for r, b in enumerate(live):
-                for name, ok in (("target", host[r][-2]), ("draft", host[r][-1])):
-                    if not ok:
-                        raise FloatingPointError(
-                            f"the {name} model produced non-finite logits at prompt "
-                            f"{indices[batch[b]]}, position {int(npos[r])} (simulation); try "
-                            f"--dtype float32 or check the checkpoint")
-            still = []
-            for r, b in enumerate(live):
-                n_b, new_b, drafted = host[r][0], host[r][1], host[r][2:2 + G]
-                before = len(stats[b].tokens)
-                if _record_cycle(stats[b], drafted, n_b, new_b, G, n_tokens, eos):
-                    rows[indices[batch[b]]] = stats[b]
-                else:
-                    still.append(r)
-                bar.update(len(stats[b].tokens) - before)
-            # Rejected slots are switched off; trailing ones rejected in every row are cropped.
-            kept = (steps[:G] < n_acc[:, None]).long()  # (B, G)
-            mask_p[:, -G:] = kept
-            if G > 1:
-                mask_q[:, -(G - 1):] = kept[:, :G - 1]
-            top = max(host[r][0] for r in range(B))
-            dead_p, dead_q = G - top, G - 1 - min(top, G - 1)
-            for cache, dead in ((cache_p, dead_p), (cache_q, dead_q)):
-                if dead:
-                    cache.crop(-dead)  # negative: the number of slots to drop
-            mask_p = mask_p[:, :mask_p.shape[1] - dead_p]
-            mask_q = mask_q[:, :mask_q.shape[1] - dead_q]
-            prev_ok, prev_tok, pending, npos = kept[:, -1], d[:, -1], new, npos + n_acc + 1
-            if len(still) < B:  # finished rows leave the batch
-                live = [live[r] for r in still]
-                if not live:
-                    break
-                keep = torch.tensor(still, device=device)
-                cache_p.batch_select_indices(keep)
-                cache_q.batch_select_indices(keep)
-                mask_p, mask_q, prev_ok, prev_tok, pending, npos = (
-                    t[keep] for t in (mask_p, mask_q, prev_ok, prev_tok, pending, npos))
-            any_prev = any(host[r][0] == G for r in still)
-    return rows
-
-
-@torch.no_grad()
-def simulate_reference(target: nn.Module, draft: nn.Module, seqs: Sequence[TokenSequence],
-                       sampling: SamplingParams, gamma: int, n_tokens: int, *,
-                       device: torch.device, vocab: int, eos: set[int],
-                       seed: int = 0) -> dict[int, RowStats]:
-    """The same loop written plainly: one prompt at a time, every forward over the whole prefix.
-
-    Slow (quadratic in length) and kept as an oracle for `run_simulation` and as the benchmark's
-    no-cache baseline. Same random streams, so it makes the same draws.
-    """
-    rows = {}
-    for index, seq in enumerate(seqs):
-        gen = row_generators(seed, [index], phase=2)[0]
-        row = RowStats(reached=[0] * gamma, accepted_at=[0] * gamma)
-        prefix = list(seq.ids)
-        while True:
-            u = torch.rand(2 * gamma + 1, generator=gen)
-            drafted, qs = [], []
-            for i in range(gamma):
-                logits = draft(input_ids=torch.tensor([prefix + drafted], device=device)).logits
-                q = processed_probs(logits[0, -1, :vocab], sampling)
-                drafted.append(int(sample_from(q, u[i])))
-                qs.append(q)
-            logits = target(input_ids=torch.tensor([prefix + drafted], device=device)).logits
-            ps = processed_probs(logits[0, -gamma - 1:, :vocab], sampling)  # (G+1, V)
-            n_acc = 0
-            while n_acc < gamma and u[gamma + n_acc] * qs[n_acc][drafted[n_acc]] \
-                    < ps[n_acc, drafted[n_acc]]:
-                n_acc += 1
-            q_next = qs[n_acc] if n_acc < gamma else torch.zeros_like(ps[0])
-            new = int(sample_from(residual(ps[n_acc], q_next), u[2 * gamma]))
-            before = len(row.tokens)
-            finished = _record_cycle(row, drafted, n_acc, new, gamma, n_tokens, eos)
-            prefix += row.tokens[before:]
-            if finished:
-                break
-        rows[index] = row
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# what a cycle costs
-
-
-@torch.no_grad()
-def measure_costs(target: nn.Module, draft: nn.Module, ids: Sequence[int], gammas: Sequence[int],
-                  device: torch.device, repeats: int = 7) -> dict[str, Any]:
-    """Time one cached decode step of each model and a (gamma+1)-token verify pass of the target.
-
-    Batch 1, after a prefill of `ids` and two warm-up calls; median of `repeats`. The cache is
-    rolled back after every call so each one sees the same context length.
-    """
-    def timed(model: nn.Module, n_new: int) -> float:
-        ctx = torch.tensor([list(ids)], device=device)
-        ones = torch.ones_like(ctx)
-        _, cache = model_forward(model, ctx, ones, torch.arange(ctx.shape[1], device=device)[None],
-                                 None, last_only=True)
-        length = cache.get_seq_length()
-        x = ctx[:, -1:].expand(1, n_new)
-        mask = torch.ones(1, length + n_new, dtype=torch.long, device=device)
-        pos = torch.arange(length, length + n_new, device=device)[None]
-        times = []
-        for i in range(repeats + 2):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            logits, cache = model_forward(model, x, mask, pos, cache)
-            logits[0, -1, 0].item()  # wait for the device
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-            cache.crop(length - cache.get_seq_length())  # negative: drop the new slots
-        return sorted(times)[len(times) // 2]
-
-    step_p, step_q = timed(target, 1), timed(draft, 1)
-    verify = {g: timed(target, g + 1) / step_p for g in gammas}
-    return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-            "verify_cost": verify, "device": str(device)}
-
-
-# ----------------------------------------------------------------------------------------------
-# the measurement and its report
-
-GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
-N_BOOT = 1000  # bootstrap resamples for the confidence intervals
-
-
-@dataclass
-class AcceptanceReport:
-    """Every number the text report shows (simulation fields are None without simulate)."""
-
-    target: str
-    draft: str
-    temperature: float
-    top_k: int
-    top_p: float
-    gamma: int
-    cost_ratio: float  # one draft step in target steps
-    cost_ratio_source: str
-    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
-    # distributional (teacher-forced)
-    alpha: float | None
-    alpha_std: float | None  # std of the per-sequence means
-    alpha_stderr: float | None  # standard error of alpha, sequences as units
-    alpha_ci: tuple[float, float] | None  # 95% bootstrap over prompts
-    scored_positions: int
-    n_sequences: int
-    scored_on: str  # "continuation" or "prompt"
-    estimator: str  # which estimator expected_accepted uses: positional or iid
-    expected_accepted: float | None
-    expected_accepted_iid: float | None
-    expected_accepted_positional: float | None
-    tokens_per_cycle: float | None
-    tokens_per_cycle_ci: tuple[float, float] | None
-    est_speedup: float | None
-    est_speedup_ci: tuple[float, float] | None
-    greedy_agreement: float | None  # top-1 agreement of the raw logits
-    p_argmax_q: float | None  # mean p(argmax q): acceptance of a draft that proposes its argmax
-    alpha_by_category: dict[str, float] | None
-    sequences_by_category: dict[str, int] | None
-    gamma_table: list[dict[str, Any]] | None  # per gamma: tokens per cycle and speedup
-    best_gamma: int | None  # the gamma of the table with the highest teacher-forced speedup
-    # generative (simulation)
-    empirical_alpha: float | None = None
-    empirical_alpha_stderr: float | None = None
-    empirical_alpha_ci: tuple[float, float] | None = None
-    accepted_tokens: int | None = None
-    examined_tokens: int | None = None
-    cycles: int | None = None  # complete cycles
-    censored_cycles: int | None = None
-    mean_accepted_length: float | None = None
-    empirical_tokens_per_cycle: float | None = None
-    empirical_tokens_per_cycle_ci: tuple[float, float] | None = None
-    empirical_est_speedup: float | None = None
-    empirical_est_speedup_ci: tuple[float, float] | None = None
-    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
-    reached_by_draft_offset: list[int] | None = None
-    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
-    generated_tokens: int | None = None
-    simulated_prompts: int | None = None
-    # context
-    vocab: int = 0
-    truncated_prompts: int = 0
-    partial: bool = False
-    progress_note: str | None = None
-    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
-    # per prompt, for analyses of one's own: index, category, scored positions, alpha_sum
-    # (sum of alpha_t) and, with simulate, accepted, examined, cycles, cycle_accepted
-    per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def check_settings(gamma: int, continuation_tokens: int, batch_size: int,
-                   cost_ratio: float | str | None, simulate: bool, seed: int) -> None:
-    """Refuse measurement settings outside their ranges (before any model work is done)."""
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"--gamma must be a whole number >= 1, got {gamma}")
-    if continuation_tokens < 0:
-        raise ValueError(f"--continuation-tokens must be >= 0, got {continuation_tokens}")
-    if simulate and continuation_tokens < 1:
-        raise ValueError("--simulate needs --continuation-tokens >= 1 (its token budget per "
-                         "prompt)")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
-    if cost_ratio not in (None, "auto", "measure") and not (
-            isinstance(cost_ratio, (int, float)) and 0 <= cost_ratio < math.inf):
-        raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, "
-                         f"got {cost_ratio!r}")
-
-
-def cost_model(target: nn.Module, draft: nn.Module, cost_ratio: float | str | None,
-                sequences: list[TokenSequence], gamma: int, device: torch.device
-                ) -> dict[str, Any]:
-    """cost ratio c, verify cost per gamma (in target steps) and where they came from."""
-    gammas = sorted(set(GAMMA_TABLE) | {gamma})
-    if cost_ratio == "measure":
-        m = measure_costs(target, draft, sequences[0].ids, gammas, device)
-        m["source"] = (f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.1f} ms, "
-                       f"target step {m['target_step_s'] * 1e3:.1f} ms, "
-                       f"verify of {gamma + 1} tokens {m['verify_cost'][gamma]:.2f} target steps")
-        return m
-    if cost_ratio in (None, "auto"):
-        ratio = params_per_token(draft) / params_per_token(target)
-        source = "parameters per token, draft/target"
-    else:
-        ratio, source = float(cost_ratio), "given"
-    return {"cost_ratio": ratio, "verify_cost": {g: 1.0 for g in gammas}, "source": source}
-
-
-def measure_acceptance(target: nn.Module, draft: nn.Module, sequences: Sequence[TokenSequence],
-                       *, sampling: SamplingParams = SamplingParams(),
-                       device: torch.device | str | None = None, gamma: int = 4,
-                       cost_ratio: float | str | None = None, continuation_tokens: int = 64,
-                       simulate: bool = False, seed: int = 0, batch_size: int = 8,
-                       estimator: str = "iid", progress: bool = False,
-                       eos: set[int] | None = None, target_name: str = "target",
-                       draft_name: str = "draft") -> AcceptanceReport:
-    """Measure acceptance of `draft` against `target` on tokenised prompts.
-
-    The arguments are those of `measure_drafts`, for one draft. Note the library's default
-    sampling is SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
-    """
-    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
-                          device=device, gamma=gamma, cost_ratio=cost_ratio,
-                          continuation_tokens=continuation_tokens, simulate=simulate,
-                          seed=seed, batch_size=batch_size, estimator=estimator,
-                          progress=progress, eos=eos, target_name=target_name)[0]
-
-
-def measure_drafts(target: nn.Module, drafts: Sequence[tuple[str, nn.Module]],
-                   sequences: Sequence[TokenSequence], *,
-                   sampling: SamplingParams = SamplingParams(),
-                   device: torch.device | str | None = None, gamma: int = 4,
-                   cost_ratio: float | str | None = None, continuation_tokens: int = 64,
-                   simulate: bool = False, seed: int = 0, batch_size: int = 8,
-                   estimator: str = "iid", progress: bool = False,
-                   eos: set[int] | None = None, target_name: str = "target",
-                   costs: Sequence[dict[str, Any]] | None = None
-                   ) -> list[AcceptanceReport]:
-    """Measure each (name, draft) against one set of target continuations and target passes.
-
-    Prompts go through in batches, each batch start to finish (continuation, teacher-forced
-    scoring, simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the
-    reports then cover what finished and are marked partial.
-    cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
-    used per token; "measure" = timed on `device` (see measure_costs).
-    estimator: "iid" (default; the closed form, which the simulation agreed with better on real
-    pairs, see the README) or "positional" for E[accepted]; the report carries both.
-    eos: ids that end a continuation (default: the target's generation config).
-    costs: per draft, a cost model from `cost_model` made earlier (overrides cost_ratio), so a
-    sweep can reuse one timing.
-    """
-    check_settings(gamma, continuation_tokens, batch_size, cost_ratio, simulate, seed)
-    if estimator not in ("positional", "iid"):
-        raise ValueError(f"estimator must be positional or iid, got {estimator!r}")
-    if not sequences or not drafts:
-        raise ValueError("nothing to measure: no sequences or no drafts")
-    K = continuation_tokens
-    sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
-    if K == 0 and all(len(s.ids) < 2 for s in sequences):
-        raise ValueError("with --continuation-tokens 0 the prompts are scored, but every prompt "
-                         "has fewer than 2 tokens: nothing to score; raise --max-length or use "
-                         "--continuation-tokens > 0")
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    eos = eos_ids(target) if eos is None else set(eos)
-    vp = vocab_width(target)
-    vocab = min([vp] + [vocab_width(d) for _, d in drafts])
-    if any(max(s.ids) >= vocab for s in sequences):
-        raise ValueError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
-    if costs is None:
-        costs = [cost_model(target, draft, cost_ratio, sequences, gamma, device)
-                 for _, draft in drafts]
-
-    # per draft, per prompt index: teacher-forced numbers per position, and simulation stats
-    data = [{"alpha": {}, "top1": {}, "p_argmax_q": {}, "sim": {}} for _ in drafts]
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
-    bar = _progress(len(sequences) * K * (1 + simulate * len(drafts)), "measuring", progress)
-    probe = torch.tensor([sequences[order[-1]].ids[:16]], device=device)
-    route_p = _head_route(target, probe)
-    routes_q = [_head_route(d, probe) for _, d in drafts]
-    interrupted = False
-    try:
-        for batch in _batches(order, batch_size):
-            sub = [sequences[i] for i in batch]
-            # 1. the target's own continuation: the text speculative decoding would produce
-            bar.set_description("continuations")
-            conts = (sample_continuations(target, sub, sampling, K, device=device, vocab=vocab,
-                                          eos=eos, seed=seed, batch_size=len(sub),
-                                          indices=batch, bar=bar)
-                     if K else [[] for _ in sub])
-            # 2. teacher-forced alpha_t at every scored position; one target pass for all drafts
-            bar.set_description("teacher-forced")
-            rows = [s.ids + c for s, c in zip(sub, conts)]
-            spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if K else (0, len(s.ids) - 1)
-                     for s, c in zip(sub, conts)]
-            sizes = [e - s for s, e in spans]
-            labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s, e)]
-            hp = scored_outputs(target, rows, spans, device, route_p)  # (N, H or V)
-            for k, (_, draft) in enumerate(drafts):
-                hq = scored_outputs(draft, rows, spans, device, routes_q[k])
-                st = position_stats(target, draft, hp, hq, sampling, vocab, (route_p, routes_q[k]),
-                                    where=lambda n: "prompt {}, position {}".format(*labels[n]))
-                for key, values in st.items():
-                    data[k][key].update(zip(batch, values.split(sizes)))
-            # 3. the real thing: speculative sampling from every prompt of the batch
-            if simulate:
-                bar.set_description("simulation")
-                for k, (_, draft) in enumerate(drafts):
-                    # whole batches only: the rows of a batch that finish first are the
-                    # fast-accepting ones, so a cut batch would bias a partial report upwards
-                    data[k]["sim"].update(run_simulation(
-                        target, draft, sub, sampling, gamma, K, device=device, vocab=vocab,
-                        eos=eos, seed=seed, batch_size=len(sub), indices=batch, bar=bar))
-    except KeyboardInterrupt:
-        interrupted = True
-    bar.close()
-    reports = []
-    for (name, draft), d, cost in zip(drafts, data, costs):
-        r = _summarise(d, sequences, sampling=sampling, gamma=gamma, K=K, estimator=estimator,
-                       cost=cost, simulate=simulate, interrupted=interrupted, seed=seed,
-                       target_name=target_name, draft_name=name, vocab=vocab)
-        vq = vocab_width(draft)
-        if vq != vp:
-            r.notes.insert(0, f"vocab widths differ (target {vp}, draft {vq}): both cut to the "
-                              f"first {vocab} ids before sampling; exact only if the surplus "
-                              f"rows are padding")
-        reports.append(r)
-    return reports
-
-
-def _summarise(d: dict, sequences: list[TokenSequence], *, sampling: SamplingParams,
-               gamma: int, K: int, estimator: str, cost: dict[str, Any], simulate: bool,
-               interrupted: bool, seed: int, target_name: str, draft_name: str,
-               vocab: int) -> AcceptanceReport:
-    """Per-prompt measurements of one draft -> its report."""
-    c, verify = cost["cost_ratio"], cost["verify_cost"]
-    keep = sorted(i for i, a in d["alpha"].items() if a.numel())
-    alphas = [d["alpha"][i] for i in keep]
-    n_pos = sum(a.numel() for a in alphas)
-    if not n_pos and not interrupted:
-        raise ValueError("nothing to score: no scored position in any sequence; use longer "
-                         "prompts or --continuation-tokens > 0")
-    weights = bootstrap_weights(len(alphas), N_BOOT, seed)
-    alpha = alpha_std = alpha_se = alpha_ci = exp_iid = exp_pos = agree = p_q = None
-    by_cat = n_cat = expected = tpc_ci = table = best = None
-    used = "positional" if estimator == "positional" else "iid"
-    if n_pos:
-        sums = [a.double().sum().item() for a in alphas]
-        counts = [a.numel() for a in alphas]
-        alpha = sum(sums) / n_pos
-        means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
-        alpha_std = means.std().item() if len(means) > 1 else 0.0
-        alpha_se = ratio_stderr(sums, counts)
-        alpha_ci = bootstrap_ci(sums, counts, weights)
-        exp_iid = expected_accepted_iid(alpha, gamma)
-        exp_pos = expected_accepted_positional(alphas, gamma)
-        if exp_pos is None:
-            used = "iid"  # no continuation is gamma tokens long
-        if used == "positional":
-            expected = exp_pos
-            tpc_ci = bootstrap_ci(*positional_windows(alphas, gamma), weights)
-        else:
-            expected = exp_iid
-            tpc_ci = None if alpha_ci is None else tuple(
-                expected_accepted_iid(a, gamma) for a in alpha_ci)
-        tpc_ci = None if tpc_ci is None else (tpc_ci[0] + 1, tpc_ci[1] + 1)
-        agree = torch.cat([d["top1"][i] for i in keep]).double().mean().item()
-        p_q = torch.cat([d["p_argmax_q"][i] for i in keep]).double().mean().item()
-        cats = [sequences[i].category for i in keep]
-        if any(x is not None for x in cats):
-            names = sorted({x for x in cats if x is not None})
-            by_cat = {x: torch.cat([a for a, y in zip(alphas, cats) if y == x]).double()
-                      .mean().item() for x in names}
-            n_cat = {x: cats.count(x) for x in names}
-        table = []
-        for g in sorted(verify):
-            e = expected_accepted_positional(alphas, g) if used == "positional" \
-                else expected_accepted_iid(alpha, g)
-            if e is not None:
-                table.append({"gamma": g, "tokens_per_cycle": e + 1,
-                              "est_speedup": est_speedup(e + 1, g, c, verify[g])})
-        best = max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None
-    tpc = None if expected is None else expected + 1
-    report = AcceptanceReport(
-        target=target_name, draft=draft_name, temperature=sampling.temperature,
-        top_k=sampling.top_k, top_p=sampling.top_p, gamma=gamma, cost_ratio=c,
-        cost_ratio_source=cost["source"], verify_cost=verify[gamma], alpha=alpha,
-        alpha_std=alpha_std, alpha_stderr=alpha_se, alpha_ci=alpha_ci, scored_positions=n_pos,
-        n_sequences=len(alphas), scored_on="continuation" if K > 0 else "prompt",
-        estimator=used, expected_accepted=expected, expected_accepted_iid=exp_iid,
-        expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
-        est_speedup=None if tpc is None else est_speedup(tpc, gamma, c, verify[gamma]),
-        est_speedup_ci=None if tpc_ci is None else tuple(
-            est_speedup(x, gamma, c, verify[gamma]) for x in tpc_ci),
-        greedy_agreement=agree, p_argmax_q=p_q, alpha_by_category=by_cat,
-        sequences_by_category=n_cat, gamma_table=table, best_gamma=best, vocab=vocab,
-        truncated_prompts=sum(s.truncated for s in sequences),
-        costs={k: v for k, v in cost.items() if k != "source"} if "device" in cost else None)
-    if simulate and d["sim"]:
-        _fill_simulation(report, [d["sim"][i] for i in sorted(d["sim"])], seed, verify)
-    for i in sorted(set(keep) | set(d["sim"])):
-        row: dict[str, Any] = {"index": i, "category": sequences[i].category}
-        if i in d["alpha"]:
-            row.update(scored=d["alpha"][i].numel(), alpha_sum=d["alpha"][i].double().sum().item())
-        if i in d["sim"]:
-            sim = d["sim"][i]
-            row.update(accepted=sim.accepted, examined=sim.examined, cycles=sim.cycles,
-                       cycle_accepted=sim.cycle_accepted, censored=sim.censored)
-        report.per_prompt.append(row)
-    if interrupted:
-        report.partial = True
-        done_sim = f", {len(d['sim'])} of {len(sequences)} prompts simulated" if simulate else ""
-        report.progress_note = (f"interrupted: {len(alphas)} of {len(sequences)} sequences "
-                                f"scored{done_sim}")
-    _add_notes(report, sampling, K)
-    return report
-
-
-def _fill_simulation(report: AcceptanceReport, rows: list[RowStats], seed: int,
-                     verify: dict[int, float]) -> None:
-    """Simulation numbers of a report, from the per-prompt statistics."""
-    gamma, c = report.gamma, report.cost_ratio
-    acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
-    cycles = sum(r.cycles for r in rows)
-    all_cycles = cycles + sum(r.censored for r in rows)
-    weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
-    report.accepted_tokens, report.examined_tokens = sum(acc), sum(exam)
-    report.cycles, report.censored_cycles = cycles, all_cycles - cycles
-    report.generated_tokens = sum(len(r.tokens) for r in rows)
-    report.simulated_prompts = len(rows)
-    report.empirical_alpha = sum(acc) / sum(exam) if sum(exam) else None
-    report.empirical_alpha_stderr = ratio_stderr(acc, exam)
-    report.empirical_alpha_ci = bootstrap_ci(acc, exam, weights)
-    if cycles:
-        report.mean_accepted_length = sum(r.cycle_accepted for r in rows) / cycles
-        report.empirical_tokens_per_cycle = report.mean_accepted_length + 1
-        report.empirical_est_speedup = est_speedup(report.empirical_tokens_per_cycle, gamma, c,
-                                                   verify[gamma])
-        ci = bootstrap_ci([r.cycle_accepted for r in rows], [r.cycles for r in rows], weights)
-        if ci is not None:
-            report.empirical_tokens_per_cycle_ci = (ci[0] + 1, ci[1] + 1)
-            report.empirical_est_speedup_ci = tuple(
-                est_speedup(x + 1, gamma, c, verify[gamma]) for x in ci)
-    reached = [sum(r.reached[j] for r in rows) for j in range(gamma)]
-    took = [sum(r.accepted_at[j] for r in rows) for j in range(gamma)]
-    report.reached_by_draft_offset = reached
-    report.alpha_by_draft_offset = [t / n if n else None for t, n in zip(took, reached)]
-    report.accepted_per_cycle_by_draft_offset = [t / all_cycles if all_cycles else None
-                                                 for t in took]
-    for row in report.gamma_table or []:  # the simulation speaks for blocks up to its own
-        e = (report.mean_accepted_length if row["gamma"] == gamma
-             else accepted_from_offsets(report.alpha_by_draft_offset, row["gamma"]))
-        row["sim_tokens_per_cycle"] = None if e is None else e + 1
-        row["sim_est_speedup"] = None if e is None else est_speedup(
-            e + 1, row["gamma"], c, verify[row["gamma"]])
-
-
-def _add_notes(report: AcceptanceReport, sampling: SamplingParams, K: int) -> None:
-    if K == 0:
-        report.notes.insert(0, "PROMPT TOKENS SCORED (--continuation-tokens 0): the draft is "
-                               "judged on human text, not on what the target would write; "
-                               "alpha can differ a lot from serving")
-    if sampling.greedy:
-        report.notes.append("temperature 0: acceptance is exact top-1 agreement; it "
-                            "over-states acceptance under sampling")
-    if report.truncated_prompts:
-        report.notes.append(f"{report.truncated_prompts} prompt(s) longer than --max-length "
-                            f"were cut from the left (their ends kept)")
-    if report.cost_ratio_source.startswith("parameters"):
-        report.notes.append("cost ratio from parameter counts: a rough guide; memory-bound "
-                            "serving and the verify pass's real cost can differ "
-                            "(--cost-ratio measure times them)")
-
-
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
-    return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
-
-
-def format_report(r: AcceptanceReport) -> str:
-    """The text report (layout of SPEC.md), notes underneath."""
-    rule = "  " + "─" * 66
-    sampling = f"temperature={r.temperature:g}"
-    if r.top_k:
-        sampling += f"  top_k={r.top_k}"
-    if r.top_p < 1:
-        sampling += f"  top_p={r.top_p:g}"
-    cost = f"(cost_ratio={r.cost_ratio:.2f}, rough)"
-    lines = [f"  speculative-decoding acceptance  —  {r.draft}  ⇒  {r.target}",
-             f"  sampling: {sampling}    gamma (draft block): {r.gamma}"]
-    if r.partial:
-        lines.append(f"  PARTIAL RESULT — {r.progress_note}")
-    lines += [rule, f"  distributional (teacher-forced on target {r.scored_on})"]
-    std = "" if r.alpha_std is None else f"   ± {r.alpha_std:.3f} (per-seq)"
-    est = "positional" if r.estimator == "positional" else "i.i.d. closed form"
-    lines += [
-        f"    acceptance rate  alpha        {_num(r.alpha, '.3f')}{std}{_ci(r.alpha_ci)}",
-        f"    scored positions              {r.scored_positions:,} over {r.n_sequences} sequences",
-        f"    E[accepted draft tokens]      {_num(r.expected_accepted, '.3f')}  of {r.gamma}"
-        f"   ({est} estimator)",
-        f"    E[tokens per cycle]           {_num(r.tokens_per_cycle, '.3f')}"
-        f"{_ci(r.tokens_per_cycle_ci)}",
-        f"    est. speedup                  {_num(r.est_speedup, '5.2f') + 'x':>6}   {cost}"
-        f"{_ci(r.est_speedup_ci, '.2f')}"]
-    if r.reached_by_draft_offset is not None:
-        offsets = "".join(f"{_num(a, '.2f'):>6}" for a in r.alpha_by_draft_offset)
-        reached = "".join(f"{n:>6}" for n in r.reached_by_draft_offset)
-        lines += [
-            rule, "  generative (real rejection sampling — the number to trust)",
-            f"    acceptance rate  alpha        {_num(r.empirical_alpha, '.3f')}"
-            f"{_ci(r.empirical_alpha_ci)}",
-            f"    examined draft tokens         {r.examined_tokens:,} ({r.accepted_tokens:,} "
-            f"accepted) from {r.simulated_prompts} prompts",
-            f"    mean accepted length          {_num(r.mean_accepted_length, '.3f')}  "
-            f"of {r.gamma}   ({r.cycles:,} complete cycles, {r.censored_cycles} censored)",
-            f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
-            f"{_ci(r.empirical_tokens_per_cycle_ci)}",
-            f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
-            f"{cost}{_ci(r.empirical_est_speedup_ci, '.2f')}",
-            f"    alpha by draft offset 1..{r.gamma:<3}{offsets}",
-            f"    cycles reaching it         {reached}",
-            "      (a steep fall = the draft degrades as it runs ahead)"]
-    if r.gamma_table:
-        sim = any(row.get("sim_tokens_per_cycle") is not None for row in r.gamma_table)
-        lines += [rule, f"  best gamma at cost_ratio={r.cost_ratio:.2f} "
-                        f"(* = highest est. speedup, teacher-forced)",
-                  "    gamma            " + "".join(f"{row['gamma']:>7}" for row in r.gamma_table),
-                  "    tokens/cycle     " + "".join(f"{row['tokens_per_cycle']:>7.2f}"
-                                                    for row in r.gamma_table),
-                  "    est. speedup     " + "".join(
-                      f"{row['est_speedup']:>6.2f}{'*' if row['gamma'] == r.best_gamma else ' '}"
-                      for row in r.gamma_table)]
-        if sim:
-            lines += ["    sim tokens/cycle " + "".join(
-                          f"{_num(row.get('sim_tokens_per_cycle'), '.2f'):>7}"
-                          for row in r.gamma_table),
-                      "    sim speedup      " + "".join(
-                          f"{_num(row.get('sim_est_speedup'), '.2f'):>7}"
-                          for row in r.gamma_table)]
-    if r.alpha_by_category:
-        lines += [rule, "  alpha by category (teacher-forced)"]
-        lines += [f"    {name:<16} {a:.3f}   ({r.sequences_by_category[name]} sequences)"
-                  for name, a in r.alpha_by_category.items()]
-    lines.append(rule)
-    lines += [f"  note: {n}" for n in r.notes]
-    verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
-    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify}), "
-                 f"cost_ratio from {r.cost_ratio_source}: an indication, not a benchmark")
-    return "\n".join(lines)
-
-
-def format_summary(reports: Sequence[AcceptanceReport]) -> str:
-    """One row per (draft, temperature), best estimated speedup first."""
-    def speed(r: AcceptanceReport) -> float:
-        best = next((row for row in r.gamma_table or [] if row["gamma"] == r.best_gamma), None)
-        return -1.0 if best is None else best["est_speedup"]
-
-    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
-             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'gen alpha':>9} "
-             f"{'best gamma':>10} {'speedup':>8}"]
-    for r in sorted(reports, key=speed, reverse=True):
-        ci = "" if r.alpha_ci is None else f"[{r.alpha_ci[0]:.3f}, {r.alpha_ci[1]:.3f}]"
-        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
-        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
-                     f"{_num(r.empirical_alpha, '.3f'):>9} {_num(r.best_gamma, 'd'):>10} "
-                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1660,8 +1996,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="specdec.py", description="Measure speculative-decoding acceptance "
                  "(alpha) and expected speedup of draft models against a target model.",
                  epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
-                 "0 done, 1 --min-alpha gate failed, 2 bad input, 130 interrupted (the partial "
-                 "report is printed).")
+                 "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
+                 "torch or transformers (one line naming the step; --traceback for more), "
+                 "130 interrupted (the partial report is printed).")
     ap.add_argument("--target", required=True,
                     help="target model: hub id, local folder or .gguf file")
     ap.add_argument("--draft", action="append", default=[], metavar="MODEL",
@@ -1726,6 +2063,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "then goes to stderr); several drafts or temperatures give a list")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bars and no status line on stderr")
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an unforeseen failure (exit status 3), print the whole traceback "
+                    "after the one-line message")
     return ap
 
 
@@ -1750,90 +2090,95 @@ def _check_json_target(path: str | None) -> None:
     if path and path != "-":
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise ValueError(f"--json: folder {folder!r} does not exist; create it or pick "
+            raise UsageError(f"--json: folder {folder!r} does not exist; create it or pick "
                              f"another path")
         if os.path.isdir(path):
-            raise ValueError(f"--json: {path!r} is a folder; give a file path")
+            raise UsageError(f"--json: {path!r} is a folder; give a file path")
         if not os.access(folder, os.W_OK):
-            raise ValueError(f"--json: cannot write in {folder!r}; pick another path")
+            raise UsageError(f"--json: cannot write in {folder!r}; pick another path")
 
 
 def _number_list(text: str, what: str, kind: type) -> list:
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{what} takes a number or a comma list of numbers, "
+        raise UsageError(f"{what} takes a number or a comma list of numbers, "
                          f"got {text!r}") from None
     if not values:
-        raise ValueError(f"{what} is empty")
+        raise UsageError(f"{what} is empty")
     return values
 
 
-def run(args: argparse.Namespace) -> list[AcceptanceReport]:
-    """Everything main does between parsing and printing: one report per (temperature, draft)."""
-    temperatures = _number_list(args.temperature, "--temperature", float)
-    samplings = [SamplingParams(t, args.top_k, args.top_p) for t in temperatures]
+
+
+def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None
+                ) -> list[AcceptanceReport]:
+    """The CLI's work between parsing and printing: one report per (temperature, draft).
+    status(line) is told what is about to be measured."""
+    samplings = [SamplingParams(t, args.top_k, args.top_p)
+                 for t in _number_list(args.temperature, "--temperature", float)]
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
-    if args.max_samples < 1:
-        raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
-    if args.max_length < 1:
-        raise ValueError(f"--max-length must be >= 1, got {args.max_length}")
-    cost_ratio: float | str = args.cost_ratio
-    if cost_ratio not in ("auto", "measure"):
-        try:
-            cost_ratio = float(cost_ratio)
-        except ValueError:
-            raise ValueError(f"--cost-ratio must be a number >= 0, auto or measure, "
-                             f"got {args.cost_ratio!r}") from None
-    check_settings(args.gamma, args.continuation_tokens, args.batch_size, cost_ratio,
-                   args.simulate, args.seed)
+    check_prompt_budget(args.max_samples, args.max_length)
+    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
+                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio))
     _check_json_target(args.json)
     if not args.draft and not layers:
-        raise ValueError("give --draft MODEL, or --draft-layers N to draft with the target's "
-                         "first N layers")
+        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
+                         "first N decoder layers")
     prompts = load_texts(args.data)
     progress = not args.quiet and sys.stderr.isatty()
-    device = resolve_device(args.device)
-    target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
-                                                   args.use_unsloth, progress)
-    loaded = {args.target: (target, tok)}  # a model named twice is loaded once
-    for name in args.draft:
-        if name not in loaded:
-            loaded[name] = load_model_and_tokenizer(name, device, args.dtype,
-                                                    args.use_unsloth, progress)[:2]
-    # the early-exit drafts come from the single --draft, or else from the target
-    base = args.draft[0] if len(args.draft) == 1 else args.target
-    drafts = [] if len(args.draft) == 1 and layers else [(n, *loaded[n]) for n in args.draft]
-    for n in layers:
-        drafts.append((f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
-                       loaded[base][1]))
-    for _, model, tok_q in drafts:
-        check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
+    target, tok, drafts = cli_models(args, layers, progress)
     seqs = build_sequences(prompts, tok, max_samples=args.max_samples,
                            max_length=args.max_length, chat_template=args.chat_template)
-    if not args.quiet:
-        print(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
-              f"{len(samplings)} temperature(s) on {device}", file=sys.stderr, flush=True)
-    # time the models once, not once per temperature
-    costs = [cost_model(target, model, cost_ratio, seqs, args.gamma, device)
-             for _, model, _ in drafts]
+    device = next(target.parameters()).device
+    status(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
+           f"{len(samplings)} temperature(s) on {device}")
+    settings = replace(settings, eos=eos_ids(target, tok))
+    costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
+    weights = str(next(target.parameters()).dtype).removeprefix("torch.")
     reports: list[AcceptanceReport] = []
     for sampling in samplings:
-        batch = measure_drafts(
-            target, [(name, model) for name, model, _ in drafts], seqs, sampling=sampling,
-            device=device, gamma=args.gamma, cost_ratio=cost_ratio,
-            continuation_tokens=args.continuation_tokens, simulate=args.simulate,
-            seed=args.seed, batch_size=args.batch_size, progress=progress,
-            estimator=args.estimator,
-            eos=eos_ids(target, tok), target_name=args.target, costs=costs)
-        weights = str(next(target.parameters()).dtype).removeprefix("torch.")
+        batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
+                               settings=settings, progress=progress, target_name=args.target,
+                               costs=costs)
         for r in batch:
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
         if any(r.partial for r in batch):
             break  # interrupted: report what finished, measure no further temperature
     return reports
+
+
+def _cost_ratio(text: str) -> float | str:
+    if text in ("auto", "measure"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, "
+                         f"got {text!r}") from None
+
+
+def cli_models(args: argparse.Namespace, layers: list[int], progress: bool
+               ) -> tuple[nn.Module, Any, list[Drafter]]:
+    """Load the target and every draft (a model named twice is loaded once); the early-exit
+    drafts come from the single --draft, or else from the target. Tokenizers must agree."""
+    device = resolve_device(args.device)
+    target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
+                                                   args.use_unsloth, progress)
+    loaded = {args.target: (target, tok)}
+    for name in args.draft:
+        if name not in loaded:
+            loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
+                                                    progress)[:2]
+    base = args.draft[0] if len(args.draft) == 1 else args.target
+    named = [] if len(args.draft) == 1 and layers else [(n, *loaded[n]) for n in args.draft]
+    named += [(f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
+               loaded[base][1]) for n in layers]
+    for _, model, tok_q in named:
+        check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
+    return target, tok, [ModelDrafter(name, model) for name, model, _ in named]
 
 
 def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
@@ -1844,20 +2189,43 @@ def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
     return (ci[0], True) if ci else (alpha, False)
 
 
+def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list[str]:
+    """--min-alpha: one line per (draft, temperature) whose alpha bound is below min_alpha."""
+    lines = []
+    for r in reports:
+        a, bound = _alpha_low(r)
+        if a is None or a < min_alpha:
+            what = "lower 95% bound" if bound else "alpha (no interval from a single prompt)"
+            lines.append(f"specdec: alpha gate failed for {r.draft} at temperature "
+                         f"{r.temperature:g}: {what} {_num(a, '.3f')} < --min-alpha {min_alpha}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI. Exit status: 0 ok, 1 --min-alpha gate failed, 2 bad input, 130 interrupted."""
+    """The CLI; the only place that prints. Exit status: 0 ok, 1 --min-alpha gate failed,
+    2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["measure"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    say = (lambda line: None) if args.quiet else (
+        lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        reports = run(args)
-    except (ValueError, FloatingPointError) as e:
+        reports = cli_reports(args, say)
+    except (UsageError, FloatingPointError) as e:
         print(f"specdec: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specdec: interrupted before any measurement finished", file=sys.stderr)
         return 130
+    except Exception as e:  # unforeseen: one line, the traceback only when asked
+        if args.traceback:
+            import traceback
+            traceback.print_exc()
+        what = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {_one_line(e)}"
+        print(f"specdec: error: {what}" + ("" if args.traceback else
+                                           " (--traceback shows where)"), file=sys.stderr)
+        return 3
     out = sys.stderr if args.json == "-" else sys.stdout
     print("\n\n".join(format_report(r) for r in reports), file=out)
     if len(reports) > 1:
@@ -1869,16 +2237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json_atomic(args.json, data)
     if any(r.partial for r in reports):
         return 130
-    if args.min_alpha is not None:
-        low = [(*_alpha_low(r), r) for r in reports]
-        failed = [(a, bound, r) for a, bound, r in low if a is None or a < args.min_alpha]
-        for a, bound, r in failed:
-            what = "lower 95% bound" if bound else "alpha (no interval from a single prompt)"
-            print(f"specdec: alpha gate failed for {r.draft} at temperature {r.temperature:g}: "
-                  f"{what} {_num(a, '.3f')} < --min-alpha {args.min_alpha}", file=sys.stderr)
-        if failed:
-            return 1
-    return 0
+    failures = [] if args.min_alpha is None else gate_failures(reports, args.min_alpha)
+    for line in failures:
+        print(line, file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
