@@ -281,12 +281,8 @@ def select_slots(slots: Slots, rows: torch.Tensor) -> None:
 def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Token rows -> ids, live mask, logical positions, each (B, T), padding on the left."""
     width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    live = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, width - len(r):] = torch.tensor(r)
-            live[b, width - len(r):] = 1
+    ids = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    live = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     pos = (live.cumsum(-1) - 1).clamp_min(0)
     return ids.to(device), live.to(device), pos.to(device)
 
@@ -594,9 +590,8 @@ class RowStats:
 
     accepted: int = 0  # draft tokens accepted (all cycles)
     examined: int = 0  # draft tokens examined: up to and including the first rejection
-    cycles: int = 0  # complete (uncensored) cycles
-    cycle_accepted: int = 0  # accepted tokens in complete cycles
-    censored: int = 0  # cycles cut short by the token budget or EOS
+    cycles: int = 0  # cycles run
+    censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
     reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
     accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
     tokens: list[int] = field(default_factory=list)  # emitted tokens
@@ -610,10 +605,11 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
                  budget: int, eos: set[int] | frozenset[int]) -> bool:
     """Account one cycle of one row; returns True when the row is finished.
 
-    A cycle is censored (counted for alpha, not for lengths) when EOS ends it among the accepted
-    drafts, or when the token budget left at its start could not hold a full cycle (gamma + 1
-    tokens). The budget rule looks only at the start, never at the outcome: censoring the
-    cycles that happened to accept more than the room left would bias lengths downwards.
+    Every cycle counts at each draft offset it examined (reached, accepted_at), which is all
+    the product-limit estimate of the accepted length needs. An accepted EOS ends the
+    generation: the cycle is cut there (censored; the offsets after it are never examined)
+    and only the tokens up to it are emitted. The token budget only truncates what is
+    emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
     emitted = drafted[:n_acc] + [new_token]
     cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
@@ -622,19 +618,14 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
         emitted = emitted[:cut]
     else:
         examined, accepted = min(n_acc + 1, gamma), n_acc
-    room = budget - len(row.tokens)
-    censored = cut is not None or room < gamma + 1
-    row.tokens += emitted[:room]
+    row.tokens += emitted[:budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
     for j in range(examined):
         row.reached[j] += 1
         row.accepted_at[j] += j < accepted
-    if censored:
-        row.censored += 1
-    else:
-        row.cycles += 1
-        row.cycle_accepted += accepted
+    row.cycles += 1
+    row.censored += cut is not None
     return cut is not None or len(row.tokens) >= budget or emitted[-1] in eos
 
 
@@ -833,21 +824,19 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tens
     return lo, hi
 
 
-def accepted_from_offsets(rates: Sequence[float | None], gamma: int) -> float | None:
-    """E[accepted] at block gamma from conditional acceptance by offset: sum_k prod_{j<=k} a_j.
+def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
+    """E[accepted draft tokens per cycle] from cycles counted at each offset they reached:
+    reached, accepted_at (..., G) -> sum_k prod_{j<=k} accepted_at_j / reached_j (...).
 
-    A draft does not know the block size, so a shorter block accepts min(run, gamma) of the
-    run a longer one would have accepted. Undefined past the offsets the simulation reached.
+    The product-limit (Kaplan-Meier) estimate: a cycle cut at offset c (an accepted EOS) is
+    at risk up to c and then leaves the count, so cuts that depend on the outcome bias
+    nothing. Without cuts it is exactly the mean accepted length. An offset no cycle reached
+    adds nothing, nor do the ones after it. A draft does not know the block size, so the
+    first g offsets give the estimate for a block of g.
     """
-    if gamma > len(rates):
-        return None
-    total, run = 0.0, 1.0
-    for a in rates[:gamma]:
-        if a is None:  # offset never reached: every earlier cycle was rejected before it
-            break
-        run *= a
-        total += run
-    return total
+    reached, accepted_at = reached.double(), accepted_at.double()
+    rate = torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0)
+    return rate.cumprod(-1).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -946,15 +935,16 @@ class AcceptanceReport:
     empirical_alpha_ci: tuple[float, float] | None = None
     accepted_tokens: int | None = None
     examined_tokens: int | None = None
-    cycles: int | None = None  # complete cycles
-    censored_cycles: int | None = None
-    mean_accepted_length: float | None = None
+    cycles: int | None = None
+    censored_cycles: int | None = None  # cycles cut by an accepted EOS
+    mean_accepted_length: float | None = None  # product-limit estimate, see product_limit
     empirical_tokens_per_cycle: float | None = None
     empirical_tokens_per_cycle_ci: tuple[float, float] | None = None
     empirical_est_speedup: float | None = None
     empirical_est_speedup_ci: tuple[float, float] | None = None
     alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
-    reached_by_draft_offset: list[int] | None = None
+    reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
+    accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
     accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
     generated_tokens: int | None = None
     simulated_prompts: int | None = None
@@ -1039,36 +1029,39 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
     """The generative section of a report, from the per-prompt simulation statistics."""
     acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
     cycles = sum(r.cycles for r in rows)
-    all_cycles = cycles + sum(r.censored for r in rows)
     weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
-    reached = [sum(r.reached[j] for r in rows) for j in range(gamma)]
-    took = [sum(r.accepted_at[j] for r in rows) for j in range(gamma)]
-    length = sum(r.cycle_accepted for r in rows) / cycles if cycles else None
-    length_ci = bootstrap_ci([r.cycle_accepted for r in rows], [r.cycles for r in rows],
-                             weights) if cycles else None
+    per_row = torch.tensor([r.reached + r.accepted_at for r in rows], dtype=torch.float64)
+    by_row = per_row.view(len(rows), 2, gamma)  # (prompts, reached / accepted_at, G)
+    reached, took = by_row.sum(0).long().tolist()
+    length = product_limit(*by_row.sum(0)).item() if cycles else None
+    length_ci = None
+    if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
+        boot = product_limit(*torch.einsum("bn,nkg->kbg", weights, by_row))  # (n_boot,)
+        length_ci = tuple(torch.quantile(boot, torch.tensor(
+            [0.025, 0.975], dtype=torch.float64)).tolist())
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost)
     return dict(
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
-        censored_cycles=all_cycles - cycles,
+        censored_cycles=sum(r.censored for r in rows),
         generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
         empirical_alpha=sum(acc) / sum(exam) if sum(exam) else None,
         empirical_alpha_stderr=ratio_stderr(acc, exam),
         empirical_alpha_ci=bootstrap_ci(acc, exam, weights), mean_accepted_length=length,
         empirical_tokens_per_cycle=tpc, empirical_tokens_per_cycle_ci=tpc_ci,
         empirical_est_speedup=speed, empirical_est_speedup_ci=speed_ci,
-        reached_by_draft_offset=reached,
+        reached_by_draft_offset=reached, accepted_by_draft_offset=took,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
-        accepted_per_cycle_by_draft_offset=[t / all_cycles if all_cycles else None
-                                            for t in took])
+        accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
 
 
 def add_simulated_gammas(report: AcceptanceReport, cost: Cost) -> None:
-    """The simulation speaks for blocks up to its own: its measured length at its gamma, and
-    the run implied by its acceptance by offset for shorter blocks."""
+    """The simulation speaks for blocks up to its own: the product-limit estimate over its
+    first g offsets is the accepted length of a block of g."""
+    reached = torch.tensor(report.reached_by_draft_offset, dtype=torch.float64)
+    took = torch.tensor(report.accepted_by_draft_offset, dtype=torch.float64)
     for row in report.gamma_table or []:
         g = row["gamma"]
-        e = (report.mean_accepted_length if g == report.gamma
-             else accepted_from_offsets(report.alpha_by_draft_offset, g))
+        e = product_limit(reached[:g], took[:g]).item() if g <= report.gamma else None
         row["sim_tokens_per_cycle"] = None if e is None else e + 1
         row["sim_est_speedup"] = None if e is None else cost.speedup(e + 1, g)
 
@@ -1178,7 +1171,7 @@ def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
         f"    examined draft tokens         {r.examined_tokens:,} ({r.accepted_tokens:,} "
         f"accepted) from {r.simulated_prompts} prompts",
         f"    mean accepted length          {_num(r.mean_accepted_length, '.3f')}  "
-        f"of {r.gamma}   ({r.cycles:,} complete cycles, {r.censored_cycles} censored)",
+        f"of {r.gamma}   ({r.cycles:,} cycles, {r.censored_cycles} cut by EOS)",
         f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
         f"{_ci(r.empirical_tokens_per_cycle_ci)}",
         f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
@@ -1215,7 +1208,8 @@ def format_report(r: AcceptanceReport) -> str:
         sampling += f"  top_p={r.top_p:g}"
     cost = f"(cost_ratio={r.cost_ratio:.2f}, rough)"
     lines = [f"  speculative-decoding acceptance  —  {r.draft}  ⇒  {r.target}",
-             f"  sampling: {sampling}    gamma (draft block): {r.gamma}"]
+             f"  sampling: {sampling}    gamma (draft block): {r.gamma}    "
+             f"vocabulary: first {r.vocab:,} ids"]
     if r.partial:
         lines.append(f"  PARTIAL RESULT — {r.progress_note}")
     lines += [RULE] + _teacher_forced_lines(r, cost)
