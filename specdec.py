@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -259,7 +260,8 @@ def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
     kwargs = {"logits_to_keep": 1} if last_only else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 **{_cache_keyword(type(model)): slots.cache}, **kwargs)
-    return out.logits[:, -1:] if last_only else out.logits
+    logits = out.logits.to(ids.device)  # a device-mapped model may end on another device
+    return logits[:, -1:] if last_only else logits
 
 
 def settle_slots(slots: Slots, keep: torch.Tensor, most: int, k: int) -> None:
@@ -371,12 +373,12 @@ def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
     else:
         states = model(input_ids=ids, attention_mask=live, position_ids=pos,
                        use_cache=False).logits  # (B, T, V)
-    return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)])  # (N, H or V)
+    return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)]).to(device)  # (N, H|V)
 
 
 def head_logits(model: nn.Module, states: torch.Tensor, route: bool) -> torch.Tensor:
     """Logits from what scored_outputs returned."""
-    return model.get_output_embeddings()(states) if route else states
+    return model.get_output_embeddings()(states).to(states.device) if route else states
 
 
 def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -1420,8 +1422,8 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                    sampling: SamplingParams = SamplingParams(),
                    device: torch.device | str | None = None, settings: Settings | None = None,
                    progress: bool = False, target_name: str = "target",
-                   costs: Sequence[Cost] | None = None, **options: Any
-                   ) -> list[AcceptanceReport]:
+                   costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
+                   **options: Any) -> list[AcceptanceReport]:
     """Measure each (name, draft) against one set of target continuations and target passes.
 
     A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
@@ -1436,6 +1438,9 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     Prompts go through in batches, each batch start to finish (continuation, teacher-forced
     scoring, simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the
     reports then cover what finished and are marked partial.
+    share = (rank, world size) under torch.distributed (see join_processes): each process
+    measures its deal of the batches, rank 0 gathers them and alone returns the reports (the
+    others return []); the numbers are those of one process.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
     if not sequences or not drafts:
@@ -1453,7 +1458,13 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
-                                   progress)
+                                   progress and share[0] == 0, share)
+    if share[1] > 1:
+        with step(f"gathering the results of {share[1]} processes"):
+            gathered = gather_results(results, interrupted)
+        if gathered is None:
+            return []  # not rank 0: it alone reports
+        results, interrupted = gathered
     reports = []
     for d, res, cost in zip(drafters, results, costs):
         v = min(vocab_width(target), d.width)
@@ -1470,18 +1481,20 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
 
 def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
             sampling: SamplingParams, settings: Settings, eos: frozenset[int],
-            device: torch.device, progress: bool
+            device: torch.device, progress: bool, share: tuple[int, int] = (0, 1)
             ) -> tuple[list[dict[int, PromptResult]], bool]:
-    """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short."""
+    """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short.
+    share = (rank, world): this process measures its deal of the batches (see deal)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
+    mine = deal(_batches(order, settings.batch_size), *share)
     groups = len(vocab_groups(target, drafters))
-    bar = _progress(len(sequences) * settings.continuation_tokens
+    bar = _progress(sum(map(len, mine)) * settings.continuation_tokens
                     * (groups + settings.simulate * len(drafters)), "measuring", progress)
     results: list[dict[int, PromptResult]] = [{} for _ in drafters]
     with step("the target's first forward"):
         route_p = head_route(target, _probe([sequences[order[-1]].ids], device))
     try:
-        for batch in _batches(order, settings.batch_size):
+        for batch in mine:
             measure_batch(target, route_p, drafters, batch, sequences, sampling, settings, eos,
                           device, results, bar)
     except KeyboardInterrupt:
@@ -1489,6 +1502,29 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
     finally:
         bar.close()
     return results, False
+
+
+def deal(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
+    """Rank `rank`'s share of whole batches, formed as one process forms them (so every
+    floating-point sum is the one a single process makes), dealt out 0, 1, .., w-1, w-1, .., 0,
+    0, 1, ..: batches go from short prompts to long, and this keeps the ranks' loads even."""
+    return [b for k, b in enumerate(batches)
+            if (k % world if (k // world) % 2 == 0 else world - 1 - k % world) == rank]
+
+
+def gather_results(results: list[dict[int, PromptResult]], interrupted: bool
+                   ) -> tuple[list[dict[int, PromptResult]], bool] | None:
+    """Every rank's results, merged on rank 0 (None elsewhere); interrupted if any rank was."""
+    import torch.distributed as dist
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((results, interrupted), parts, dst=0)
+    if parts is None:
+        return None
+    merged: list[dict[int, PromptResult]] = [{} for _ in results]
+    for part, _ in parts:
+        for mine, theirs in zip(merged, part):
+            mine.update(theirs)
+    return merged, any(cut for _, cut in parts)
 
 
 def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
@@ -1609,41 +1645,32 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_model_and_tokenizer(name: str, device: torch.device | str | None = None,
                              dtype: torch.dtype | str | None = None,
-                             use_unsloth: bool = False, progress: bool = True
+                             use_unsloth: bool = False, progress: bool = True, *,
+                             device_map: str | dict | None = None,
+                             max_memory: dict | None = None, offload_folder: str | None = None
                              ) -> tuple[nn.Module, Any, torch.device]:
     """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file.
 
-    Returns (model in eval mode, tokenizer, device). GGUF weights are dequantised.
-    progress=False silences the loaders' own progress bars.
+    Returns (model in eval mode, tokenizer, device: where inputs go). GGUF weights are
+    dequantised. progress=False silences the loaders' own progress bars. device_map ("auto",
+    "balanced", "sequential" or a dict), max_memory ({0: "70GiB", "cpu": "200GiB"}) and
+    offload_folder go to accelerate's big-model loading: one model over several devices, disk
+    included; the device returned is then the first device of the map.
     """
     device = device if isinstance(device, torch.device) else resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    kwargs: dict[str, Any] = {}
-    source = name
-    if name.lower().endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise UsageError(f"GGUF file not found: {name!r}; check the path")
-        try:
-            import gguf  # noqa: F401  (transformers needs it to read the file)
-        except ImportError:
-            raise UsageError("reading .gguf files needs the gguf package: pip install gguf")
-        source, kwargs["gguf_file"] = os.path.dirname(os.path.abspath(name)), os.path.basename(name)
-    elif os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise UsageError(f"folder {name!r} holds no config.json: not a saved model "
-                         f"(save_pretrained writes one)")
-    elif not os.path.exists(os.path.expanduser(name)) and (
-            name.startswith((".", "~", os.path.sep)) or name.count("/") > 1):
-        raise UsageError(f"model folder not found: {name!r}; check the path")  # not a hub id
+    source, kwargs = _model_source(name)
     if use_unsloth:
-        return _load_unsloth(name, device, dtype)
-
+        return _load_unsloth(name, device, resolve_dtype(dtype, device))
+    if device_map is not None:
+        kwargs.update(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    dtype = resolve_dtype(dtype, device)
     import transformers
     if not os.path.exists(source) and not _cached(source) and not _hub_reachable():
         raise UsageError(f"could not load {name!r}: no such local folder or .gguf file, not in "
                          f"the hub cache, and the hub is unreachable from here; download it "
                          f"where there is a network, or give a local path")
     try:
-        with _quiet_loggers("transformers", "huggingface_hub", bars=not progress):
+        with _quiet_loggers("transformers", "huggingface_hub", "accelerate", bars=not progress):
             tok, model = _from_pretrained(transformers, name, source, dtype, kwargs, progress)
     except UsageError:
         raise
@@ -1658,8 +1685,63 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
     except Exception as e:  # a corrupt or unsupported checkpoint: say so, not a traceback
         raise UsageError(f"could not load {name!r} ({type(e).__name__}: "
                          f"{_one_line(e)[:200]})") from None
-    model.to(device).eval().requires_grad_(False)
-    return model, tok, device
+    if device_map is None:
+        model.to(device)
+    else:
+        device = _input_device(model)
+    return model.eval().requires_grad_(False), tok, device
+
+
+def _model_source(name: str) -> tuple[str, dict[str, Any]]:
+    """What from_pretrained is given for `name`: (folder or hub id, extra keywords); refuses
+    paths that cannot be a model."""
+    if name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise UsageError(f"GGUF file not found: {name!r}; check the path")
+        try:
+            import gguf  # noqa: F401  (transformers needs it to read the file)
+        except ImportError:
+            raise UsageError("reading .gguf files needs the gguf package: pip install gguf")
+        return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise UsageError(f"folder {name!r} holds no config.json: not a saved model "
+                         f"(save_pretrained writes one)")
+    if not os.path.exists(os.path.expanduser(name)) and (
+            name.startswith((".", "~", os.path.sep)) or name.count("/") > 1):
+        raise UsageError(f"model folder not found: {name!r}; check the path")  # not a hub id
+    return name, {}
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    """Where a device-mapped model takes its inputs: the first device of its map that is not
+    the disk (its embedding, in the usual order)."""
+    for where in getattr(model, "hf_device_map", {}).values():
+        if where not in ("disk", "meta"):
+            return torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+    return torch.device("cpu")
+
+
+def parse_max_memory(spec: str) -> dict[int | str, str]:
+    """"0:70GiB,1:70GiB,cpu:200GiB" -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"} (accelerate
+    wants GPU keys as ints)."""
+    from accelerate.utils import convert_file_size_to_int
+    out: dict[int | str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        where, _, size = item.rpartition(":")
+        where = where.strip().removeprefix("cuda:")
+        key: int | str = int(where) if where.isdigit() else where
+        if not size.strip() or (key not in ("cpu", "mps") and not isinstance(key, int)):
+            raise UsageError(f"--max-memory: cannot read {item!r}; write DEVICE:SIZE pairs such "
+                             f"as 0:70GiB,1:70GiB,cpu:200GiB")
+        try:
+            convert_file_size_to_int(size.strip())
+        except ValueError:
+            raise UsageError(f"--max-memory: {size.strip()!r} is not a size (e.g. 70GiB, "
+                             f"500MB)") from None
+        out[key] = size.strip()
+    if not out:
+        raise UsageError("--max-memory is empty")
+    return out
 
 
 def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
@@ -1698,6 +1780,10 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     for name, value in vars(module).items():
         if isinstance(value, dict):
             setattr(clone, name, copy.copy(value))
+    # accelerate (device maps) binds forward to the original instance: the copy runs its own
+    # class's forward; its children keep their hooks, which place each layer's work
+    for name in ("forward", "_old_forward", "_hf_hook"):
+        clone.__dict__.pop(name, None)
     return clone
 
 
@@ -1978,6 +2064,65 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
 
 
 # ----------------------------------------------------------------------------------------------
+# many processes: torchrun, or srun with several tasks
+
+
+class Launch(NamedTuple):
+    """Where this process stands in a multi-process launch (one process: 0, 1, 0, 1)."""
+
+    rank: int
+    world: int
+    local_rank: int  # rank on this machine
+    local_world: int  # processes on this machine
+
+
+def launch_from_env(env: dict[str, str]) -> tuple[Launch, str]:
+    """This process's Launch and the process group's address, from what torchrun sets
+    (RANK, WORLD_SIZE, LOCAL_RANK, ...: env://) or, for `srun python specdec.py`, from SLURM's
+    variables (tcp:// to the first node of the job, port 15000 + the job id's last 4 digits)."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return Launch(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+                      int(env.get("LOCAL_WORLD_SIZE", world))), "env://"
+    world = int(env.get("SLURM_NTASKS", 1))
+    if world < 2 or "SLURM_PROCID" not in env:
+        return Launch(0, 1, 0, 1), ""
+    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
+    first = re.match(r"([^,\[]+)(?:\[(\d+))?", nodes)  # node[003-005,007] -> node003
+    addr = env.get("MASTER_ADDR") or first.group(1) + (first.group(2) or "")
+    port = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")[-4:]))
+    per_node = world // max(1, int(env.get("SLURM_NNODES", 1)))
+    return Launch(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
+                  per_node), f"tcp://{addr}:{port}"
+
+
+def join_processes(timeout_s: float = 1800) -> Launch:
+    """Join the process group when launched as several processes (NCCL on CUDA, else gloo);
+    a collective that waits longer than timeout_s fails instead of hanging."""
+    import datetime
+    launch, address = launch_from_env(dict(os.environ))
+    if launch.world < 2:
+        return launch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(launch.local_rank)
+        dist.init_process_group(backend, init_method=address, rank=launch.rank,
+                                world_size=launch.world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return launch
+
+
+def rank_gpus(launch: Launch, n_gpus: int) -> list[int]:
+    """The GPUs of this machine that this rank uses: an equal, contiguous share (8 GPUs and 4
+    ranks per machine: rank 1 takes GPUs 2 and 3)."""
+    per = max(1, n_gpus // launch.local_world)
+    first = launch.local_rank * per % max(n_gpus, 1)
+    return list(range(first, min(first + per, n_gpus)))
+
+
+# ----------------------------------------------------------------------------------------------
 # command line
 
 
@@ -2048,6 +2193,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "probability maths is float32 always")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                     help="where to run; auto = cuda, then mps, then cpu")
+    ap.add_argument("--device-map", default=None, choices=["auto", "balanced", "sequential"],
+                    help="spread each model over several devices (GPUs, CPU, disk) with "
+                    "accelerate's big-model loading, for a model larger than one device "
+                    "(default: each model whole on --device)")
+    ap.add_argument("--max-memory", default=None, metavar="DEV:SIZE[,...]",
+                    help="with --device-map: memory each device may hold, e.g. "
+                    "0:70GiB,1:70GiB,cpu:200GiB (GPU indices, cpu, mps)")
+    ap.add_argument("--offload-folder", default=None, metavar="DIR",
+                    help="with --device-map: where weights that fit nowhere else go (disk)")
+    ap.add_argument("--dist-timeout", type=float, default=1800, metavar="SECONDS",
+                    help="under torchrun or srun: how long a rank waits for the others at the "
+                    "final gather before giving up (default 1800)")
     ap.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                     help="wrap prompts in the tokenizer's chat template; auto = when it has one")
     ap.add_argument("--use-unsloth", action="store_true",
@@ -2121,13 +2278,15 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
         raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
                          "first N decoder layers")
     prompts = load_texts(args.data)
-    progress = not args.quiet and sys.stderr.isatty()
-    target, tok, drafts = cli_models(args, layers, progress)
+    launch = join_processes(args.dist_timeout)
+    progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
+    target, tok, drafts, device = cli_models(args, layers, progress, launch)
     seqs = build_sequences(prompts, tok, max_samples=args.max_samples,
                            max_length=args.max_length, chat_template=args.chat_template)
-    device = next(target.parameters()).device
-    status(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
-           f"{len(samplings)} temperature(s) on {device}")
+    if launch.rank == 0:
+        ranks = f" by {launch.world} processes" if launch.world > 1 else ""
+        status(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
+               f"{len(samplings)} temperature(s) on {device}{ranks}")
     settings = replace(settings, eos=eos_ids(target, tok))
     costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
@@ -2135,7 +2294,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     for sampling in samplings:
         batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
                                settings=settings, progress=progress, target_name=args.target,
-                               costs=costs)
+                               costs=costs, share=(launch.rank, launch.world))
         for r in batch:
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
@@ -2154,25 +2313,56 @@ def _cost_ratio(text: str) -> float | str:
                          f"got {text!r}") from None
 
 
-def cli_models(args: argparse.Namespace, layers: list[int], progress: bool
-               ) -> tuple[nn.Module, Any, list[Drafter]]:
+def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
+               ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
     """Load the target and every draft (a model named twice is loaded once); the early-exit
-    drafts come from the single --draft, or else from the target. Tokenizers must agree."""
-    device = resolve_device(args.device)
+    drafts come from the single --draft, or else from the target. Tokenizers must agree.
+    Returns them and the device inputs go to."""
+    device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
     target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
-                                                   args.use_unsloth, progress)
+                                                   args.use_unsloth, progress, **placement)
     loaded = {args.target: (target, tok)}
     for name in args.draft:
         if name not in loaded:
             loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
-                                                    progress)[:2]
+                                                    progress, **placement)[:2]
     base = args.draft[0] if len(args.draft) == 1 else args.target
     named = [] if len(args.draft) == 1 and layers else [(n, *loaded[n]) for n in args.draft]
     named += [(f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
                loaded[base][1]) for n in layers]
     for _, model, tok_q in named:
         check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
-    return target, tok, [ModelDrafter(name, model) for name, model, _ in named]
+    return target, tok, [ModelDrafter(name, model) for name, model, _ in named], device
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """--device-map, --max-memory and --offload-folder as load_model_and_tokenizer's keywords."""
+    if args.device_map is None:
+        if args.max_memory or args.offload_folder:
+            raise UsageError("--max-memory and --offload-folder need --device-map (auto, "
+                             "balanced or sequential)")
+        return {}
+    if args.offload_folder and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.offload_folder))):
+        raise UsageError(f"--offload-folder: the folder above {args.offload_folder!r} does not "
+                         f"exist")
+    return {"device_map": args.device_map, "offload_folder": args.offload_folder,
+            "max_memory": parse_max_memory(args.max_memory) if args.max_memory else None}
+
+
+def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Launch
+                    ) -> tuple[torch.device, dict[str, Any]]:
+    """On CUDA with several processes per machine, each takes its own GPUs: one (its local
+    rank's) for whole models, or an equal share for a device map (max_memory cut to them)."""
+    if launch.world < 2 or device.type != "cuda":
+        return device, placement
+    gpus = rank_gpus(launch, torch.cuda.device_count())
+    if not placement:
+        return torch.device("cuda", gpus[0]), placement
+    from accelerate.utils import get_max_memory
+    limits = get_max_memory(placement["max_memory"])
+    cut = {k: v for k, v in limits.items() if not isinstance(k, int) or k in gpus}
+    return torch.device("cuda", gpus[0]), {**placement, "max_memory": cut}
 
 
 def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
@@ -2195,31 +2385,64 @@ def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list
     return lines
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a time limit, a preemption, `timeout`): treated as Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI; the only place that prints. Exit status: 0 ok, 1 --min-alpha gate failed,
-    2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted."""
+    2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted (Ctrl-C),
+    143 terminated (SIGTERM): both of those print the partial report and write the JSON."""
+    import signal
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["measure"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     say = (lambda line: None) if args.quiet else (
         lambda line: print(line, file=sys.stderr, flush=True))
+    terminated: list[bool] = []  # set when SIGTERM arrives, read after the run
+    import threading
+    catch_term = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    if catch_term:
+        signal.signal(signal.SIGTERM, lambda *a: terminated.append(True) or _raise_terminated(*a))
+    try:
+        return _run_and_print(args, say, terminated)
+    finally:
+        if catch_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if "torch.distributed" in sys.modules and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
+                   terminated: list[bool]) -> int:
+    """main's body: run, print the reports (rank 0 only), write the JSON, the exit status."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    tag = f" (rank {rank})" if rank != "0" else ""
     try:
         reports = cli_reports(args, say)
     except (UsageError, FloatingPointError) as e:
-        print(f"specdec: error: {_one_line(e)}", file=sys.stderr)
+        print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specdec: interrupted before any measurement finished", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"specdec{tag}: {how} before any measurement finished", file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as e:  # unforeseen: one line, the traceback only when asked
         if args.traceback:
             import traceback
             traceback.print_exc()
         what = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {_one_line(e)}"
-        print(f"specdec: error: {what}" + ("" if args.traceback else
-                                           " (--traceback shows where)"), file=sys.stderr)
+        print(f"specdec: error{tag}: {what}" + ("" if args.traceback else
+                                                " (--traceback shows where)"), file=sys.stderr)
         return 3
+    if not reports:
+        return 0  # a rank other than 0: rank 0 reports for all
     out = sys.stderr if args.json == "-" else sys.stdout
     print("\n\n".join(format_report(r) for r in reports), file=out)
     if len(reports) > 1:
@@ -2230,7 +2453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.json:
         write_json_atomic(args.json, data)
     if any(r.partial for r in reports):
-        return 130
+        return 143 if terminated else 130
     failures = [] if args.min_alpha is None else gate_failures(reports, args.min_alpha)
     for line in failures:
         print(line, file=sys.stderr)
