@@ -391,11 +391,13 @@ def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
 
 
 class Proposal(NamedTuple):
-    """gamma drafted tokens per row and the distributions they were drawn from."""
+    """Up to gamma drafted tokens per row and the distributions they were drawn from."""
 
-    tokens: torch.Tensor  # (B, G)
-    q: torch.Tensor  # (B, G, V) the processed q each token was drawn from
+    tokens: torch.Tensor  # (B, G), padded after `count`
+    q: torch.Tensor  # (B, G, V) the processed q each token was drawn from; zero rows after count
     finite: torch.Tensor  # (B,) False where the drafter's logits held NaN/inf
+    count: torch.Tensor | None = None  # (B,) tokens proposed per row (None: all G); a drafter
+    # that finds nothing to propose (n-gram lookup without a match) proposes fewer, or none
 
 
 class Drafter:
@@ -408,7 +410,9 @@ class Drafter:
       begin(prompts, device) -> state; the prompts' last tokens are still to be fed
       propose(state, pending, npos, gamma, sampling, vocab, u) -> Proposal, drawing token i of
           row b with u[b, i]; pending (B,) is the newest token, at position npos (B,)
-      settle(state, proposal, n_acc, n_acc_host) -> follow the first n_acc[b] accepted tokens
+      settle(state, proposal, n_acc, committed) -> follow the cycle: n_acc (B,) accepted
+          drafts, committed[b] (host) the tokens row b gained: its accepted drafts, then the
+          token the target added (the next pending one)
       select(state, rows) -> keep only those batch rows
     Cost: step_cost(target) = one draft step in target steps, from parameter counts;
     timing_model() = the module `--cost-ratio measure` times (None: nothing to time).
@@ -469,12 +473,12 @@ class ModelDrafter(Drafter):
                 logits = extend(self.model, slots, ds[-1][:, None], (npos + 1 + i)[:, None])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
 
-    def settle(self, state, proposal, n_acc, n_acc_host):
-        gamma = proposal.tokens.shape[1]
+    def settle(self, state, proposal, n_acc, committed):
+        gamma, n_host = proposal.tokens.shape[1], [len(c) - 1 for c in committed]
         if gamma > 1:  # the draft's cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(state.slots, n_acc, max(n_acc_host), gamma - 1)
+            settle_slots(state.slots, n_acc, max(n_host), gamma - 1)
         state.prev_tok = proposal.tokens[:, -1]
-        state.prev_full = [n == gamma for n in n_acc_host]
+        state.prev_full = [n == gamma for n in n_host]
 
     def select(self, state, rows):
         select_slots(state.slots, rows)
@@ -486,6 +490,99 @@ class ModelDrafter(Drafter):
 
     def timing_model(self):
         return self.model
+
+
+def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
+                 eos: set[int] | frozenset[int], end: int | None = None) -> list[int]:
+    """Prompt lookup, as transformers' PromptLookupCandidateGenerator does it, in seq[:end]:
+    for n in `sizes` (longest first), the earliest earlier occurrence of the last n tokens;
+    propose what followed it, up to n_tokens and not past `end`, cut before an EOS (nothing, if
+    the EOS comes first). first[ngram] = where that n-gram first occurs (index_ngrams)."""
+    end = len(seq) if end is None else end
+    for n in sizes:
+        if n > end - 1:
+            continue
+        i = first.get(tuple(seq[end - n:end]))
+        if i is not None and i + n < end:  # earlier than the suffix itself: something follows
+            copied = list(seq[i + n:min(i + n + n_tokens, end)])
+            return copied[:next((k for k, t in enumerate(copied) if t in eos), len(copied))]
+    return []
+
+
+def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, start: int,
+                 stop: int | None = None) -> None:
+    """Record where each n-gram (n in sizes) ending at positions start..stop-1 first occurs."""
+    for end in range(max(start, 0), len(seq) if stop is None else stop):
+        for n in sizes:
+            if end + 1 >= n:
+                first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
+
+
+@dataclass
+class NgramState:
+    """An n-gram drafter's simulation state: each row's tokens and its n-gram index."""
+
+    seqs: list[list[int]]
+    firsts: list[dict[tuple, int]]
+
+
+class NgramDrafter(Drafter):
+    """Model-free drafts copied from earlier text (prompt lookup; vLLM's `ngram`, llama.cpp's
+    lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal); a position
+    with no match proposes nothing, and a cycle there is one plain target step."""
+
+    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] = ()):
+        if not 1 <= min_n <= max_n:
+            raise UsageError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max, got "
+                             f"{min_n} and {max_n}")
+        self.sizes, self.eos = range(max_n, min_n - 1, -1), frozenset(eos)
+        self.name, self.width = f"ngram (n={min_n}..{max_n})", None
+
+    def score(self, rows, spans, device):
+        proposals = []
+        for row, (s, e) in zip(rows, spans):
+            first: dict[tuple, int] = {}
+            index_ngrams(row, first, self.sizes, 0, s)
+            for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
+                index_ngrams(row, first, self.sizes, t, t + 1)
+                found = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
+                proposals.append(found[0] if found else -1)
+        return torch.tensor(proposals, dtype=torch.long, device=device)  # (N,), -1: none
+
+    def q_probs(self, states, sampling, vocab, where):
+        return nn.functional.one_hot(states.clamp_min(0), vocab).float() * (states >= 0)[:, None]
+
+    def begin(self, prompts, device):
+        firsts: list[dict[tuple, int]] = [{} for _ in prompts]
+        for seq, first in zip(prompts, firsts):
+            index_ngrams(seq, first, self.sizes, 0)
+        return NgramState([list(seq) for seq in prompts], firsts)
+
+    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
+        found = [ngram_lookup(seq, first, self.sizes, gamma, self.eos)
+                 for seq, first in zip(state.seqs, state.firsts)]
+        tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long)
+        count = torch.tensor([len(f) for f in found])
+        q = nn.functional.one_hot(tokens, vocab).float() * (
+            torch.arange(gamma) < count[:, None])[..., None]  # (B, G, V)
+        device = pending.device
+        return Proposal(tokens.to(device), q.to(device), torch.ones_like(pending, dtype=torch.bool),
+                        count.to(device))
+
+    def settle(self, state, proposal, n_acc, committed):
+        for seq, first, new in zip(state.seqs, state.firsts, committed):
+            seq += new
+            index_ngrams(seq, first, self.sizes, len(seq) - len(new))
+
+    def select(self, state, rows):
+        keep = rows.tolist()
+        state.seqs, state.firsts = [state.seqs[r] for r in keep], [state.firsts[r] for r in keep]
+
+    def step_cost(self, target):
+        return 0.0  # a lookup in the text: nothing next to a target step
+
+    def timing_model(self):
+        return None
 
 
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
@@ -563,23 +660,26 @@ def position_stats(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
                    where: Callable[[int], str] = lambda n: f"scored position {n}"
                    ) -> dict[str, torch.Tensor]:
     """Per-position numbers (N,) from scored outputs, a chunk of positions at a time: alpha_t,
-    top-1 agreement and p(argmax q). Only a (chunk, V) slice of fp32 probabilities exists at
-    a time, whatever N and V are. where(n) names scored position n in error messages."""
+    top-1 agreement, p(argmax q) and whether the drafter proposed anything there (all zero
+    where it did not). Only a (chunk, V) slice of fp32 probabilities exists at a time,
+    whatever N and V are. where(n) names scored position n in error messages."""
     chunk = chunk or max(16, (1 << 24) // vocab)
-    alpha, top1, p_of_q = [], [], []
+    alpha, top1, p_of_q, proposed = [], [], [], []
     for s in range(0, states_p.shape[0], chunk):
         lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
         check_finite(lp, "target", lambda n: where(s + n))
         p = processed_probs(lp, sampling)
         q = drafter.q_probs(states_q[s:s + chunk], sampling, vocab, lambda n: where(s + n))
+        made = q.sum(-1) > 0  # (n,) a proposal here (a q of zeros: nothing proposed)
         a = acceptance(p, q)  # (n,)
         assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
             f"alpha outside [0, 1]: {a.min()}, {a.max()}"
         alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
-        top1.append((lp.argmax(-1) == q.argmax(-1)).float())
-        p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1))
+        top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
+        p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
+        proposed.append(made)
     return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
-            "p_argmax_q": torch.cat(p_of_q).cpu()}
+            "p_argmax_q": torch.cat(p_of_q).cpu(), "proposed": torch.cat(proposed).cpu()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,15 +696,19 @@ class RowStats:
     censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
     reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
     accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
+    unproposed: list[int] = field(default_factory=list)  # cycles that accepted every proposal
+    # and had none at offset j (a drafter proposing fewer than G): they end there
+    proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
     tokens: list[int] = field(default_factory=list)  # emitted tokens
 
     @classmethod
     def empty(cls, gamma: int) -> RowStats:
-        return cls(reached=[0] * gamma, accepted_at=[0] * gamma)
+        return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
+                   proposed=[0] * (gamma + 1))
 
 
 def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
-                 budget: int, eos: set[int] | frozenset[int]) -> bool:
+                 budget: int, eos: set[int] | frozenset[int], count: int | None = None) -> bool:
     """Account one cycle of one row; returns True when the row is finished.
 
     Every cycle counts at each draft offset it examined (reached, accepted_at), which is all
@@ -613,13 +717,17 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
     and only the tokens up to it are emitted. The token budget only truncates what is
     emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
+    count = gamma if count is None else count  # tokens proposed this cycle
     emitted = drafted[:n_acc] + [new_token]
     cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
     if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
         examined = accepted = cut
         emitted = emitted[:cut]
     else:
-        examined, accepted = min(n_acc + 1, gamma), n_acc
+        examined, accepted = min(n_acc + 1, count), n_acc
+        if n_acc == count < gamma:  # every proposal accepted, and none at the next offset
+            row.unproposed[count] += 1
+    row.proposed[count] += 1
     row.tokens += emitted[:budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
@@ -653,7 +761,10 @@ def accept(p: torch.Tensor, proposal: Proposal, u: torch.Tensor
     gamma = d.shape[1]
     p_d = p[:, :gamma].gather(-1, d[..., None]).squeeze(-1)  # (B, G)
     q_d = q.gather(-1, d[..., None]).squeeze(-1)  # (B, G), > 0: d was drawn from q
-    n_acc = (u[:, :gamma] * q_d < p_d).long().cumprod(1).sum(1)  # (B,)
+    ok = u[:, :gamma] * q_d < p_d
+    if proposal.count is not None:  # nothing past a row's proposals is accepted; q is zero
+        ok &= torch.arange(gamma, device=d.device) < proposal.count[:, None]  # there: p next
+    n_acc = ok.long().cumprod(1).sum(1)  # (B,)
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)  # (B, G+1, V)
     rows = torch.arange(len(d), device=d.device)
     new = sample_from(residual(p[rows, n_acc], q_next[rows, n_acc]), u[:, gamma])
@@ -692,20 +803,21 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         p, finite_p = verify(target, slots, pending, npos, proposal.tokens, sampling, vocab)
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, gamma:])
-        host = torch.cat([n_acc[:, None], new[:, None], proposal.tokens, finite_p[:, None],
-                          proposal.finite[:, None]], 1).tolist()  # the cycle's one host sync
+        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
+        host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
+                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
         _check_cycle_finite(host, lambda r: f"{names[live[r]]}, position {int(npos[r])}")
         still = []
         for r, b in enumerate(live):
             before = len(stats[b].tokens)
-            if not record_cycle(stats[b], host[r][2:2 + gamma], host[r][0], host[r][1], gamma,
-                                budget, eos):
+            n, token, k, drafted = host[r][0], host[r][1], host[r][2], host[r][3:3 + gamma]
+            if not record_cycle(stats[b], drafted, n, token, gamma, budget, eos, k):
                 still.append(r)
             bar.update(len(stats[b].tokens) - before)
         # 4. advance: rejected slots die in both caches; the new token is pending
-        n_host = [h[0] for h in host]
-        settle_slots(slots, n_acc, max(n_host), gamma)  # of d_1..d_G; pending always stays
-        drafter.settle(state, proposal, n_acc, n_host)
+        committed = [h[3:3 + h[0]] + [h[1]] for h in host]  # accepted drafts, then the new one
+        settle_slots(slots, n_acc, max(h[0] for h in host), gamma)  # pending always stays
+        drafter.settle(state, proposal, n_acc, committed)
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -843,28 +955,43 @@ def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Ten
 
 @dataclass(frozen=True)
 class Cost:
-    """What a cycle costs in target steps: gamma draft steps of `ratio` each, plus a verify
-    pass of verify[gamma] (1 unless measured)."""
+    """What a cycle costs in target steps: k draft steps of `ratio` each, plus a verify pass of
+    k+1 tokens, verify[k] (1 unless measured); a cycle with nothing proposed is one plain
+    target step. k = gamma, or spread over 0..gamma for a drafter that sometimes proposes
+    fewer (an n-gram lookup)."""
 
     ratio: float
     verify: dict[int, float]
     source: str  # where the numbers came from, for the report
     timings: dict[str, Any] | None = None  # measure_costs's timings, when measured
 
-    def speedup(self, tokens_per_cycle: float, gamma: int) -> float:
-        return est_speedup(tokens_per_cycle, gamma, self.ratio, self.verify[gamma])
+    def speedup(self, tokens_per_cycle: float, gamma: int,
+                proposed: Sequence[float] | None = None) -> float:
+        """proposed[k] = the share (or count) of cycles that proposed k tokens, k = 0..gamma;
+        None = every cycle proposed gamma."""
+        if proposed is None:
+            return est_speedup(tokens_per_cycle, gamma, self.ratio, self.verify[gamma])
+        costs = [1.0] + [k * self.ratio + self.verify[k] for k in range(1, gamma + 1)]
+        return tokens_per_cycle * sum(proposed) / sum(w * c for w, c in zip(proposed, costs))
 
 
 def cycle_numbers(accepted: float | None, accepted_ci: Sequence[float] | None, gamma: int,
-                  cost: Cost) -> tuple[Any, Any, Any, Any]:
+                  cost: Cost, proposed: Sequence[float] | None = None
+                  ) -> tuple[Any, Any, Any, Any]:
     """Accepted draft tokens per cycle (and its interval) -> tokens per cycle = accepted + 1
-    (the target adds one token every cycle) and the estimated speedup, each with its interval."""
+    (the target adds one token every cycle) and the estimated speedup, each with its interval.
+    proposed: as in Cost.speedup."""
     if accepted is None:
         return None, None, None, None
     tpc = accepted + 1
     tpc_ci = None if accepted_ci is None else (accepted_ci[0] + 1, accepted_ci[1] + 1)
-    return (tpc, tpc_ci, cost.speedup(tpc, gamma),
-            None if tpc_ci is None else tuple(cost.speedup(x, gamma) for x in tpc_ci))
+    return (tpc, tpc_ci, cost.speedup(tpc, gamma, proposed),
+            None if tpc_ci is None else tuple(cost.speedup(x, gamma, proposed) for x in tpc_ci))
+
+
+def block_of(proposed: Sequence[float], g: int) -> list[float]:
+    """Cycles proposing k tokens (k = 0..gamma) as a block of g would have them: min(k, g)."""
+    return list(proposed[:g]) + [sum(proposed[g:])]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -878,7 +1005,8 @@ class PromptResult:
 
     index: int
     category: str | None = None
-    scored: int = 0  # scored positions
+    positions: int = 0  # positions of the continuation (or prompt) looked at
+    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
     alpha_sum: float = 0.0  # sum of alpha_t
     top1_sum: float = 0.0  # positions where the two argmaxes agree
     p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t)
@@ -888,10 +1016,11 @@ class PromptResult:
 
 def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
                   gammas: Sequence[int]) -> PromptResult:
-    """A PromptResult from position_stats' per-position numbers of one prompt."""
+    """A PromptResult from position_stats' per-position numbers of one prompt. Windows run over
+    every position, a position without a proposal counting as alpha_t = 0."""
     alpha = stats["alpha"].double()
-    return PromptResult(index, category, alpha.numel(), alpha.sum().item(),
-                        stats["top1"].double().sum().item(),
+    return PromptResult(index, category, alpha.numel(), int(stats["proposed"].sum()),
+                        alpha.sum().item(), stats["top1"].double().sum().item(),
                         stats["p_argmax_q"].double().sum().item(),
                         {g: window_sum(alpha, g) for g in gammas})
 
@@ -916,6 +1045,8 @@ class AcceptanceReport:
     alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
     scored_positions: int = 0
     n_sequences: int = 0
+    proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
+    # always; an n-gram lookup proposes only after a match); alpha is over those positions
     scored_on: str = "continuation"  # "continuation" or "prompt"
     estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
     expected_accepted: float | None = None
@@ -947,6 +1078,8 @@ class AcceptanceReport:
     alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
     reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
     accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
+    unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
+    proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
     accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
     generated_tokens: int | None = None
     simulated_prompts: int | None = None
@@ -966,17 +1099,23 @@ class AcceptanceReport:
 
 def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
                           cost: Cost, seed: int) -> dict[str, Any]:
-    """The distributional section of a report, from the prompts that have scored positions."""
-    scored = [r for r in results if r.scored]
-    if not scored:
+    """The distributional section of a report. alpha pools the prompts' scored positions; a
+    drafter that proposes at a share pi of positions only (n-gram lookup) accepts
+    pi * E[run] per cycle, and its cycles without a proposal cost one plain target step."""
+    looked = [r for r in results if r.positions]
+    scored = [r for r in looked if r.scored]
+    if not looked:
         return {}
+    if not scored:  # a drafter that never proposed: every cycle is one plain target step
+        return dict(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
+                    tokens_per_cycle=1.0, est_speedup=1.0)
     sums, counts = [r.alpha_sum for r in scored], [r.scored for r in scored]
     n_pos = sum(counts)
-    alpha = sum(sums) / n_pos
+    alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
     means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
     weights = bootstrap_weights(len(scored), N_BOOT, seed)
     alpha_ci = bootstrap_ci(sums, counts, weights)
-    exp_iid = expected_accepted_iid(alpha, gamma)
+    exp_iid = rate * expected_accepted_iid(alpha, gamma)
     win_sums, win_counts = zip(*(r.windows[gamma] for r in scored))
     exp_pos = sum(win_sums) / sum(win_counts) if sum(win_counts) else None
     used = "positional" if estimator == "positional" and exp_pos is not None else "iid"
@@ -984,16 +1123,19 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         expected, acc_ci = exp_pos, bootstrap_ci(win_sums, win_counts, weights)
     else:
         expected = exp_iid
-        acc_ci = None if alpha_ci is None else [expected_accepted_iid(a, gamma) for a in alpha_ci]
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost)
-    table = gamma_rows(scored, alpha, used, cost)
+        acc_ci = None if alpha_ci is None else [rate * expected_accepted_iid(a, gamma)
+                                                for a in alpha_ci]
+    split = None if rate == 1 else [1 - rate] + [0.0] * (gamma - 1) + [rate]
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost, split)
+    table = gamma_rows(scored, alpha, rate, used, cost)
     return dict(
         alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
         alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
-        n_sequences=len(scored), estimator=used, expected_accepted=expected,
-        expected_accepted_iid=exp_iid, expected_accepted_positional=exp_pos,
-        tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci, est_speedup=speed,
-        est_speedup_ci=speed_ci, greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
+        n_sequences=len(scored), proposal_rate=rate, estimator=used,
+        expected_accepted=expected, expected_accepted_iid=exp_iid,
+        expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
+        est_speedup=speed, est_speedup_ci=speed_ci,
+        greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
         p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
         best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
         **category_fields(scored))
@@ -1010,7 +1152,7 @@ def category_fields(scored: Sequence[PromptResult]) -> dict[str, Any]:
             "sequences_by_category": {c: len(rs) for c, rs in members.items()}}
 
 
-def gamma_rows(scored: Sequence[PromptResult], alpha: float, estimator: str,
+def gamma_rows(scored: Sequence[PromptResult], alpha: float, rate: float, estimator: str,
                cost: Cost) -> list[dict[str, Any]]:
     """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
     table = []
@@ -1019,32 +1161,38 @@ def gamma_rows(scored: Sequence[PromptResult], alpha: float, estimator: str,
             count = sum(r.windows[g][1] for r in scored)
             e = sum(r.windows[g][0] for r in scored) / count if count else None
         else:
-            e = expected_accepted_iid(alpha, g)
+            e = rate * expected_accepted_iid(alpha, g)
+        split = None if rate == 1 else [1 - rate] + [0.0] * (g - 1) + [rate]
         if e is not None:
             table.append({"gamma": g, "tokens_per_cycle": e + 1,
-                          "est_speedup": cost.speedup(e + 1, g)})
+                          "est_speedup": cost.speedup(e + 1, g, split)})
     return table
 
 
 def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
                       seed: int) -> dict[str, Any]:
-    """The generative section of a report, from the per-prompt simulation statistics."""
+    """The generative section of a report, from the per-prompt simulation statistics. The
+    accepted length is the product-limit estimate: at offset j, the cycles at risk are those
+    that examined it plus those that had accepted everything and proposed nothing there."""
     acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
     cycles = sum(r.cycles for r in rows)
     weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
-    per_row = torch.tensor([r.reached + r.accepted_at for r in rows], dtype=torch.float64)
-    by_row = per_row.view(len(rows), 2, gamma)  # (prompts, reached / accepted_at, G)
-    reached, took = by_row.sum(0).long().tolist()
-    length = product_limit(*by_row.sum(0)).item() if cycles else None
+    counts = torch.tensor([[r.reached, r.accepted_at, r.unproposed] for r in rows],
+                          dtype=torch.float64)  # (prompts, 3, G)
+    reached, took, unproposed = counts.sum(0).long().tolist()
+    at_risk = counts[:, 0] + counts[:, 2]  # (prompts, G)
+    length = product_limit(at_risk.sum(0), counts[:, 1].sum(0)).item() if cycles else None
     length_ci = None
     if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
-        boot = product_limit(*torch.einsum("bn,nkg->kbg", weights, by_row))  # (n_boot,)
+        boot = product_limit(weights @ at_risk, weights @ counts[:, 1])  # (n_boot,)
         length_ci = tuple(torch.quantile(boot, torch.tensor(
             [0.025, 0.975], dtype=torch.float64)).tolist())
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost)
+    proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
+    split = None if proposed[gamma] == cycles else proposed
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
     return dict(
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
-        censored_cycles=sum(r.censored for r in rows),
+        censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
         generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
         empirical_alpha=sum(acc) / sum(exam) if sum(exam) else None,
         empirical_alpha_stderr=ratio_stderr(acc, exam),
@@ -1052,6 +1200,7 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
         empirical_tokens_per_cycle=tpc, empirical_tokens_per_cycle_ci=tpc_ci,
         empirical_est_speedup=speed, empirical_est_speedup_ci=speed_ci,
         reached_by_draft_offset=reached, accepted_by_draft_offset=took,
+        unproposed_by_draft_offset=unproposed,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
         accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
 
@@ -1059,13 +1208,16 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
 def add_simulated_gammas(report: AcceptanceReport, cost: Cost) -> None:
     """The simulation speaks for blocks up to its own: the product-limit estimate over its
     first g offsets is the accepted length of a block of g."""
-    reached = torch.tensor(report.reached_by_draft_offset, dtype=torch.float64)
+    at_risk = torch.tensor(report.reached_by_draft_offset, dtype=torch.float64) + torch.tensor(
+        report.unproposed_by_draft_offset, dtype=torch.float64)
     took = torch.tensor(report.accepted_by_draft_offset, dtype=torch.float64)
+    proposed = report.proposed_by_cycle
     for row in report.gamma_table or []:
         g = row["gamma"]
-        e = product_limit(reached[:g], took[:g]).item() if g <= report.gamma else None
+        e = product_limit(at_risk[:g], took[:g]).item() if g <= report.gamma else None
+        split = None if proposed[-1] == report.cycles else block_of(proposed, g)
         row["sim_tokens_per_cycle"] = None if e is None else e + 1
-        row["sim_est_speedup"] = None if e is None else cost.speedup(e + 1, g)
+        row["sim_est_speedup"] = None if e is None else cost.speedup(e + 1, g, split)
 
 
 def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
@@ -1097,7 +1249,7 @@ def summarise(results: Sequence[PromptResult], *, target_name: str, draft_name: 
         truncated_prompts=sum(s.truncated for s in sequences))
     fields = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
                                    settings.seed)
-    if not fields and not interrupted:
+    if not fields and not interrupted:  # (no position at all to look at)
         raise UsageError("nothing to score: no scored position in any sequence; use longer "
                          "prompts or --continuation-tokens > 0")
     report = replace(report, **fields)
@@ -1155,6 +1307,9 @@ def _teacher_forced_lines(r: AcceptanceReport, cost: str) -> list[str]:
         f"  distributional (teacher-forced on target {r.scored_on})",
         f"    acceptance rate  alpha        {_num(r.alpha, '.3f')}{std}{_ci(r.alpha_ci)}",
         f"    scored positions              {r.scored_positions:,} over {r.n_sequences} sequences",
+        *([] if r.proposal_rate in (None, 1) else [
+            f"    proposals made at             {r.proposal_rate:.1%} of the positions "
+            f"(alpha: where one was made)"]),
         f"    E[accepted draft tokens]      {_num(r.expected_accepted, '.3f')}  of {r.gamma}"
         f"   ({est} estimator)",
         f"    E[tokens per cycle]           {_num(r.tokens_per_cycle, '.3f')}"
@@ -1174,6 +1329,11 @@ def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
         f"accepted) from {r.simulated_prompts} prompts",
         f"    mean accepted length          {_num(r.mean_accepted_length, '.3f')}  "
         f"of {r.gamma}   ({r.cycles:,} cycles, {r.censored_cycles} cut by EOS)",
+        *([] if r.proposed_by_cycle[-1] == r.cycles else [
+            f"    cycles with a proposal        {r.cycles - r.proposed_by_cycle[0]:,} of "
+            f"{r.cycles:,}; "
+            f"{sum(k * n for k, n in enumerate(r.proposed_by_cycle)) / r.cycles:.2f} tokens "
+            f"proposed per cycle"]),
         f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
         f"{_ci(r.empirical_tokens_per_cycle_ci)}",
         f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
@@ -1226,7 +1386,9 @@ def format_report(r: AcceptanceReport) -> str:
     lines.append(RULE)
     lines += [f"  note: {n}" for n in r.notes]
     verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
-    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify}), "
+    some = "" if r.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
+                                                  "does not)"
+    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify}){some}, "
                  f"cost_ratio from {r.cost_ratio_source}: an indication, not a benchmark")
     return "\n".join(lines)
 
@@ -1291,14 +1453,16 @@ class Settings:
 
     @property
     def gammas(self) -> list[int]:
-        """The block sizes of the best-gamma table, the chosen one included."""
-        return sorted(set(GAMMA_TABLE) | {self.gamma})
+        """The block sizes of the best-gamma table: 1..8, and up to the chosen one."""
+        return sorted(set(GAMMA_TABLE) | set(range(1, self.gamma + 1)))
 
 
 @torch.no_grad()
-def measure_costs(target: nn.Module, draft: nn.Module, ids: Sequence[int], gammas: Sequence[int],
-                  device: torch.device, repeats: int = 7) -> dict[str, Any]:
-    """Time one cached decode step of each model and a (gamma+1)-token verify pass of the target.
+def measure_costs(target: nn.Module, draft: nn.Module | None, ids: Sequence[int],
+                  gammas: Sequence[int], device: torch.device, repeats: int = 7
+                  ) -> dict[str, Any]:
+    """Time one cached decode step of each model (no draft: 0) and a (gamma+1)-token verify
+    pass of the target.
 
     Batch 1, after a prefill of `ids` and two warm-up calls; median of `repeats`. The new slots
     are dropped after every call so each one sees the same context length.
@@ -1319,7 +1483,7 @@ def measure_costs(target: nn.Module, draft: nn.Module, ids: Sequence[int], gamma
             settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0, n_new)
         return sorted(times)[len(times) // 2]
 
-    step_p, step_q = timed(target, 1), timed(draft, 1)
+    step_p, step_q = timed(target, 1), 0.0 if draft is None else timed(draft, 1)
     verify = {g: timed(target, g + 1) / step_p for g in gammas}
     return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
             "verify_cost": verify, "device": str(device)}
@@ -1328,18 +1492,22 @@ def measure_costs(target: nn.Module, draft: nn.Module, ids: Sequence[int], gamma
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
-    gammas, how = settings.gammas, settings.cost_ratio
-    if how == "measure" and drafter.timing_model() is not None:
+    gammas, how, model = settings.gammas, settings.cost_ratio, drafter.timing_model()
+    if how == "measure":
         with step(f"timing the models ({drafter.name})"):
-            m = measure_costs(target, drafter.timing_model(), sequences[0].ids, gammas, device)
+            m = measure_costs(target, model, sequences[0].ids, gammas, device)
         v = m["verify_cost"][settings.gamma]
+        draft = "no draft model" if model is None else \
+            f"draft step {m['draft_step_s'] * 1e3:.1f} ms"
         return Cost(m["cost_ratio"], m["verify_cost"],
-                    f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.1f} ms, "
-                    f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
-                    f"{settings.gamma + 1} tokens {v:.2f} target steps", m)
+                    f"measured on {m['device']}: {draft}, target step "
+                    f"{m['target_step_s'] * 1e3:.1f} ms, verify of {settings.gamma + 1} tokens "
+                    f"{v:.2f} target steps", m)
     ones = {g: 1.0 for g in gammas}
-    if how in (None, "auto", "measure"):
-        return Cost(drafter.step_cost(target), ones, "parameters per token, draft/target")
+    if how in (None, "auto"):
+        source = ("parameters per token, draft/target" if model is not None
+                  else "no draft model: drafting costs nothing next to a target step")
+        return Cost(drafter.step_cost(target), ones, source)
     return Cost(float(how), ones, "given")
 
 
@@ -1349,8 +1517,15 @@ def vocab_groups(target: nn.Module, drafters: Sequence[Drafter]) -> dict[int, li
     never depend on which other drafters share the run."""
     groups: dict[int, list[int]] = {}
     for k, d in enumerate(drafters):
-        groups.setdefault(min(vocab_width(target), d.width), []).append(k)
+        groups.setdefault(shared_vocab(target, d), []).append(k)
     return groups
+
+
+def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
+    """The vocabulary a drafter is measured on: the prefix both logit widths share (a drafter
+    without a vocabulary of its own, such as n-gram lookup, takes the target's)."""
+    width = vocab_width(target)
+    return width if drafter.width is None else min(width, drafter.width)
 
 
 def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
@@ -1453,7 +1628,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     device = device if isinstance(device, torch.device) else resolve_device(device)
     eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
     drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
-    vocab = min([vocab_width(target)] + [d.width for d in drafters])
+    vocab = min(shared_vocab(target, d) for d in drafters)
     if any(max(s.ids) >= vocab for s in sequences):
         raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
@@ -1467,11 +1642,11 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         results, interrupted = gathered
     reports = []
     for d, res, cost in zip(drafters, results, costs):
-        v = min(vocab_width(target), d.width)
+        v = shared_vocab(target, d)
         r = summarise(list(res.values()), target_name=target_name, draft_name=d.name,
                       sampling=sampling, settings=settings, cost=cost, vocab=v,
                       sequences=sequences, interrupted=interrupted)
-        if d.width != vocab_width(target):
+        if d.width is not None and d.width != vocab_width(target):
             r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
                               f"{d.width}): both cut to the first {v} ids before sampling; "
                               f"exact only if the surplus rows are padding")
@@ -2141,9 +2316,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", required=True,
                     help="target model: hub id, local folder or .gguf file")
     ap.add_argument("--draft", action="append", default=[], metavar="MODEL",
-                    help="draft model: hub id, local folder or .gguf file; repeat to rank "
-                    "several drafts against one set of target passes (default: the target "
-                    "itself, for --draft-layers)")
+                    help="draft model: hub id, local folder or .gguf file; or `ngram` (prompt "
+                    "lookup, no model) or `mtp` (the target's own multi-token-prediction "
+                    "heads); repeat to rank several drafters against one set of target passes")
+    ap.add_argument("--ngram-max", type=int, default=2, metavar="N",
+                    help="--draft ngram: the longest n-gram matched, tried first (default 2, "
+                    "transformers' max_matching_ngram_size)")
+    ap.add_argument("--ngram-min", type=int, default=1, metavar="N",
+                    help="--draft ngram: the shortest n-gram matched (default 1)")
     ap.add_argument("--draft-layers", default=None, metavar="N[,N...]",
                     help="early-exit drafts: the first N decoder layers (+ final norm and head) "
                     "of the --draft, or of the target when there is no single --draft, sharing "
@@ -2323,16 +2503,30 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
                                                    args.use_unsloth, progress, **placement)
     loaded = {args.target: (target, tok)}
     for name in args.draft:
-        if name not in loaded:
+        if name not in loaded and name not in BUILT_IN_DRAFTERS:
             loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
                                                     progress, **placement)[:2]
-    base = args.draft[0] if len(args.draft) == 1 else args.target
-    named = [] if len(args.draft) == 1 and layers else [(n, *loaded[n]) for n in args.draft]
+    models = [n for n in args.draft if n not in BUILT_IN_DRAFTERS]
+    base = models[0] if len(models) == 1 else args.target
+    named = [] if len(models) == 1 and layers else [(n, *loaded[n]) for n in models]
     named += [(f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
                loaded[base][1]) for n in layers]
     for _, model, tok_q in named:
         check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
-    return target, tok, [ModelDrafter(name, model) for name, model, _ in named], device
+    drafters = {name: ModelDrafter(name, model) for name, model, _ in named}
+    for name in args.draft:
+        if name in BUILT_IN_DRAFTERS:
+            drafters[name] = BUILT_IN_DRAFTERS[name](target, tok, args)
+    order = [n for n in args.draft if n in drafters] + [n for n in drafters
+                                                        if n not in args.draft]
+    return target, tok, [drafters[n] for n in order], device
+
+
+BUILT_IN_DRAFTERS: dict[str, Callable[[nn.Module, Any, argparse.Namespace], Drafter]] = {
+    # --draft NAME for drafters that need no draft model: made from the target
+    "ngram": lambda target, tok, args: NgramDrafter(args.ngram_max, args.ngram_min,
+                                                    eos_ids(target, tok)),
+}
 
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:

@@ -2236,6 +2236,168 @@ def test_a_signal_to_a_running_cli_prints_a_partial_report_and_json(signame, sta
 
 
 # ----------------------------------------------------------------------------------------------
+# n-gram prompt lookup: a drafter without a model
+
+REPEATS = ["the cat sat on the mat and the cat sat on the", "abc abc abc abc",
+           "hello hello hello world hello", "one two three one two three one", "no repeat"]
+
+
+def brute_lookup(seq, max_n, min_n, n_tokens, eos=()):
+    """transformers' prompt lookup by a plain scan: for n from max_n down, the first i whose
+    n tokens equal the last n and that has a token after it; copy up to n_tokens, cut before
+    EOS (an EOS first: nothing)."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        for i in range(len(seq) - n):
+            if seq[i:i + n] == seq[len(seq) - n:]:
+                copied = seq[i + n:i + n + n_tokens]
+                return copied[:next((k for k, t in enumerate(copied) if t in eos),
+                                    len(copied))]
+    return []
+
+
+def test_ngram_lookup_matches_a_brute_force_scan():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),),
+                            generator=g).tolist()
+        max_n, min_n = [(2, 1), (3, 1), (3, 2), (1, 1)][trial % 4]
+        sizes = range(max_n, min_n - 1, -1)
+        first = {}
+        sd.index_ngrams(seq, first, sizes, 0)
+        for n_tokens in (1, 4):
+            want = brute_lookup(seq, max_n, min_n, n_tokens, eos={3})
+            assert sd.ngram_lookup(seq, first, sizes, n_tokens, {3}) == want, (seq, max_n)
+
+
+def test_ngram_teacher_forced_alpha_is_p_of_the_copied_token(llama, tok_plain):
+    """alpha_t = p_t(copied token) where a lookup finds one, counted by hand."""
+    seqs = sd.build_sequences(REPEATS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, sampling=s, device=CPU,
+                              continuation_tokens=8, seed=4, batch_size=2)
+    alphas, positions = [], 0
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(llama, q.ids, s, 8, 4, i)
+        for t in range(len(q.ids) - 1, len(row) - 1):  # position t predicts row[t + 1]
+            positions += 1
+            found = brute_lookup(row[:t + 1], 2, 1, 1)
+            if found:
+                alphas.append(bf_processed(last_logits(llama, row[:t + 1]), s)[found[0]])
+    assert r.scored_positions == len(alphas) and 0 < len(alphas) < positions
+    assert r.proposal_rate == pytest.approx(len(alphas) / positions, abs=1e-12)
+    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
+    # the i.i.d. estimate: a proposal at that rate, each accepting with alpha
+    want = r.proposal_rate * sum(r.alpha ** k for k in range(1, 5))
+    assert r.expected_accepted == pytest.approx(want, abs=1e-12)
+    # drafting costs nothing: tokens per cycle / (one target step per cycle)
+    assert r.cost_ratio == 0.0 and r.est_speedup == pytest.approx(r.tokens_per_cycle)
+
+
+def logged_cycles(monkeypatch):
+    """(tokens proposed, accepted) of every cycle, per RowStats, as specdec records them."""
+    log = {}
+    real = sd.record_cycle
+
+    def record(row, drafted, n_acc, new, gamma, budget, eos, count=None):
+        log.setdefault(id(row), []).append((gamma if count is None else count, n_acc))
+        return real(row, drafted, n_acc, new, gamma, budget, eos, count)
+    monkeypatch.setattr(sd, "record_cycle", record)
+    return log
+
+
+def hf_cycles(monkeypatch, generator_class):
+    """(candidates, matches) of every cycle of transformers' assisted generation."""
+    log = []
+    real = generator_class.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):
+        log.append((scores.shape[1] - 1, int(num_matches)))
+        return real(self, input_ids, scores, num_matches)
+    monkeypatch.setattr(generator_class, "update_candidate_strategy", record)
+    return log
+
+
+def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain, monkeypatch):
+    """The oracle is transformers' own assisted generation (prompt_lookup_num_tokens):
+    at temperature 0 the same tokens, and cycle by cycle the same (proposed, accepted) counts
+    (but the last: transformers crops a cycle at max_new_tokens, specdec counts it whole)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    seqs = sd.build_sequences(REPEATS, tok_plain)
+    gamma, budget = 4, 20
+    theirs = hf_cycles(monkeypatch, PromptLookupCandidateGenerator)
+    ours = logged_cycles(monkeypatch)
+    rows = sd.run_simulation(llama, sd.NgramDrafter(2, 1), seqs, SAMPLINGS["greedy"], gamma,
+                             budget, device=CPU, vocab=V, eos=set(), batch_size=3)
+    accepted = 0
+    for i, q in enumerate(seqs):
+        theirs.clear()
+        out = llama.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
+                                                                             dtype=torch.long),
+                             do_sample=False, max_new_tokens=budget, pad_token_id=0,
+                             prompt_lookup_num_tokens=gamma, max_matching_ngram_size=2)
+        assert rows[i].tokens == out[0, len(q.ids):].tolist()
+        assert ours[id(rows[i])][:-1] == theirs[:-1]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 5  # drafts were accepted, not only proposed
+
+
+@pytest.mark.slow  # 40 runs of transformers' generate, one prompt at a time
+def test_ngram_sampled_acceptance_agrees_with_transformers(llama, tok_plain, monkeypatch):
+    """At T = 1, transformers accepts a copied token when its own sample from p equals it
+    (probability p(x), as specdec's one-hot q does). The two acceptance rates, each over 40
+    prompts with its own random draws, agree within 3 standard errors of their difference
+    (about 0.05 here: a drafter accepting 5 points more or less would be caught)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    prompts = [f"{a} {b} {a} {b} {a}" for a in ("the cat", "one two", "abc", "red fox")
+               for b in ("sat", "and", "x y", "hello", "ok")] * 2
+    seqs = sd.build_sequences(prompts, tok_plain)
+    gamma, budget, s = 3, 24, SAMPLINGS["t1"]
+    rows = sd.run_simulation(llama, sd.NgramDrafter(2, 1), seqs, s, gamma, budget, device=CPU,
+                             vocab=V, eos=set(), seed=9, batch_size=8)
+    ours = [(r.accepted, r.examined) for r in rows.values()]
+    theirs_log = hf_cycles(monkeypatch, PromptLookupCandidateGenerator)
+    theirs = []
+    for i, q in enumerate(seqs):
+        theirs_log.clear()
+        torch.manual_seed(1000 + i)
+        llama.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
+                                                                       dtype=torch.long),
+                       do_sample=True, temperature=1.0, top_k=0, max_new_tokens=budget,
+                       pad_token_id=0, prompt_lookup_num_tokens=gamma, max_matching_ngram_size=2)
+        cycles = [(n, min(n + 1, k)) for k, n in theirs_log[:-1] if k]  # the last is cropped
+        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
+    a_ours = sum(a for a, _ in ours) / sum(e for _, e in ours)
+    a_theirs = sum(a for a, _ in theirs) / sum(e for _, e in theirs)
+    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
+    assert sum(e for _, e in ours) > 200 and sum(e for _, e in theirs) > 200
+    assert abs(a_ours - a_theirs) < 3 * se, (a_ours, a_theirs, se)
+
+
+def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs, data_txt,
+                                                   llama, tok):
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
+                                     "--draft", model_dirs["draft"], "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "12", "--quiet",
+                                     "--ngram-max", "3", "--json", str(out)])
+    assert rc == 0, err
+    ngram, model = json.loads(out.read_text())
+    assert ngram["draft"] == "ngram (n=1..3)" and ngram["cost_ratio"] == 0.0
+    assert model["proposal_rate"] == 1.0 and ngram["proposal_rate"] < 1
+    assert "proposals made at" in text and "ranking" in text
+    # the same numbers as the drafter measured alone through the library
+    seqs = sd.build_sequences(sd.load_texts(data_txt), tok, max_samples=32)
+    alone = sd.measure_acceptance(llama, sd.NgramDrafter(3, 1), seqs,
+                                  sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
+                                  continuation_tokens=12, draft_name="ngram (n=1..3)")
+    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft")} == \
+        json.loads(json.dumps(numbers(alone)))
+    rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
+                                     "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
+    assert rc == 2 and err.count("\n") == 1 and "--ngram-min" in err
+
+
+# ----------------------------------------------------------------------------------------------
 # scale: one model over several devices, many prompts over many processes
 
 
