@@ -300,6 +300,23 @@ def prefill(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.devic
     return slots, extend(model, slots, ids, pos, live, last_only=last_only)
 
 
+@contextlib.contextmanager
+def final_states(model: nn.Module, wanted: bool = True):
+    """Collect the final (normed) hidden states of the model's forwards made inside the block:
+    yields a list that each forward appends its (B, t, H) to (nothing when not wanted)."""
+    seen: list[torch.Tensor] = []
+    if not wanted:
+        yield seen
+        return
+    handle = model.get_decoder().register_forward_hook(
+        lambda module, args, out: seen.append(out[0] if isinstance(out, tuple)
+                                              else out.last_hidden_state))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
     """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
     ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
@@ -358,6 +375,19 @@ def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
     spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
     Returns hidden states (N, H) when route (see head_route), else logits (N, V_model).
     """
+    return at_spans(teacher_forced(model, rows, device, route), spans, device)
+
+
+def at_spans(states: torch.Tensor, spans: Sequence[tuple[int, int]], device: torch.device,
+             shift: int = 0) -> torch.Tensor:
+    """(B, T, ...) -> the rows' positions start+shift..end-1, concatenated: (N, ...)."""
+    return torch.cat([states[b, s + shift:e] for b, (s, e) in enumerate(spans)]).to(device)
+
+
+def teacher_forced(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device,
+                   route: bool) -> torch.Tensor:
+    """One forward of right-padded rows, no cache: final hidden states (B, T, H) when route,
+    else logits (B, T, V_model)."""
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     live = torch.zeros_like(ids)
@@ -367,13 +397,10 @@ def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
     ids, live = ids.to(device), live.to(device)
     pos = torch.arange(width, device=device).expand(len(rows), width)
     if route:
-        out = model.base_model(input_ids=ids, attention_mask=live, position_ids=pos,
-                               use_cache=False)
-        states = out.last_hidden_state  # (B, T, H)
-    else:
-        states = model(input_ids=ids, attention_mask=live, position_ids=pos,
-                       use_cache=False).logits  # (B, T, V)
-    return torch.cat([states[b, s:e] for b, (s, e) in enumerate(spans)]).to(device)  # (N, H|V)
+        return model.base_model(input_ids=ids, attention_mask=live, position_ids=pos,
+                                use_cache=False).last_hidden_state  # (B, T, H)
+    return model(input_ids=ids, attention_mask=live, position_ids=pos,
+                 use_cache=False).logits  # (B, T, V)
 
 
 def head_logits(model: nn.Module, states: torch.Tensor, route: bool) -> torch.Tensor:
@@ -404,22 +431,26 @@ class Drafter:
     """The interface the measurement and the simulation use; they never ask what kind it is.
 
     Teacher-forced route:
-      score(rows, spans, device) -> states at the scored positions (N, ...), in one batch
+      score(rows, spans, device, states) -> its states at the scored positions (N, ...)
       q_probs(states, sampling, vocab, where) -> processed q (n, V) for a chunk of those states
     Simulation (one cycle = propose, the target verifies, then settle):
-      begin(prompts, device) -> state; the prompts' last tokens are still to be fed
+      begin(prompts, device, states) -> state; the prompts' last tokens are still to be fed
       propose(state, pending, npos, gamma, sampling, vocab, u) -> Proposal, drawing token i of
           row b with u[b, i]; pending (B,) is the newest token, at position npos (B,)
-      settle(state, proposal, n_acc, committed) -> follow the cycle: n_acc (B,) accepted
+      settle(state, proposal, n_acc, committed, states) -> follow the cycle: n_acc accepted
           drafts, committed[b] (host) the tokens row b gained: its accepted drafts, then the
           token the target added (the next pending one)
       select(state, rows) -> keep only those batch rows
     Cost: step_cost(target) = one draft step in target steps, from parameter counts;
     timing_model() = the module `--cost-ratio measure` times (None: nothing to time).
+    A drafter that reads the target's final hidden states (reads_target: MTP heads) gets them
+    as `states`: score's (B, T, H) for the rows (None when the target's head is not linear),
+    begin's for the prefilled prompts (left-padded), settle's for the verified positions.
     """
 
     name: str
-    width: int  # logit columns: the vocabulary it can propose from
+    width: int | None  # logit columns: the vocabulary it can propose from (None: any)
+    reads_target: bool = False
 
 
 @dataclass
@@ -438,7 +469,7 @@ class ModelDrafter(Drafter):
         self.name, self.model, self.width = name, model, vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
-    def score(self, rows, spans, device):
+    def score(self, rows, spans, device, states=None):
         if self.route is None:
             self.route = head_route(self.model, _probe(rows, device))
         return scored_outputs(self.model, rows, spans, device, self.route)
@@ -448,7 +479,7 @@ class ModelDrafter(Drafter):
         check_finite(logits, "draft", where)
         return processed_probs(logits, sampling)
 
-    def begin(self, prompts, device):
+    def begin(self, prompts, device, states=None):
         slots, _ = prefill(self.model, [r[:-1] for r in prompts], device)
         return DraftCache(slots, torch.zeros(len(prompts), dtype=torch.long, device=device),
                           [False] * len(prompts))
@@ -473,7 +504,7 @@ class ModelDrafter(Drafter):
                 logits = extend(self.model, slots, ds[-1][:, None], (npos + 1 + i)[:, None])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
 
-    def settle(self, state, proposal, n_acc, committed):
+    def settle(self, state, proposal, n_acc, committed, states=None):
         gamma, n_host = proposal.tokens.shape[1], [len(c) - 1 for c in committed]
         if gamma > 1:  # the draft's cache holds d_1..d_{G-1}; keep the accepted ones
             settle_slots(state.slots, n_acc, max(n_host), gamma - 1)
@@ -538,7 +569,7 @@ class NgramDrafter(Drafter):
         self.sizes, self.eos = range(max_n, min_n - 1, -1), frozenset(eos)
         self.name, self.width = f"ngram (n={min_n}..{max_n})", None
 
-    def score(self, rows, spans, device):
+    def score(self, rows, spans, device, states=None):
         proposals = []
         for row, (s, e) in zip(rows, spans):
             first: dict[tuple, int] = {}
@@ -552,7 +583,7 @@ class NgramDrafter(Drafter):
     def q_probs(self, states, sampling, vocab, where):
         return nn.functional.one_hot(states.clamp_min(0), vocab).float() * (states >= 0)[:, None]
 
-    def begin(self, prompts, device):
+    def begin(self, prompts, device, states=None):
         firsts: list[dict[tuple, int]] = [{} for _ in prompts]
         for seq, first in zip(prompts, firsts):
             index_ngrams(seq, first, self.sizes, 0)
@@ -569,7 +600,7 @@ class NgramDrafter(Drafter):
         return Proposal(tokens.to(device), q.to(device), torch.ones_like(pending, dtype=torch.bool),
                         count.to(device))
 
-    def settle(self, state, proposal, n_acc, committed):
+    def settle(self, state, proposal, n_acc, committed, states=None):
         for seq, first, new in zip(state.seqs, state.firsts, committed):
             seq += new
             index_ngrams(seq, first, self.sizes, len(seq) - len(new))
@@ -580,6 +611,166 @@ class NgramDrafter(Drafter):
 
     def step_cost(self, target):
         return 0.0  # a lookup in the text: nothing next to a target step
+
+    def timing_model(self):
+        return None
+
+
+@dataclass
+class MtpState:
+    """An MTP drafter's simulation state: per row, the committed tokens (the pending one last)
+    and the target's final hidden states of all but the pending one."""
+
+    seqs: list[list[int]]
+    hidden: list[torch.Tensor]  # row b: (len(seqs[b]) - 1, H)
+
+
+class MtpDrafter(Drafter):
+    """The target's own multi-token-prediction heads (DeepSeek-V3, GLM-4.x MoE and the other
+    transformers 5.x models whose config has num_mtp_layers), run through transformers'
+    MtpModel layers: head k reads the embedding of the token k ahead of a position and head
+    k-1's output there (head 1: the target's final hidden state), and the heads chain, each fed
+    the token the one before drafted. q = the processed head logits, sampled from. A cycle
+    proposes min(gamma, heads) tokens. The heads are recomputed over the whole sequence every
+    cycle (no cache of their own: simple and exact; one layer per head is cheap next to the
+    target's verify pass)."""
+
+    reads_target = True
+
+    def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None):
+        self.target, self.mtp, self.heads = target, mtp, mtp.num_mtp_layers
+        self.name = name or f"mtp ({self.heads} head{'s' if self.heads > 1 else ''})"
+        self.width = vocab_width(target)
+
+    @classmethod
+    def of(cls, target: nn.Module) -> MtpDrafter:
+        """The MTP heads stored beside the target's weights (MtpModel.from_pretrained)."""
+        n = getattr(target.config.get_text_config(), "num_mtp_layers", None)
+        if not n:
+            raise UsageError(f"--draft mtp: {type(target).__name__} has no multi-token-"
+                             f"prediction layers (its config sets no num_mtp_layers); use a "
+                             f"model with MTP heads, such as DeepSeek-V3 or GLM-4.5")
+        from transformers.modeling_layers import MtpModel
+        device = next(target.get_decoder().layers[-1].parameters()).device
+        try:
+            with _quiet_loggers("transformers"):
+                mtp = MtpModel.from_pretrained(target, device_map={"": device})
+        except Exception as e:
+            raise UsageError(f"--draft mtp: could not load the MTP layers of "
+                             f"{target.config.name_or_path!r} ({type(e).__name__}: "
+                             f"{_one_line(e)[:200]})") from None
+        return cls(target, mtp.eval().requires_grad_(False))
+
+    def chain(self, ids: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor,
+              pos: torch.Tensor, heads: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> list[torch.Tensor]:
+        """Heads 1..heads over slots (B, T): ids the token one ahead of each slot (at position
+        pos + 1), hidden the target's final states at the slots. After head k, feed(k, its
+        output) gives head k+1's ids. Returns each head's output (B, T, H)."""
+        mtp = self.mtp
+        seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])  # (B, T, T)
+        dtype = hidden.dtype
+        mask = torch.where(seen[:, None], torch.zeros((), dtype=dtype, device=hidden.device),
+                           torch.finfo(dtype).min)  # (B, 1, T, T)
+        outs = []
+        for k in range(heads):
+            emb = mtp.embed_tokens(ids).to(hidden.device)
+            at = pos + 1 + k  # head k+1 reads the token k+1 ahead of the slot
+            rope = {"layer_type": mtp.config.layer_types[k]} if mtp.has_per_layer_rope else {}
+            angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=at,
+                                                                         **rope)
+            hidden = mtp.layers[k](emb, hidden, position_embeddings=angles,
+                                   attention_mask=mask, position_ids=at, cache=None)
+            if mtp.use_shared_post_norm:
+                hidden = mtp.shared_post_norm(hidden)
+            outs.append(hidden)
+            if k + 1 < heads:
+                ids = feed(k, hidden)
+        return outs
+
+    def head_probs(self, hidden: torch.Tensor, sampling: SamplingParams, vocab: int,
+                   where: Callable[[int], str]) -> torch.Tensor:
+        logits = self.mtp._project_to_logits(hidden).to(hidden.device)[..., :vocab]
+        check_finite(logits, "draft", where)
+        return processed_probs(logits, sampling)
+
+    def score(self, rows, spans, device, states=None):
+        if states is None:  # the target's head is not a plain map: get its states here
+            states = teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
+        ahead = [torch.tensor([list(r[k:]) + [0] * (width + k - len(r)) for r in rows],
+                              device=device) for k in range(1, self.heads + 1)]  # (B, T-1)
+        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
+                            device=device)
+        pos = torch.arange(width, device=device).expand(len(rows), width)
+        outs = self.chain(ahead[0], states[:, :width], live, pos, self.heads,
+                          lambda k, h: ahead[k + 1])
+        # head k at scored position t (which predicts row[t+1]) is its output at slot t-1,
+        # predicting row[t+k]; a flag column marks the positions that have such a slot
+        flagged = []
+        for k, out in enumerate(outs):
+            per_row = []
+            for b, (s, e) in enumerate(spans):
+                h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
+                if s == 0 and e - k > 0:  # position 0 has no slot before it
+                    h = torch.cat([torch.zeros_like(out[b, :1]), h])
+                per_row.append(torch.cat([h, (torch.arange(len(h), device=device) + s > 0)[
+                    :, None].to(h)], 1))
+            flagged.append(torch.cat(per_row))
+        return flagged
+
+    def q_probs(self, states, sampling, vocab, where):
+        made = states[:, -1:] > 0
+        return self.head_probs(states[:, :-1], sampling, vocab, where) * made
+
+    def begin(self, prompts, device, states=None):
+        width = states.shape[1] if states is not None else 0
+        return MtpState([list(p) for p in prompts],
+                        [states[b, width - len(p) + 1:] if len(p) > 1 else
+                         torch.zeros(0, 1, device=device) for b, p in enumerate(prompts)])
+
+    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
+        heads, device = min(gamma, self.heads), pending.device
+        ids, live, pos = left_pad([seq[1:] for seq in state.seqs], device)  # slots j: x_{j+1}
+        width, size = ids.shape[1], self.mtp.config.hidden_size
+        count = (live[:, -1] * heads) if width else torch.zeros_like(pending)  # a row with no
+        if not width:  # target state yet (a one-token prompt) proposes nothing this cycle
+            tokens = torch.zeros(len(pending), gamma, dtype=torch.long, device=device)
+            return Proposal(tokens, torch.zeros(*tokens.shape, vocab, device=device),
+                            torch.ones_like(pending, dtype=torch.bool), count)
+        hidden = torch.stack([torch.cat([torch.zeros(width - len(h), size).to(h), h])
+                              if len(h) else torch.zeros(width, size, device=device)
+                              for h in state.hidden])  # (B, T, H), left-padded like ids
+        qs, ds, current = [], [], [ids]
+
+        def draw(k: int, out: torch.Tensor) -> torch.Tensor:
+            """Head k+1's token from its output at the last slot; the next head's inputs."""
+            qs.append(self.head_probs(out[:, -1], sampling, vocab, lambda r: f"row {r}"))
+            ds.append(sample_from(qs[-1], u[:, k]))
+            current[0] = torch.cat([current[0][:, 1:], ds[-1][:, None]], 1)
+            return current[0]
+
+        draw(heads - 1, self.chain(ids, hidden, live, pos, heads, draw)[-1])
+        q = torch.stack(qs, 1) * (count > 0)[:, None, None]  # (B, heads, V)
+        pad = gamma - heads  # offsets past the last head: nothing proposed
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(q, (0, 0, 0, pad)),
+                        torch.ones_like(pending, dtype=torch.bool), count)
+
+    def settle(self, state, proposal, n_acc, committed, states=None):
+        for b, new in enumerate(committed):
+            state.seqs[b] += new
+            state.hidden[b] = torch.cat([state.hidden[b].to(states), states[b, :len(new)]]) \
+                if len(state.hidden[b]) else states[b, :len(new)]
+
+    def select(self, state, rows):
+        keep = rows.tolist()
+        state.seqs, state.hidden = [state.seqs[r] for r in keep], [state.hidden[r] for r in keep]
+
+    def step_cost(self, target):
+        layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
+        head = target.get_output_embeddings().weight.numel()
+        return (layer + head) / params_per_token(target)  # one layer and the head, per head
 
     def timing_model(self):
         return None
@@ -790,8 +981,9 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
     ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
     stats = [RowStats.empty(gamma) for _ in prompts]
     # Both caches hold every emitted token but the newest ("pending") one, at position npos.
-    slots, _ = prefill(target, [r[:-1] for r in prompts], device)
-    state = drafter.begin(prompts, device)
+    with final_states(target, drafter.reads_target) as seen:
+        slots, _ = prefill(target, [r[:-1] for r in prompts], device)
+    state = drafter.begin(prompts, device, seen[-1] if seen else None)
     pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
     npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # (B,)
     live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
@@ -800,7 +992,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 1. propose: the draft drafts d_1..d_G autoregressively from its own output
         proposal = drafter.propose(state, pending, npos, gamma, sampling, vocab, u[:, :gamma])
         # 2. verify: one target forward scores the pending token and all G proposals
-        p, finite_p = verify(target, slots, pending, npos, proposal.tokens, sampling, vocab)
+        with final_states(target, drafter.reads_target) as seen:
+            p, finite_p = verify(target, slots, pending, npos, proposal.tokens, sampling, vocab)
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, gamma:])
         count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
@@ -817,7 +1010,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 4. advance: rejected slots die in both caches; the new token is pending
         committed = [h[3:3 + h[0]] + [h[1]] for h in host]  # accepted drafts, then the new one
         settle_slots(slots, n_acc, max(h[0] for h in host), gamma)  # pending always stays
-        drafter.settle(state, proposal, n_acc, committed)
+        drafter.settle(state, proposal, n_acc, committed, seen[-1] if seen else None)
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -1011,18 +1204,24 @@ class PromptResult:
     top1_sum: float = 0.0  # positions where the two argmaxes agree
     p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t)
     windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window_sum
+    head_alpha_sums: list[float] = field(default_factory=list)  # heads 2.. of a drafter with
+    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
     sim: RowStats | None = None
 
 
 def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
-                  gammas: Sequence[int]) -> PromptResult:
-    """A PromptResult from position_stats' per-position numbers of one prompt. Windows run over
-    every position, a position without a proposal counting as alpha_t = 0."""
+                  gammas: Sequence[int], later: Sequence[dict[str, torch.Tensor]] = ()
+                  ) -> PromptResult:
+    """A PromptResult from position_stats' per-position numbers of one prompt (and of the
+    drafter's later heads, if it has several). Windows run over every position, a position
+    without a proposal counting as alpha_t = 0."""
     alpha = stats["alpha"].double()
     return PromptResult(index, category, alpha.numel(), int(stats["proposed"].sum()),
                         alpha.sum().item(), stats["top1"].double().sum().item(),
                         stats["p_argmax_q"].double().sum().item(),
-                        {g: window_sum(alpha, g) for g in gammas})
+                        {g: window_sum(alpha, g) for g in gammas},
+                        [h["alpha"].double().sum().item() for h in later],
+                        [int(h["proposed"].sum()) for h in later])
 
 
 @dataclass
@@ -1045,6 +1244,8 @@ class AcceptanceReport:
     alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
     scored_positions: int = 0
     n_sequences: int = 0
+    alpha_by_head: list[float] | None = None  # a drafter with several heads (MTP): each one's
+    # teacher-forced alpha, head k against the target's token k ahead
     proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
     # always; an n-gram lookup proposes only after a match); alpha is over those positions
     scored_on: str = "continuation"  # "continuation" or "prompt"
@@ -1101,7 +1302,8 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
                           cost: Cost, seed: int) -> dict[str, Any]:
     """The distributional section of a report. alpha pools the prompts' scored positions; a
     drafter that proposes at a share pi of positions only (n-gram lookup) accepts
-    pi * E[run] per cycle, and its cycles without a proposal cost one plain target step."""
+    pi * E[run] per cycle, and its cycles without a proposal cost one plain target step; a
+    drafter with several heads (MTP) runs with each head's own alpha, up to its last head."""
     looked = [r for r in results if r.positions]
     scored = [r for r in looked if r.scored]
     if not looked:
@@ -1112,10 +1314,11 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
     sums, counts = [r.alpha_sum for r in scored], [r.scored for r in scored]
     n_pos = sum(counts)
     alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
+    run = Run(rate, head_alphas(looked))
     means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
     weights = bootstrap_weights(len(scored), N_BOOT, seed)
     alpha_ci = bootstrap_ci(sums, counts, weights)
-    exp_iid = rate * expected_accepted_iid(alpha, gamma)
+    exp_iid = run.accepted(alpha, gamma)
     win_sums, win_counts = zip(*(r.windows[gamma] for r in scored))
     exp_pos = sum(win_sums) / sum(win_counts) if sum(win_counts) else None
     used = "positional" if estimator == "positional" and exp_pos is not None else "iid"
@@ -1123,15 +1326,15 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         expected, acc_ci = exp_pos, bootstrap_ci(win_sums, win_counts, weights)
     else:
         expected = exp_iid
-        acc_ci = None if alpha_ci is None else [rate * expected_accepted_iid(a, gamma)
-                                                for a in alpha_ci]
-    split = None if rate == 1 else [1 - rate] + [0.0] * (gamma - 1) + [rate]
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost, split)
-    table = gamma_rows(scored, alpha, rate, used, cost)
+        acc_ci = None if alpha_ci is None else [run.accepted(a, gamma) for a in alpha_ci]
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost,
+                                                 run.proposing(gamma))
+    table = gamma_rows(scored, alpha, run, used, cost)
     return dict(
         alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
         alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
-        n_sequences=len(scored), proposal_rate=rate, estimator=used,
+        n_sequences=len(scored), proposal_rate=rate,
+        alpha_by_head=[alpha] + run.later if run.later else None, estimator=used,
         expected_accepted=expected, expected_accepted_iid=exp_iid,
         expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
         est_speedup=speed, est_speedup_ci=speed_ci,
@@ -1139,6 +1342,35 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
         best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
         **category_fields(scored))
+
+
+def head_alphas(results: Sequence[PromptResult]) -> list[float]:
+    """Teacher-forced alpha of heads 2.. of a drafter with several heads ([] otherwise)."""
+    n = len(results[0].head_alpha_sums) if results else 0
+    return [sum(r.head_alpha_sums[k] for r in results)
+            / max(1, sum(r.head_scored[k] for r in results)) for k in range(n)]
+
+
+class Run(NamedTuple):
+    """How a drafter's proposals run, for the teacher-forced estimate: it proposes at a share
+    `rate` of positions, and offset k > 1 accepts with later[k-2] (a head of its own) or, for
+    a drafter without heads, with alpha again, as far as gamma goes."""
+
+    rate: float
+    later: list[float]
+
+    def accepted(self, alpha: float, gamma: int) -> float:
+        if not self.later:  # the i.i.d. closed form
+            return self.rate * expected_accepted_iid(alpha, gamma)
+        run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:gamma]
+        return self.rate * run.cumprod(0).sum().item()  # no head past the last: no proposal
+
+    def proposing(self, gamma: int) -> list[float] | None:
+        """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
+        if self.rate == 1 and not self.later:
+            return None
+        k = gamma if not self.later else min(gamma, len(self.later) + 1)
+        return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
 
 
 def category_fields(scored: Sequence[PromptResult]) -> dict[str, Any]:
@@ -1152,7 +1384,7 @@ def category_fields(scored: Sequence[PromptResult]) -> dict[str, Any]:
             "sequences_by_category": {c: len(rs) for c, rs in members.items()}}
 
 
-def gamma_rows(scored: Sequence[PromptResult], alpha: float, rate: float, estimator: str,
+def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
                cost: Cost) -> list[dict[str, Any]]:
     """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
     table = []
@@ -1161,11 +1393,10 @@ def gamma_rows(scored: Sequence[PromptResult], alpha: float, rate: float, estima
             count = sum(r.windows[g][1] for r in scored)
             e = sum(r.windows[g][0] for r in scored) / count if count else None
         else:
-            e = rate * expected_accepted_iid(alpha, g)
-        split = None if rate == 1 else [1 - rate] + [0.0] * (g - 1) + [rate]
+            e = run.accepted(alpha, g)
         if e is not None:
             table.append({"gamma": g, "tokens_per_cycle": e + 1,
-                          "est_speedup": cost.speedup(e + 1, g, split)})
+                          "est_speedup": cost.speedup(e + 1, g, run.proposing(g))})
     return table
 
 
@@ -1550,8 +1781,9 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
         for k, per_prompt in zip(members, score_batch(
                 target, route_p, [drafters[k] for k in members], batch, sub, conts, sampling,
                 vocab, device)):
-            for i, stats in zip(batch, per_prompt):
-                results[k][i] = prompt_result(i, sequences[i].category, stats, settings.gammas)
+            for i, heads in zip(batch, per_prompt):
+                results[k][i] = prompt_result(i, sequences[i].category, heads[0],
+                                              settings.gammas, heads[1:])
     if not settings.simulate:
         return
     bar.set_description("simulation")
@@ -1577,19 +1809,34 @@ def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
     rows = [s.ids + c for s, c in zip(sub, conts)]
     spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
              for s, c in zip(sub, conts)]
-    sizes = [e - s for s, e in spans]
-    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s, e)]
     with step("the target's teacher-forced pass"):
-        states_p = scored_outputs(target, rows, spans, device, route_p)  # (N, H or V)
+        full_p = teacher_forced(target, rows, device, route_p)  # (B, T, H or V)
     out = []
     for drafter in drafters:
         with step(f"the teacher-forced pass of draft {drafter.name}"):
-            per_pos = position_stats(
-                target, drafter, states_p, drafter.score(rows, spans, device), sampling, vocab,
-                route_p, where=lambda n: "prompt {}, position {}".format(*labels[n]))
-        split = {key: values.split(sizes) for key, values in per_pos.items()}
-        out.append([{key: v[j] for key, v in split.items()} for j in range(len(batch))])
+            scored = drafter.score(rows, spans, device,
+                                   full_p if drafter.reads_target and route_p else None)
+            # a drafter with several heads scores each: head k+1 against the target k later
+            per_head = [stats_by_prompt(target, drafter, at_spans(full_p, spans, device, k),
+                                        states_q, spans, k, batch, sampling, vocab, route_p)
+                        for k, states_q in enumerate(scored if isinstance(scored, list)
+                                                     else [scored])]
+        out.append([[head[j] for head in per_head] for j in range(len(batch))])
     return out
+
+
+def stats_by_prompt(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
+                    states_q: torch.Tensor, spans: Sequence[tuple[int, int]], shift: int,
+                    batch: list[int], sampling: SamplingParams, vocab: int, route_p: bool
+                    ) -> list[dict[str, torch.Tensor]]:
+    """position_stats over a batch's scored positions (the first `shift` of each row dropped:
+    a later head's), split back into one dict per prompt."""
+    sizes = [max(0, e - s - shift) for s, e in spans]
+    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s + shift, e)]
+    per_pos = position_stats(target, drafter, states_p, states_q, sampling, vocab, route_p,
+                             where=lambda n: "prompt {}, position {}".format(*labels[n]))
+    split = {key: values.split(sizes) for key, values in per_pos.items()}
+    return [{key: v[j] for key, v in split.items()} for j in range(len(batch))]
 
 
 def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
@@ -2526,6 +2773,7 @@ BUILT_IN_DRAFTERS: dict[str, Callable[[nn.Module, Any, argparse.Namespace], Draf
     # --draft NAME for drafters that need no draft model: made from the target
     "ngram": lambda target, tok, args: NgramDrafter(args.ngram_max, args.ngram_min,
                                                     eos_ids(target, tok)),
+    "mtp": lambda target, tok, args: MtpDrafter.of(target),
 }
 
 

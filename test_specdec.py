@@ -2398,6 +2398,182 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
 
 
 # ----------------------------------------------------------------------------------------------
+# MTP heads built into the target (DeepSeek-V3 style), run through transformers' MtpModel
+
+
+def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed: int = 0):
+    """A tiny DeepSeek-V3 with `heads` MTP layers, saved as such checkpoints are: the MTP
+    layers are decoder layers numbered after the model's own, plus enorm, hnorm, eh_proj and
+    shared_head.norm. The target is a bigram model (attention and MLP outputs zeroed) and each
+    head's eh_proj is [I | 0] + noise: with noise 0 a head predicts exactly the target's next
+    choice, with noise it often does not."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+              n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4,
+              num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+              qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=256,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    big = DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=layers + heads,
+                                                 num_mtp_layers=heads, **kw))
+    with torch.no_grad():
+        for name, p in big.named_parameters():
+            if "layers." in name and ("o_proj" in name or "down_proj" in name):
+                p.zero_()
+    big.save_pretrained(folder)
+    weights = load_file(f"{folder}/model.safetensors")
+    for k in range(heads):
+        pre = f"model.layers.{layers + k}."
+        weights[pre + "enorm.weight"] = torch.ones(32)
+        weights[pre + "hnorm.weight"] = torch.ones(32)
+        weights[pre + "shared_head.norm.weight"] = big.model.norm.weight.detach().clone()
+        weights[pre + "eh_proj.weight"] = torch.cat([torch.eye(32), torch.zeros(32, 32)], 1) \
+            + noise * torch.randn(32, 64)
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    cfg = DeepseekV3Config.from_pretrained(folder)
+    cfg.num_hidden_layers = layers
+    cfg.save_pretrained(folder)
+
+
+def load_mtp_target(folder):
+    from transformers import DeepseekV3ForCausalLM
+    target = DeepseekV3ForCausalLM.from_pretrained(folder).eval().requires_grad_(False)
+    heads = target.config.num_mtp_layers
+    # DeepSeek-V3 names its MTP layers model.layers.61.* (the real model's count); point the
+    # instance at this tiny model's layers 2.. instead
+    target._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{2 + k}\."
+                                                 for k in range(heads)]
+    return target
+
+
+@pytest.fixture(scope="session")
+def mtp_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp")
+    make_mtp_checkpoint(folder, heads=2, noise=0.05)
+    target = load_mtp_target(folder)
+    return target, sd.MtpDrafter.of(target)
+
+
+MTP_PROMPTS = ["hello there", "the cat sat", "abc", "what is 2+2?"]
+
+
+def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_pair, tok_plain, monkeypatch):
+    """The oracle is generate(use_mtp=True): the same tokens, and cycle by cycle the same
+    (drafted, accepted) counts. transformers spends its first cycle on a plain step (it drafts
+    from the hidden states of a pass it has not made yet); specdec drafts from the prefill, so
+    it starts from the prompt plus that first token, and the two are then in the same state."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    target, drafter = mtp_pair
+    theirs = hf_cycles(monkeypatch, MTPCandidateGenerator)
+    ours = logged_cycles(monkeypatch)
+    budget, accepted = 16, 0
+    for text in MTP_PROMPTS:
+        ids = tok_plain(text)["input_ids"]
+        theirs.clear()
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
+                              use_mtp=True)[0, len(ids):].tolist()
+        assert theirs[0] == (0, 0)  # the plain first step
+        rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
+                                 SAMPLINGS["greedy"], 2, budget - 1, device=CPU, vocab=V,
+                                 eos=set())
+        assert rows[0].tokens == out[1:]
+        assert ours[id(rows[0])][:-1] == theirs[1:-1]  # the last: transformers crops it
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 8
+
+
+def test_mtp_teacher_forced_heads_match_transformers_layers(mtp_pair, tok_plain):
+    """alpha by head against an oracle that runs transformers' own MtpModel.forward_layer one
+    prefix at a time (its own masks and cache), head 2 fed the continuation's next token."""
+    from transformers.cache_utils import MtpCache
+    target, drafter = mtp_pair
+    mtp, s = drafter.mtp, SAMPLINGS["t1"]
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
+                              continuation_tokens=6, seed=2, batch_size=3)
+    want = [[], []]
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(target, q.ids, s, 6, 2, i)
+        with torch.no_grad():
+            hidden = target.model(input_ids=torch.tensor([row])).last_hidden_state
+            logits = target(input_ids=torch.tensor([row])).logits[0, :, :V]
+        for t in range(len(q.ids) - 1, len(row) - 1):  # position t predicts row[t + 1]
+            if t == 0:
+                continue
+            h = hidden[:, :t]  # slots 0..t-1
+            for k in range(2):
+                if t + k >= len(row) - 1 + 0 and k:  # head 2 needs the target's row[t+2]
+                    break
+                ids = torch.tensor([row[1 + k:t + 1 + k]])
+                with torch.no_grad():
+                    h = mtp.forward_layer(k, h, torch.arange(1 + k, t + 1 + k)[None],
+                                          MtpCache(config=mtp.config), input_ids=ids)
+                    q_logits = mtp._project_to_logits(h[:, -1])[0, :V]
+                p_, q_ = bf_processed(logits[t + k], s), bf_processed(q_logits, s)
+                want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
+    got = r.alpha_by_head
+    assert len(got) == 2 and r.scored_positions == len(want[0])
+    assert got[0] == pytest.approx(sum(want[0]) / len(want[0]), abs=1e-5)
+    assert got[1] == pytest.approx(sum(want[1]) / len(want[1]), abs=1e-5)
+    # the i.i.d. estimate chains the heads: alpha_1 + alpha_1 alpha_2, and no third proposal
+    assert r.expected_accepted == pytest.approx(got[0] + got[0] * got[1], abs=1e-12)
+
+
+@pytest.mark.slow  # 40 runs of transformers' generate
+def test_mtp_sampled_acceptance_agrees_with_transformers(mtp_pair, tok_plain, monkeypatch):
+    """At T = 1 transformers samples each head's draft from its processed logits and uses them
+    as q (lossless, temperature once): its acceptance rate and specdec's, over 40 prompts
+    each with its own random draws, agree within 3 standard errors of their difference
+    (about 0.05 here)."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    target, drafter = mtp_pair
+    prompts = [f"{a} {b}" for a in ("the cat", "one two", "abc", "red fox", "hi")
+               for b in ("sat", "and then", "x y z", "hello")] * 2
+    seqs = sd.build_sequences(prompts, tok_plain)
+    rows = sd.run_simulation(target, drafter, seqs, SAMPLINGS["t1"], 2, 20, device=CPU,
+                             vocab=V, eos=set(), seed=4, batch_size=8)
+    ours = [(r.accepted, r.examined) for r in rows.values()]
+    log = hf_cycles(monkeypatch, MTPCandidateGenerator)
+    theirs = []
+    for i, q in enumerate(seqs):
+        log.clear()
+        torch.manual_seed(500 + i)
+        target.generate(torch.tensor([q.ids]), do_sample=True, temperature=1.0, top_k=0,
+                        max_new_tokens=20, use_mtp=True)
+        cycles = [(n, min(n + 1, k)) for k, n in log[:-1] if k]
+        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
+    a_ours = sum(a for a, _ in ours) / sum(e for _, e in ours)
+    a_theirs = sum(a for a, _ in theirs) / sum(e for _, e in theirs)
+    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
+    assert abs(a_ours - a_theirs) < 3 * se, (a_ours, a_theirs, se)
+
+
+def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_txt,
+                                           monkeypatch):
+    from transformers import DeepseekV3ForCausalLM
+    make_mtp_checkpoint(tmp_path / "mtp", heads=2, noise=0.05)
+    make_tokenizer().save_pretrained(tmp_path / "mtp")
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.2\.", r"model\.layers\.3\."])
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
+                                     "--draft", "ngram", "--data", data_txt, "--simulate",
+                                     "--continuation-tokens", "10", "--quiet", "--gamma", "3",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    mtp, ngram = json.loads(out.read_text())
+    assert mtp["draft"] == "mtp (2 heads)" and len(mtp["alpha_by_head"]) == 2
+    # two heads: a block of 3 proposes 2, so offset 3 is never reached
+    assert mtp["reached_by_draft_offset"][2] == 0 and mtp["proposed_by_cycle"][3] == 0
+    assert 0 < mtp["cost_ratio"] < 1 and "alpha by draft offset" in text
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
+                                     "--data", data_txt])
+    assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
+
+
+# ----------------------------------------------------------------------------------------------
 # scale: one model over several devices, many prompts over many processes
 
 
