@@ -470,6 +470,7 @@ class ModelDrafter(Drafter):
         self.route: bool | None = None  # head_route, found on the first rows scored
 
     def score(self, rows, spans, device, states=None):
+        device = model_device(self.model) or device
         if self.route is None:
             self.route = head_route(self.model, _probe(rows, device))
         return scored_outputs(self.model, rows, spans, device, self.route)
@@ -776,6 +777,11 @@ class MtpDrafter(Drafter):
         return None
 
 
+def model_device(model: nn.Module) -> torch.device | None:
+    """Where a model's first weights are (None if none are anywhere but on disk)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+
+
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
     """A drafter as given, or a plain model wrapped as one."""
     return draft if isinstance(draft, Drafter) else ModelDrafter(name, draft)
@@ -861,6 +867,7 @@ def position_stats(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
         check_finite(lp, "target", lambda n: where(s + n))
         p = processed_probs(lp, sampling)
         q = drafter.q_probs(states_q[s:s + chunk], sampling, vocab, lambda n: where(s + n))
+        q = q.to(p.device)  # a draft being trained may sit on another device
         made = q.sum(-1) > 0  # (n,) a proposal here (a q of zeros: nothing proposed)
         a = acceptance(p, q)  # (n,)
         assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
@@ -1261,6 +1268,7 @@ class AcceptanceReport:
     p_argmax_q: float | None = None  # mean p(argmax q): acceptance of an argmax-proposing draft
     alpha_by_category: dict[str, float] | None = None
     sequences_by_category: dict[str, int] | None = None
+    proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
     gamma_table: list[dict[str, Any]] | None = None  # per gamma: tokens per cycle and speedup
     best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
     # generative (simulation)
@@ -1341,7 +1349,7 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
         p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
         best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
-        **category_fields(scored))
+        **category_fields(looked, rate < 1))
 
 
 def head_alphas(results: Sequence[PromptResult]) -> list[float]:
@@ -1373,15 +1381,22 @@ class Run(NamedTuple):
         return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
 
 
-def category_fields(scored: Sequence[PromptResult]) -> dict[str, Any]:
-    """alpha and the number of sequences per category, where the prompts have categories."""
-    names = sorted({r.category for r in scored if r.category is not None})
+def category_fields(looked: Sequence[PromptResult], abstains: bool) -> dict[str, Any]:
+    """alpha and the number of sequences per category, where the prompts have categories (and
+    the share of positions with a proposal, for a drafter that does not always propose)."""
+    names = sorted({r.category for r in looked if r.scored and r.category is not None})
     if not names:
         return {}
-    members = {c: [r for r in scored if r.category == c] for c in names}
-    return {"alpha_by_category": {c: sum(r.alpha_sum for r in rs) / sum(r.scored for r in rs)
-                                  for c, rs in members.items()},
-            "sequences_by_category": {c: len(rs) for c, rs in members.items()}}
+    members = {c: [r for r in looked if r.category == c] for c in names}
+    fields = {"alpha_by_category": {c: sum(r.alpha_sum for r in rs) / sum(r.scored for r in rs)
+                                    for c, rs in members.items()},
+              "sequences_by_category": {c: sum(1 for r in rs if r.scored)
+                                        for c, rs in members.items()}}
+    if abstains:
+        fields["proposal_rate_by_category"] = {
+            c: sum(r.scored for r in rs) / sum(r.positions for r in rs)
+            for c, rs in members.items()}
+    return fields
 
 
 def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
@@ -1612,8 +1627,10 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _gamma_lines(r)
     if r.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
-        lines += [f"    {name:<16} {a:.3f}   ({r.sequences_by_category[name]} sequences)"
-                  for name, a in r.alpha_by_category.items()]
+        rates = r.proposal_rate_by_category or {}
+        lines += [f"    {name:<16} {a:.3f}   ({r.sequences_by_category[name]} sequences"
+                  + (f", proposals at {rates[name]:.0%} of positions" if name in rates else "")
+                  + ")" for name, a in r.alpha_by_category.items()]
     lines.append(RULE)
     lines += [f"  note: {n}" for n in r.notes]
     verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
@@ -1640,6 +1657,149 @@ def format_summary(reports: Sequence[AcceptanceReport]) -> str:
                      f"{_num(r.empirical_alpha, '.3f'):>9} {_num(r.best_gamma, 'd'):>10} "
                      f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# pictures of a run (--plot): matplotlib, imported only when asked
+
+PLOT_SIZE = (12, 8)  # inches, at 100 dpi: a 1200 x 800 PNG
+
+
+def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
+    """write(binary file) into a temporary file beside PATH, then rename it: PATH holds either
+    its old content or the whole new file, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a binomial proportion accepted / n."""
+    centre = (accepted + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(accepted * (n - accepted) / n + z * z / 4) / (n + z * z)
+    return centre - half, centre + half
+
+
+def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
+    """Draw the run to a PNG: one report's offsets, gamma curves and categories, or, for
+    several drafts or temperatures, one comparison. Written whole or not at all."""
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    from matplotlib import pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=PLOT_SIZE, dpi=100)
+    if len(reports) == 1:
+        _plot_offsets(axes[0][0], reports[0])
+        _plot_gammas(axes[0][1], axes[1][0], reports[0])
+        _plot_categories(axes[1][1], reports[0])
+    else:
+        _plot_comparison(axes, reports)
+    fig.tight_layout()
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
+    ax.set_title(f"alpha by draft offset — {r.draft[-40:]}, T={r.temperature:g}", fontsize=10)
+    if r.reached_by_draft_offset is None:  # no simulation: the teacher-forced alpha(s)
+        heads = r.alpha_by_head or [r.alpha or 0.0]
+        ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
+    else:
+        js = range(1, r.gamma + 1)
+        rates = [a or 0.0 for a in r.alpha_by_draft_offset]
+        lows, highs = zip(*(wilson(t, n) if n else (0.0, 0.0) for t, n in zip(
+            r.accepted_by_draft_offset, r.reached_by_draft_offset)))
+        ax.bar(js, rates, color="tab:orange", label="simulated, 95% interval",
+               yerr=[[a - lo for a, lo in zip(rates, lows)],
+                     [hi - a for a, hi in zip(rates, highs)]], capsize=4)
+        for j, n in zip(js, r.reached_by_draft_offset):
+            ax.annotate(f"{n:,} cycles", (j, 1.02), ha="center", fontsize=8)
+        ax.set_xticks(list(js))
+    if r.alpha is not None:
+        ax.axhline(r.alpha, color="tab:blue", linestyle="--", label="teacher-forced alpha")
+    ax.set_ylim(0, 1.12)
+    ax.set_xlabel("draft offset j (P(accept j | j reached))")
+    ax.legend(loc="lower left", fontsize=8)
+
+
+def _plot_gammas(tokens_ax: Any, speed_ax: Any, r: AcceptanceReport) -> None:
+    table = r.gamma_table or []
+    gs = [row["gamma"] for row in table]
+    for ax, key, label in ((tokens_ax, "tokens_per_cycle", "tokens per cycle"),
+                           (speed_ax, "est_speedup", "est. speedup")):
+        ax.plot(gs, [row[key] for row in table], "o-", label="teacher-forced")
+        sim = [(row["gamma"], row["sim_" + key]) for row in table
+               if row.get("sim_" + key) is not None]
+        if sim:
+            ax.plot(*zip(*sim), "s--", label="simulated")
+        ax.axvline(r.gamma, color="grey", linestyle=":", label=f"gamma = {r.gamma}")
+        ax.set_xlabel("gamma (draft block)")
+        ax.set_title(label, fontsize=10)
+        ax.legend(fontsize=8)
+    speed_ax.axhline(1.0, color="black", linewidth=0.8)
+
+
+def _plot_categories(ax: Any, r: AcceptanceReport) -> None:
+    ax.set_title("alpha by category (teacher-forced)", fontsize=10)
+    cats = r.alpha_by_category or {}
+    if not cats:
+        ax.text(0.5, 0.5, "no categories in this data", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    names = list(cats)
+    ax.barh(names, [cats[c] for c in names], color="tab:green")
+    for i, c in enumerate(names):
+        ax.annotate(f"{r.sequences_by_category[c]} seq.", (cats[c], i), fontsize=8,
+                    va="center")
+    ax.set_xlim(0, 1.15)
+
+
+def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
+    drafts = list(dict.fromkeys(r.draft for r in reports))
+    temps = sorted({r.temperature for r in reports})
+    width = 0.8 / len(temps)
+    for k, t in enumerate(temps):  # drafts side by side, one bar per temperature
+        xs, ys, errs = [], [], [[], []]
+        for i, d in enumerate(drafts):
+            r = next((r for r in reports if r.draft == d and r.temperature == t), None)
+            if r is None or r.alpha is None:
+                continue
+            lo, hi = r.alpha_ci or (r.alpha, r.alpha)
+            xs.append(i + k * width)
+            ys.append(r.alpha)
+            errs[0].append(r.alpha - lo)
+            errs[1].append(hi - r.alpha)
+        axes[0][0].bar(xs, ys, width, yerr=errs, capsize=3, label=f"T={t:g}")
+    axes[0][0].set_xticks([i + 0.4 - width / 2 for i in range(len(drafts))])
+    axes[0][0].set_xticklabels([d[-24:] for d in drafts], fontsize=7, rotation=15)
+    axes[0][0].set_title("alpha (teacher-forced, 95% interval over prompts)", fontsize=10)
+    axes[0][0].legend(fontsize=8)
+    for d in drafts:  # alpha and speedup against temperature
+        mine = sorted((r for r in reports if r.draft == d), key=lambda r: r.temperature)
+        axes[0][1].plot([r.temperature for r in mine], [r.alpha for r in mine], "o-",
+                        label=d[-24:])
+        axes[1][0].plot([r.temperature for r in mine],
+                        [r.empirical_alpha if r.empirical_alpha is not None else float("nan")
+                         for r in mine], "s--", label=d[-24:])
+        axes[1][1].plot([r.temperature for r in mine], [r.est_speedup for r in mine], "o-",
+                        label=d[-24:])
+    for ax, title in ((axes[0][1], "alpha (teacher-forced) against temperature"),
+                      (axes[1][0], "alpha (simulated) against temperature"),
+                      (axes[1][1], "est. speedup at the chosen gamma")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("temperature")
+        ax.legend(fontsize=7)
+    axes[1][1].axhline(1.0, color="black", linewidth=0.8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1771,16 +1931,12 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
     sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
     groups = vocab_groups(target, drafters)
     for vocab, members in groups.items():
-        bar.set_description("continuations")
-        with step("sampling the target's continuations"):
-            conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
-                                          vocab=vocab, eos=eos, seed=settings.seed,
-                                          batch_size=len(sub), indices=batch, bar=bar)
-                     if n_tokens else [[] for _ in sub])
+        side = target_pass(target, route_p, batch, sequences, sampling, settings, eos, device,
+                           vocab, bar)
         bar.set_description("teacher-forced")
         for k, per_prompt in zip(members, score_batch(
-                target, route_p, [drafters[k] for k in members], batch, sub, conts, sampling,
-                vocab, device)):
+                target, route_p, [drafters[k] for k in members], side, sampling, vocab,
+                device)):
             for i, heads in zip(batch, per_prompt):
                 results[k][i] = prompt_result(i, sequences[i].category, heads[0],
                                               settings.gammas, heads[1:])
@@ -1800,28 +1956,61 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
                 results[k][i].sim = row
 
 
-def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
-                batch: list[int], sub: Sequence[TokenSequence], conts: list[list[int]],
-                sampling: SamplingParams, vocab: int, device: torch.device
-                ) -> list[list[dict[str, torch.Tensor]]]:
-    """Teacher-forced alpha_t at every scored position: one target pass shared by all drafters,
-    one pass of each drafter -> per drafter, per prompt, position_stats' numbers."""
+class TargetPass(NamedTuple):
+    """The target's side of one batch's teacher-forced measurement, made once for every
+    drafter: the rows (prompt + the target's continuation), the scored spans, and the
+    target's outputs (hidden states when route_p, else logits): at every position (B, T, ...),
+    or, compact, only at the scored ones (N, ...)."""
+
+    batch: list[int]
+    rows: list[list[int]]
+    spans: list[tuple[int, int]]
+    states: torch.Tensor
+    compact: bool = False
+
+    def at(self, shift: int, device: torch.device) -> torch.Tensor:
+        """The outputs at the scored positions, `shift` positions later (a later head's)."""
+        assert not (self.compact and shift), "a compact target pass has no later positions"
+        return self.states.to(device) if self.compact else \
+            at_spans(self.states, self.spans, device, shift)
+
+
+def target_pass(target: nn.Module, route_p: bool, batch: list[int],
+                sequences: Sequence[TokenSequence], sampling: SamplingParams,
+                settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
+                bar: Any) -> TargetPass:
+    """The target's continuation of each prompt of a batch (the text speculative decoding
+    would produce), then one teacher-forced target pass over prompt + continuation."""
+    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
+    bar.set_description("continuations")
+    with step("sampling the target's continuations"):
+        conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
+                                      vocab=vocab, eos=eos, seed=settings.seed,
+                                      batch_size=len(sub), indices=batch, bar=bar)
+                 if n_tokens else [[] for _ in sub])
     rows = [s.ids + c for s, c in zip(sub, conts)]
     spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
              for s, c in zip(sub, conts)]
     with step("the target's teacher-forced pass"):
-        full_p = teacher_forced(target, rows, device, route_p)  # (B, T, H or V)
+        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p))
+
+
+def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
+                side: TargetPass, sampling: SamplingParams, vocab: int, device: torch.device
+                ) -> list[list[list[dict[str, torch.Tensor]]]]:
+    """Teacher-forced alpha_t at every scored position, against one target pass shared by all
+    drafters -> per drafter, per prompt, per head, position_stats' numbers."""
     out = []
     for drafter in drafters:
         with step(f"the teacher-forced pass of draft {drafter.name}"):
-            scored = drafter.score(rows, spans, device,
-                                   full_p if drafter.reads_target and route_p else None)
+            reads = side.states if drafter.reads_target and route_p else None
+            scored = drafter.score(side.rows, side.spans, device, reads)
             # a drafter with several heads scores each: head k+1 against the target k later
-            per_head = [stats_by_prompt(target, drafter, at_spans(full_p, spans, device, k),
-                                        states_q, spans, k, batch, sampling, vocab, route_p)
+            per_head = [stats_by_prompt(target, drafter, side.at(k, device), states_q,
+                                        side.spans, k, side.batch, sampling, vocab, route_p)
                         for k, states_q in enumerate(scored if isinstance(scored, list)
                                                      else [scored])]
-        out.append([[head[j] for head in per_head] for j in range(len(batch))])
+        out.append([[head[j] for head in per_head] for j in range(len(side.batch))])
     return out
 
 
@@ -1961,6 +2150,162 @@ def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
     return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
                           device=device, settings=settings, progress=progress,
                           target_name=target_name, **options)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# training: alpha as a metric of the draft being trained
+
+
+class TrainingMeter:
+    """Teacher-forced acceptance of a draft in training against a frozen target, cheap enough
+    to run at every evaluation: the target's continuations and its hidden states at the scored
+    positions are made once (compact: (positions, H), never a (positions, V) table), so each
+    measurement is one batched forward of the draft (plus, with simulate, the real loop).
+
+    The numbers are those of measure_acceptance(target, draft, sequences, ...) with the same
+    settings: the same batches, the same continuations, the same sums."""
+
+    def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
+                 sampling: SamplingParams, settings: Settings, device: torch.device | None = None):
+        self.target, self.sequences = target, list(sequences)
+        self.sampling, self.settings = sampling, settings
+        self.device = device or model_device(target) or torch.device("cpu")
+        self.sides: list[TargetPass] | None = None  # made on first use
+
+    def prepare(self, vocab: int) -> None:
+        target, device, settings = self.target, self.device, self.settings
+        eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
+        order = sorted(range(len(self.sequences)), key=lambda i: len(self.sequences[i].ids))
+        with torch.no_grad():
+            self.route = head_route(target, _probe([self.sequences[order[-1]].ids], device))
+            self.sides = []
+            for batch in _batches(order, settings.batch_size):
+                side = target_pass(target, self.route, batch, self.sequences, self.sampling,
+                                   settings, eos, device, vocab, _NoBar())
+                self.sides.append(side._replace(states=side.at(0, device), compact=True))
+        self.eos = eos
+
+    def measure(self, draft: nn.Module, name: str = "draft") -> AcceptanceReport:
+        """The report of `draft` now (in eval mode for the measurement, its mode restored)."""
+        drafter = ModelDrafter(name, draft)
+        vocab = shared_vocab(self.target, drafter)
+        if self.sides is None:
+            self.prepare(vocab)
+        was_training = draft.training
+        draft.eval()
+        try:
+            with torch.no_grad():
+                results = self.score(drafter, vocab)
+        finally:
+            draft.train(was_training)
+        cost = cost_model(self.target, drafter, replace(self.settings, cost_ratio=None)
+                          if self.settings.cost_ratio == "measure" else self.settings,
+                          self.sequences, self.device)
+        return summarise(list(results.values()), target_name="target", draft_name=name,
+                         sampling=self.sampling, settings=self.settings, cost=cost,
+                         vocab=vocab, sequences=self.sequences, interrupted=False)
+
+    def score(self, drafter: Drafter, vocab: int) -> dict[int, PromptResult]:
+        results = {}
+        for side in self.sides:
+            per_prompt = score_batch(self.target, self.route, [drafter], side, self.sampling,
+                                     vocab, self.device)[0]
+            for i, heads in zip(side.batch, per_prompt):
+                results[i] = prompt_result(i, self.sequences[i].category, heads[0],
+                                           self.settings.gammas, heads[1:])
+            if self.settings.simulate:
+                sims = run_simulation(self.target, drafter, [self.sequences[i] for i in
+                                                             side.batch],
+                                      self.sampling, self.settings.gamma,
+                                      self.settings.continuation_tokens, device=self.device,
+                                      vocab=vocab, eos=self.eos, seed=self.settings.seed,
+                                      batch_size=len(side.batch), indices=side.batch)
+                for i, row in sims.items():
+                    results[i].sim = row
+        return results
+
+
+def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, float]:
+    """What AcceptanceCallback logs: alpha, tokens per cycle, est. speedup (and per category,
+    and the simulation's when it ran), under `prefix`."""
+    out = {f"{prefix}alpha": report.alpha, f"{prefix}tokens_per_cycle": report.tokens_per_cycle,
+           f"{prefix}est_speedup": report.est_speedup}
+    out.update({f"{prefix}alpha/{c}": a for c, a in (report.alpha_by_category or {}).items()})
+    if report.empirical_alpha is not None:
+        out.update({f"{prefix}sim_alpha": report.empirical_alpha,
+                    f"{prefix}sim_tokens_per_cycle": report.empirical_tokens_per_cycle})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _acceptance_callback_class() -> type:
+    """AcceptanceCallback subclasses transformers' TrainerCallback, so it is made on first use
+    (importing specdec does not import transformers)."""
+    from transformers import TrainerCallback
+
+    class AcceptanceCallback(TrainerCallback):
+        """Log the teacher-forced acceptance of the model being trained (the draft) against a
+        frozen target, through the Trainer's own logging (console, TensorBoard, W&B ...):
+        specdec/alpha, specdec/tokens_per_cycle, specdec/est_speedup, specdec/alpha/<category>
+        (and specdec/sim_* with simulate=True), at every evaluation and, with every=N, at the
+        start and every N optimiser steps.
+
+            callback = AcceptanceCallback(target, prompts, tokenizer=tok, temperature=0.7)
+            callback.attach(trainer)   # adds it, and lets it log through trainer.log
+            trainer.train()
+
+        prompts: token sequences (build_sequences), or texts with tokenizer=. The target's
+        side is computed once; each measurement costs about one forward of the draft.
+        """
+
+        def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
+                     temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
+                     gamma: int = 4, continuation_tokens: int = 32, every: int | None = None,
+                     prefix: str = "specdec/", max_length: int = 512, **options: Any):
+            if tokenizer is not None:
+                prompts = build_sequences(prompts, tokenizer, max_length=max_length)
+            elif not all(isinstance(p, TokenSequence) for p in prompts):
+                raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
+                                 "or texts with tokenizer=")
+            self.meter = TrainingMeter(target, prompts, SamplingParams(temperature, top_k, top_p),
+                                       Settings(gamma=gamma,
+                                                continuation_tokens=continuation_tokens,
+                                                **options))
+            self.every, self.prefix, self.trainer = every, prefix, None
+            self.history: list[tuple[int, AcceptanceReport]] = []  # (global step, report)
+
+        def attach(self, trainer: Any) -> "AcceptanceCallback":
+            trainer.add_callback(self)
+            self.trainer = trainer
+            return self
+
+        def log_now(self, state: Any, control: Any, model: nn.Module) -> None:
+            report = self.meter.measure(model)
+            self.history.append((state.global_step, report))
+            if self.trainer is not None:
+                keep = control.should_log  # Trainer.log clears it: the step's own log stays
+                self.trainer.log(metrics_of(report, self.prefix))
+                control.should_log = keep
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if self.every:  # where training starts from
+                self.log_now(state, control, model)
+
+        def on_evaluate(self, args, state, control, model=None, **kwargs):
+            self.log_now(state, control, model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.every and state.global_step % self.every == 0:
+                self.log_now(state, control, model)
+
+    return AcceptanceCallback
+
+
+def __getattr__(name: str) -> Any:
+    """`from specdec import AcceptanceCallback` builds the class on first use (PEP 562)."""
+    if name == "AcceptanceCallback":
+        return _acceptance_callback_class()
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2554,7 +2899,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="specdec.py", description="Measure speculative-decoding acceptance "
+    ap = _Parser(description="Measure speculative-decoding acceptance "
                  "(alpha) and expected speedup of draft models against a target model.",
                  epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
                  "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
@@ -2639,6 +2984,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH",
                     help="also write every number as JSON to PATH ('-' = stdout, the text report "
                     "then goes to stderr); several drafts or temperatures give a list")
+    ap.add_argument("--plot", metavar="PATH.png",
+                    help="also draw the run to a PNG: alpha by draft offset with cohort sizes "
+                    "and intervals, tokens per cycle and speedup against gamma, alpha by "
+                    "category; several drafts or temperatures: one comparison (needs "
+                    "matplotlib)")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bars and no status line on stderr")
     ap.add_argument("--traceback", action="store_true",
@@ -2649,19 +2999,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_json_atomic(path: str, data: Any) -> None:
     """Write JSON so that PATH holds either its old content or the whole new file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".json.tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
+    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+def _check_plot_target(path: str | None) -> None:
+    if path is None:
+        return
+    if not path.lower().endswith(".png"):
+        raise UsageError(f"--plot: {path!r} should end in .png")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UsageError(f"--plot: the folder of {path!r} does not exist")
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def _check_json_target(path: str | None) -> None:
@@ -2701,6 +3052,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio))
     _check_json_target(args.json)
+    _check_plot_target(args.plot)
     if not args.draft and not layers:
         raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
                          "first N decoder layers")
@@ -2894,6 +3246,8 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
         print(json.dumps(data, indent=2))
     elif args.json:
         write_json_atomic(args.json, data)
+    if args.plot:
+        plot_reports(reports, args.plot)
     if any(r.partial for r in reports):
         return 143 if terminated else 130
     failures = [] if args.min_alpha is None else gate_failures(reports, args.min_alpha)

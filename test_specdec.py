@@ -2475,6 +2475,7 @@ def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_pair, tok_plain, monk
         out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
                               use_mtp=True)[0, len(ids):].tolist()
         assert theirs[0] == (0, 0)  # the plain first step
+        ours.clear()  # (keyed by id: a freed RowStats's id can come back)
         rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
                                  SAMPLINGS["greedy"], 2, budget - 1, device=CPU, vocab=V,
                                  eos=set())
@@ -2571,6 +2572,134 @@ def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_tx
     rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
                                      "--data", data_txt])
     assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# draft training: alpha as a Trainer metric
+
+
+def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(tok_plain,
+                                                                                tmp_path):
+    """A tiny random draft trained (plain Trainer, cross-entropy on the target's samples,
+    gradient accumulation) to imitate a tiny bigram target: the callback's alpha, logged
+    through the Trainer, rises from about 0.1 to about 0.6, and its last numbers equal a
+    measure_acceptance call on the trained checkpoint."""
+    from transformers import Trainer, TrainingArguments
+    target = make_llama(0)
+    with torch.no_grad():  # a bigram model (attention and MLP outputs off), fairly peaked
+        for name, p in target.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.zero_()
+        target.lm_head.weight.mul_(2)
+    draft = make_llama(7).train().requires_grad_(True)
+    g = torch.Generator().manual_seed(3)
+    starts = [sd.TokenSequence(torch.randint(3, 30, (2,), generator=g).tolist())
+              for _ in range(256)]
+    texts = [list(p.ids) + c for p, c in zip(starts, sd.sample_continuations(
+        target, starts, SAMPLINGS["t1"], 14, device=CPU, vocab=V, eos=set(), seed=1,
+        batch_size=64))]
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(texts)
+
+        def __getitem__(self, i):
+            ids = torch.tensor(texts[i])
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    held_out = ["hello there", "what is it", "the end", "x y z", "quick fox", "ok"]
+    callback = sd.AcceptanceCallback(target, held_out, tokenizer=tok_plain, temperature=1.0,
+                                     gamma=3, continuation_tokens=12, every=10)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16,
+                             gradient_accumulation_steps=2, max_steps=40, learning_rate=2e-2,
+                             logging_steps=10, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    trainer = Trainer(model=draft, args=args, train_dataset=Samples())
+    callback.attach(trainer)
+    trainer.train()
+    steps = [step for step, _ in callback.history]
+    alphas = [r.alpha for _, r in callback.history]
+    assert steps == [0, 10, 20, 30, 40]
+    assert alphas[0] < 0.2 and alphas[-1] > 0.45 and alphas[-1] > alphas[0] + 0.3
+    logged = [h for h in trainer.state.log_history if "specdec/alpha" in h]
+    assert [h["specdec/alpha"] for h in logged] == alphas
+    assert {"specdec/tokens_per_cycle", "specdec/est_speedup"} <= set(logged[-1])
+    # the Trainer's own loss records were not swallowed by the callback's logging
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [10, 20, 30, 40]
+    assert draft.training  # measured in eval mode, handed back in train mode
+    seqs = sd.build_sequences(held_out, tok_plain)
+    again = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                  gamma=3, continuation_tokens=12)
+    last = callback.history[-1][1]
+    assert (last.alpha, last.tokens_per_cycle, last.est_speedup, last.alpha_ci) == \
+        (again.alpha, again.tokens_per_cycle, again.est_speedup, again.alpha_ci)
+    assert logged[-1]["specdec/est_speedup"] == again.est_speedup
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's signature and IHDR chunk, read by hand."""
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_draws_a_png_and_changes_no_number(sim_report, tmp_path, llama, llama2, seqs):
+    before = json.dumps(sim_report.to_dict(), sort_keys=True)
+    sd.plot_reports([sim_report], str(tmp_path / "one.png"))
+    assert png_size(tmp_path / "one.png") == (1200, 800)
+    assert json.dumps(sim_report.to_dict(), sort_keys=True) == before
+    several = [r for t in (0.0, 1.0) for r in sd.measure_drafts(
+        llama, [("a", llama2), ("b", llama)], seqs, sampling=sd.SamplingParams(t), device=CPU,
+        continuation_tokens=4, simulate=True)]
+    sd.plot_reports(several, str(tmp_path / "many.png"))
+    assert png_size(tmp_path / "many.png") == (1200, 800)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.png", "one.png"]  # no temps
+
+
+def test_cli_plot_writes_the_picture_and_the_same_json(capsys, tmp_path, model_dirs,
+                                                       data_txt):
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--simulate", "--continuation-tokens", "6", "--quiet"]
+    rc, out, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "a.json")])
+    rc2, out2, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "b.json"), "--plot",
+                                           str(tmp_path / "run.png")])
+    assert rc == rc2 == 0 and out == out2
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+    assert png_size(tmp_path / "run.png") == (1200, 800)
+    for bad, word in (("run.jpg", "should end in .png"), ("no/such/run.png", "does not exist")):
+        rc, out, err = run_cli(capsys, argv + ["--plot", str(tmp_path / bad)])
+        assert rc == 2 and out == "" and word in err
+
+
+@pytest.mark.slow  # builds and installs the package into a new environment
+def test_pip_install_gives_a_specdec_command(tmp_path):
+    """pip install . (a copy of the project) into a fresh virtual environment that sees this
+    machine's packages (so nothing is downloaded): the `specdec` command and the module."""
+    import shutil
+    import subprocess
+    import sys
+    here = os.path.dirname(SPECDEC)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "specdec.py", "README.md"):
+        shutil.copy(os.path.join(here, name), src / name)
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)],
+                   check=True)
+    pip = subprocess.run([str(env_dir / "bin" / "pip"), "install", str(src)],
+                         capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    out = subprocess.run([str(env_dir / "bin" / "specdec"), "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "--target" in out.stdout and "usage: specdec" in out.stdout
+    bad = subprocess.run([str(env_dir / "bin" / "specdec"), "measure", "--target", "x",
+                          "--draft", "y", "--gamma", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "specdec: error: --gamma must be a whole number >= 1, got 0"
+    where = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                            "import specdec; print(specdec.__file__)"], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert str(env_dir) in where.stdout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2710,12 +2839,11 @@ def test_json_is_written_atomically_and_a_failed_write_keeps_the_old_file(tmp_pa
     sd.write_json_atomic(str(path), {"a": 1})
     assert json.loads(path.read_text("utf-8")) == {"a": 1}
 
-    def broken_dump(obj, f, **kw):
-        f.write('{"half": ')
+    def broken(f):  # a write that fails half way (a full disk)
+        f.write(b'{"half": ')
         raise OSError("disk full")
-    monkeypatch.setattr(sd.json, "dump", broken_dump)
     with pytest.raises(OSError):
-        sd.write_json_atomic(str(path), {"a": 2})
+        sd.write_atomic(str(path), broken)
     assert json.loads(path.read_text("utf-8")) == {"a": 1}  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left
 
