@@ -1300,6 +1300,7 @@ class AcceptanceReport:
     costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
     # per prompt, for analyses of one's own and to resume: the sums of PromptResult
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    run_key: str | None = None  # what --resume matches: target, draft, sampling, settings, prompts
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -1470,7 +1471,7 @@ def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
     """The JSON's per-prompt sums: everything a report is computed from."""
     out = []
     for r in sorted(results, key=lambda r: r.index):
-        if not r.scored and r.sim is None:
+        if not r.positions and r.sim is None:
             continue
         row = {k: v for k, v in asdict(r).items() if k not in ("sim", "windows")}
         row["windows"] = {str(g): list(w) for g, w in r.windows.items()}
@@ -2034,6 +2035,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                    device: torch.device | str | None = None, settings: Settings | None = None,
                    progress: bool = False, target_name: str = "target",
                    costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
+                   done: Sequence[dict[int, PromptResult]] | None = None,
                    **options: Any) -> list[AcceptanceReport]:
     """Measure each (name, draft) against one set of target continuations and target passes.
 
@@ -2051,7 +2053,8 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     reports then cover what finished and are marked partial.
     share = (rank, world size) under torch.distributed (see join_processes): each process
     measures its deal of the batches, rank 0 gathers them and alone returns the reports (the
-    others return []); the numbers are those of one process.
+    others return []); the numbers are those of one process. done: per draft, the per-prompt
+    results of an interrupted run with the same run_key (see resume_results), not measured again.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
     if not sequences or not drafts:
@@ -2069,7 +2072,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
-                                   progress and share[0] == 0, share)
+                                   progress and share[0] == 0, share, done)
     if share[1] > 1:
         with step(f"gathering the results of {share[1]} processes"):
             gathered = gather_results(results, interrupted)
@@ -2082,6 +2085,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         r = summarise(list(res.values()), target_name=target_name, draft_name=d.name,
                       sampling=sampling, settings=settings, cost=cost, vocab=v,
                       sequences=sequences, interrupted=interrupted)
+        r.run_key = run_key(target_name, d.name, sampling, settings, sequences)
         if d.width is not None and d.width != vocab_width(target):
             r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
                               f"{d.width}): both cut to the first {v} ids before sampling; "
@@ -2092,16 +2096,23 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
 
 def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
             sampling: SamplingParams, settings: Settings, eos: frozenset[int],
-            device: torch.device, progress: bool, share: tuple[int, int] = (0, 1)
+            device: torch.device, progress: bool, share: tuple[int, int] = (0, 1),
+            done: Sequence[dict[int, PromptResult]] | None = None
             ) -> tuple[list[dict[int, PromptResult]], bool]:
     """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short.
-    share = (rank, world): this process measures its deal of the batches (see deal)."""
+    share = (rank, world): this process measures its deal of the batches (see deal).
+    done[k]: results of an earlier, interrupted run (--resume); batches they complete are
+    skipped (a batch is measured whole or not at all, so it is the batch of an uninterrupted
+    run, with the same numbers)."""
+    results: list[dict[int, PromptResult]] = [dict(d) for d in done] if done else \
+        [{} for _ in drafters]
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
-    mine = deal(_batches(order, settings.batch_size), *share)
+    mine = [b for b in deal(_batches(order, settings.batch_size), *share)
+            if not all(i in r and (r[i].sim is not None or not settings.simulate)
+                       for r in results for i in b)]
     groups = len(vocab_groups(target, drafters))
     bar = _progress(sum(map(len, mine)) * settings.continuation_tokens
                     * (groups + settings.simulate * len(drafters)), "measuring", progress)
-    results: list[dict[int, PromptResult]] = [{} for _ in drafters]
     with step("the target's first forward"):
         route_p = head_route(target, _probe([sequences[order[-1]].ids], device))
     try:
@@ -2113,6 +2124,37 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
     finally:
         bar.close()
     return results, False
+
+
+def run_key(target_name: str, draft_name: str, sampling: SamplingParams, settings: Settings,
+            sequences: Sequence[TokenSequence]) -> str:
+    """A fingerprint of everything a report's per-prompt numbers depend on (how the costs are
+    found aside): a resumed run reuses only results with the same key."""
+    import hashlib
+    what = [target_name, draft_name, asdict(sampling),
+            {k: v for k, v in asdict(settings).items() if k != "cost_ratio"},
+            [list(s.ids) for s in sequences]]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=sorted).encode()).hexdigest()
+
+
+def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, PromptResult]]:
+    """The per-prompt results of earlier reports (their JSON), by run_key."""
+    return {r["run_key"]: {row["index"]: prompt_result_of(row) for row in r["per_prompt"]}
+            for r in reports if r.get("run_key")}
+
+
+def prompt_result_of(row: dict[str, Any]) -> PromptResult:
+    """A PromptResult (and its RowStats) back from a report's per_prompt row."""
+    fields = {k: row[k] for k in ("index", "category", "positions", "scored", "alpha_sum",
+                                  "top1_sum", "p_argmax_q_sum", "head_alpha_sums",
+                                  "head_scored")}
+    windows = {int(g): tuple(w) for g, w in row["windows"].items()}
+    sim = None
+    if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as it emitted
+        sim = RowStats(**{k: row[k] for k in ("accepted", "examined", "cycles", "censored",
+                                              "reached", "accepted_at", "unproposed",
+                                              "proposed")}, tokens=[-1] * row["generated"])
+    return PromptResult(**fields, windows=windows, sim=sim)
 
 
 def deal(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
@@ -2984,6 +3026,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH",
                     help="also write every number as JSON to PATH ('-' = stdout, the text report "
                     "then goes to stderr); several drafts or temperatures give a list")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --json PATH: reuse the per-prompt results an interrupted run "
+                    "wrote there (same models, data and settings) and measure only the rest")
     ap.add_argument("--plot", metavar="PATH.png",
                     help="also draw the run to a PNG: alpha by draft offset with cohort sizes "
                     "and intervals, tokens per cycle and speedup against gamma, alpha by "
@@ -3069,17 +3114,40 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     settings = replace(settings, eos=eos_ids(target, tok))
     costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
+    earlier = _earlier_results(args)
     reports: list[AcceptanceReport] = []
     for sampling in samplings:
+        done = [earlier.get(run_key(args.target, d.name, sampling, settings, seqs), {})
+                for d in drafts]
+        if earlier and not any(done) and sampling == samplings[0]:
+            raise UsageError(f"--resume: {args.json} was written by another run (other "
+                             f"models, data or settings); drop --resume or pick another path")
         batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
                                settings=settings, progress=progress, target_name=args.target,
-                               costs=costs, share=(launch.rank, launch.world))
+                               costs=costs, share=(launch.rank, launch.world), done=done)
         for r in batch:
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
         if any(r.partial for r in batch):
             break  # interrupted: report what finished, measure no further temperature
     return reports
+
+
+def _earlier_results(args: argparse.Namespace) -> dict[str, dict[int, PromptResult]]:
+    """--resume: the per-prompt results in the --json file of an earlier run ({} if none)."""
+    if not args.resume:
+        return {}
+    if not args.json or args.json == "-":
+        raise UsageError("--resume needs --json PATH: the file the interrupted run wrote")
+    if not os.path.exists(args.json):
+        return {}  # nothing measured yet: a fresh start
+    try:
+        with open(args.json, encoding="utf-8") as f:
+            data = json.load(f)
+        return resume_results(data if isinstance(data, list) else [data])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--resume: cannot read the results in {args.json} "
+                         f"({type(e).__name__}: {_one_line(e)[:120]})") from None
 
 
 def _cost_ratio(text: str) -> float | str:

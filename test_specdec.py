@@ -1917,6 +1917,36 @@ def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
     assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
 
 
+def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, capsys, tmp_path,
+                                                                 model_dirs, data_txt):
+    """Ctrl-C in the second batch (of 2 prompts each, of 4 prompts), then --resume with the
+    same --json: the finished batch is not measured again, and the final JSON (two
+    temperatures, two drafters, simulation) is that of one uninterrupted run."""
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--draft",
+            "ngram", "--data", data_txt, "--simulate", "--continuation-tokens", "6",
+            "--batch-size", "2", "--temperature", "0.7,0", "--quiet"]
+    rc, _, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json")])
+    assert rc == 0
+    path = str(tmp_path / "run.json")
+    interrupt_after(monkeypatch, 2)
+    rc, out, _ = run_cli(capsys, argv + ["--json", path, "--resume"])  # no file yet: fresh
+    monkeypatch.undo()
+    assert rc == 130 and "PARTIAL" in out
+    first = json.loads(open(path).read())
+    assert first[0]["partial"] and first[0]["n_sequences"] == 2
+    measured = []
+    real = sd.measure_batch
+    monkeypatch.setattr(sd, "measure_batch", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
+    rc, out, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
+    assert rc == 0 and "PARTIAL" not in out
+    assert len(measured) == 1 + 2  # the rest of T = 0.7 (its second batch), then all of T = 0
+    assert json.loads(open(path).read()) == json.loads((tmp_path / "whole.json").read_text())
+    # a file from another run is refused, not mixed in
+    rc, out, err = run_cli(capsys, argv[:-3] + ["--temperature", "0.9", "--quiet", "--json",
+                                               path, "--resume"])
+    assert rc == 2 and "written by another run" in err
+
+
 def test_interrupt_in_the_first_batch_gives_an_empty_partial_report(monkeypatch, llama, seqs):
     interrupt_after(monkeypatch, 1)
     r = sd.measure_acceptance(llama, llama, seqs, device=CPU, continuation_tokens=4,
@@ -2390,8 +2420,8 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
     alone = sd.measure_acceptance(llama, sd.NgramDrafter(3, 1), seqs,
                                   sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
                                   continuation_tokens=12, draft_name="ngram (n=1..3)")
-    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft")} == \
-        json.loads(json.dumps(numbers(alone)))
+    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", "run_key")} \
+        == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k != "run_key"}
     rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
                                      "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
     assert rc == 2 and err.count("\n") == 1 and "--ngram-min" in err
