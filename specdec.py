@@ -24,16 +24,21 @@ The file reads top to bottom:
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows)
   drafters             what proposes tokens. A drafter has two jobs: `score` the target's
-                       continuation (teacher-forced q at each position) and `propose` gamma
-                       tokens with their q in the simulation (plus `settle`/`select` to follow
-                       the loop). ModelDrafter (a separate model or an early-exit view) is one;
-                       a new kind of drafter is a new class with those methods, nothing else.
-  teacher-forced       sample_continuations, scored_outputs, position_stats
+                       continuation (teacher-forced q at each position) and `propose` up to
+                       gamma tokens with their q in the simulation (plus `settle`/`select` to
+                       follow the loop). ModelDrafter (a separate model or an early-exit view),
+                       NgramDrafter (prompt lookup), MtpDrafter (the target's MTP heads) and
+                       AssistantDrafter (a Gemma-4 sidecar) are the ones here; a new kind of
+                       drafter is a new class with those methods, nothing else.
+  teacher-forced       sample_continuations, teacher_forced, position_stats
   simulation           propose -> verify -> accept -> advance, one cycle at a time, many prompts
                        as one batch (simulate_batch)
-  statistics, report   PromptResult (per-prompt sums) -> AcceptanceReport, format_report
+  statistics, report   PromptResult (per-prompt sums) -> AcceptanceReport, format_report,
+                       plot_reports
   measurement          Settings, measure_drafts, measure_acceptance
+  training             TrainingMeter, AcceptanceCallback (a transformers TrainerCallback)
   loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
+  many processes       join_processes (torchrun, srun), deal, gather_results
   command line         build_parser, cli_reports, main
 """
 from __future__ import annotations
@@ -417,6 +422,14 @@ def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
 # drafters: what proposes the tokens the target verifies
 
 
+class TargetView(NamedTuple):
+    """What a drafter that reads the target (reads_target) is shown after each target pass:
+    its final hidden states at the positions just fed (B, t, H), and its cache."""
+
+    hidden: torch.Tensor
+    slots: Slots
+
+
 class Proposal(NamedTuple):
     """Up to gamma drafted tokens per row and the distributions they were drawn from."""
 
@@ -443,9 +456,10 @@ class Drafter:
       select(state, rows) -> keep only those batch rows
     Cost: step_cost(target) = one draft step in target steps, from parameter counts;
     timing_model() = the module `--cost-ratio measure` times (None: nothing to time).
-    A drafter that reads the target's final hidden states (reads_target: MTP heads) gets them
-    as `states`: score's (B, T, H) for the rows (None when the target's head is not linear),
-    begin's for the prefilled prompts (left-padded), settle's for the verified positions.
+    A drafter that reads the target (reads_target: MTP heads, assistant sidecars) gets its
+    final hidden states as `states`: score's (B, T, H) for the rows (None when the target's
+    head is not linear); begin's and settle's a TargetView of the pass just made (the
+    prefilled prompts, left-padded; the verified positions) and of the target's cache.
     """
 
     name: str
@@ -725,9 +739,10 @@ class MtpDrafter(Drafter):
         return self.head_probs(states[:, :-1], sampling, vocab, where) * made
 
     def begin(self, prompts, device, states=None):
-        width = states.shape[1] if states is not None else 0
+        hidden = states.hidden if states is not None else None
+        width = hidden.shape[1] if hidden is not None else 0
         return MtpState([list(p) for p in prompts],
-                        [states[b, width - len(p) + 1:] if len(p) > 1 else
+                        [hidden[b, width - len(p) + 1:] if len(p) > 1 else
                          torch.zeros(0, 1, device=device) for b, p in enumerate(prompts)])
 
     def propose(self, state, pending, npos, gamma, sampling, vocab, u):
@@ -761,8 +776,9 @@ class MtpDrafter(Drafter):
     def settle(self, state, proposal, n_acc, committed, states=None):
         for b, new in enumerate(committed):
             state.seqs[b] += new
-            state.hidden[b] = torch.cat([state.hidden[b].to(states), states[b, :len(new)]]) \
-                if len(state.hidden[b]) else states[b, :len(new)]
+            fresh = states.hidden[b, :len(new)]  # the pending token and the accepted drafts
+            state.hidden[b] = torch.cat([state.hidden[b].to(fresh), fresh]) \
+                if len(state.hidden[b]) else fresh
 
     def select(self, state, rows):
         keep = rows.tolist()
@@ -772,6 +788,128 @@ class MtpDrafter(Drafter):
         layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
         head = target.get_output_embeddings().weight.numel()
         return (layer + head) / params_per_token(target)  # one layer and the head, per head
+
+    def timing_model(self):
+        return None
+
+
+@dataclass
+class SidecarState:
+    """An assistant sidecar's simulation state: per row, the target's final hidden state at
+    the last position it processed (None before it has processed any), and its cache."""
+
+    hidden: list[torch.Tensor | None]  # row b: (H,)
+    slots: Slots | None
+
+
+class AssistantDrafter(Drafter):
+    """A Gemma-4 assistant sidecar (Gemma4AssistantForCausalLM), drafting as transformers'
+    SinglePositionMultiTokenCandidateGenerator does: no cache of its own; each step reads the
+    target's embedding of the newest token joined to a hidden state (first the target's final
+    hidden state at the position before, then its own projected output), at one fixed
+    position, attending the keys and values of the target's cache (its last layer of each
+    attention type). Two differences, both for exactness: it attends only the target's
+    committed positions (transformers also lets it see keys of rejected drafts still in the
+    cache), and at T > 0 it samples from its processed distribution, which is the q the test
+    uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
+
+    reads_target = True
+
+    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant"):
+        if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
+            raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
+                             f"target, not {type(target).__name__}")
+        self.target, self.assistant, self.name = target, assistant, name
+        self.width = vocab_width(target)
+        config = target.config.get_text_config(decoder=True)
+        modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
+        self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
+                                 if lt == t and m != "reuse") for t in set(config.layer_types)}
+        self.window = getattr(config, "sliding_window", None)
+
+    @staticmethod
+    def recognises(model: nn.Module) -> bool:
+        return type(model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step for queries (B, t): the newest tokens, the hidden states they come
+        with, at positions pos; keys: the target's cache slots before each query's position.
+        -> (its output (B, t, H_a), for head(); the projected state for the next step)."""
+        a = self.assistant
+        x = torch.cat([self.target.get_input_embeddings()(tokens), hidden.to(slots.pos.device)],
+                      -1)
+        x = a.pre_projection(x)
+        seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
+        near = slots.pos[:, None, :] > pos[:, :, None] - (self.window or 1 << 30)
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        masks = {kind: torch.where(ok[:, None], zero, torch.finfo(x.dtype).min)
+                 for kind, ok in (("full_attention", seen), ("sliding_attention", seen & near))}
+        kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
+              for t, i in self.kv_layers.items()}
+        out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
+                      shared_kv_states=kv, use_cache=False,
+                      output_hidden_states=True).last_hidden_state  # (no query skipped)
+        return out, a.post_projection(out)
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
+        a = self.assistant
+        return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
+                else a.lm_head(out))
+
+    def score(self, rows, spans, device, states=None):
+        with final_states(self.target) as seen:
+            slots, _ = prefill(self.target, rows, device, last_only=False)
+        ids, live, pos = left_pad(rows, device)
+        before = torch.cat([torch.zeros_like(seen[-1][:, :1]), seen[-1][:, :-1]], 1)
+        out, _ = self.step(ids, before, pos, slots)  # position t predicts row[t + 1]
+        width, flagged = ids.shape[1], []
+        for b, (s, e) in enumerate(spans):
+            at = width - len(rows[b])  # row b's first slot
+            made = (torch.arange(s, e, device=device) > 0).to(out)[:, None]
+            flagged.append(torch.cat([out[b, at + s:at + e].to(device), made], 1))
+        return torch.cat(flagged)  # (N, H_a + 1): outputs, and whether a hidden state preceded
+
+    def q_probs(self, states, sampling, vocab, where):
+        logits = self.head(states[:, :-1])[..., :vocab]
+        check_finite(logits, "draft", where)
+        return processed_probs(logits, sampling) * (states[:, -1:] > 0)
+
+    def begin(self, prompts, device, states=None):
+        last = [states.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+        return SidecarState(last, states.slots if states is not None else None)
+
+    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
+        ready = torch.tensor([h is not None for h in state.hidden], device=pending.device)
+        count = ready.long() * gamma
+        if state.slots is None or not ready.any():  # nothing processed yet: no proposal
+            tokens = torch.zeros(len(pending), gamma, dtype=torch.long, device=pending.device)
+            return Proposal(tokens, torch.zeros(*tokens.shape, vocab, device=pending.device),
+                            torch.ones_like(ready), count)
+        size = next(h for h in state.hidden if h is not None).shape[-1]
+        hidden = torch.stack([h if h is not None else torch.zeros(size, device=pending.device)
+                              for h in state.hidden])[:, None]  # (B, 1, H)
+        token, qs, ds = pending[:, None], [], []
+        finite = torch.ones_like(ready)
+        for i in range(gamma):  # every step at the pending token's position
+            out, hidden = self.step(token, hidden, npos[:, None], state.slots)
+            logits = self.head(out[:, -1])[..., :vocab].to(pending.device)
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            qs.append(processed_probs(logits, sampling) * ready[:, None])
+            ds.append(sample_from(qs[-1], u[:, i]))
+            token = ds[-1][:, None]
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, count)
+
+    def settle(self, state, proposal, n_acc, committed, states=None):
+        state.hidden = [states.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+        state.slots = states.slots
+
+    def select(self, state, rows):
+        state.hidden = [state.hidden[r] for r in rows.tolist()]
+
+    def step_cost(self, target):
+        return params_per_token(self.assistant) / params_per_token(target)
 
     def timing_model(self):
         return None
@@ -988,9 +1126,10 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
     ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
     stats = [RowStats.empty(gamma) for _ in prompts]
     # Both caches hold every emitted token but the newest ("pending") one, at position npos.
-    with final_states(target, drafter.reads_target) as seen:
-        slots, _ = prefill(target, [r[:-1] for r in prompts], device)
-    state = drafter.begin(prompts, device, seen[-1] if seen else None)
+    with final_states(target, drafter.reads_target) as seen:  # (all positions' states: some
+        slots, _ = prefill(target, [r[:-1] for r in prompts], device,  # models skip the rest
+                           last_only=not drafter.reads_target)  # when asked for the last only)
+    state = drafter.begin(prompts, device, TargetView(seen[-1], slots) if seen else None)
     pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
     npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # (B,)
     live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
@@ -1017,7 +1156,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 4. advance: rejected slots die in both caches; the new token is pending
         committed = [h[3:3 + h[0]] + [h[1]] for h in host]  # accepted drafts, then the new one
         settle_slots(slots, n_acc, max(h[0] for h in host), gamma)  # pending always stays
-        drafter.settle(state, proposal, n_acc, committed, seen[-1] if seen else None)
+        drafter.settle(state, proposal, n_acc, committed,
+                       TargetView(seen[-1], slots) if seen else None)
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -2040,9 +2180,8 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     """Measure each (name, draft) against one set of target continuations and target passes.
 
     A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
-    The settings
-    come as a Settings value or as its fields by keyword (gamma=, continuation_tokens=,
-    simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=). Note the library's default
+    The settings come as a Settings value or as its fields by keyword (gamma=,
+    continuation_tokens=, simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=). Note the library's default
     sampling is SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
     cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
     used per token; "measure" = timed on `device` (see measure_costs). costs: per draft, a Cost
@@ -2057,19 +2196,11 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     results of an interrupted run with the same run_key (see resume_results), not measured again.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
-    if not sequences or not drafts:
-        raise UsageError("nothing to measure: no sequences or no drafts")
     sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
-    if settings.continuation_tokens == 0 and all(len(s.ids) < 2 for s in sequences):
-        raise UsageError("with --continuation-tokens 0 the prompts are scored, but every prompt "
-                         "has fewer than 2 tokens: nothing to score; raise --max-length or use "
-                         "--continuation-tokens > 0")
+    drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
+    check_measurable(target, drafters, sequences, settings)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
-    drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
-    vocab = min(shared_vocab(target, d) for d in drafters)
-    if any(max(s.ids) >= vocab for s in sequences):
-        raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
                                    progress and share[0] == 0, share, done)
@@ -2092,6 +2223,20 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                               f"exact only if the surplus rows are padding")
         reports.append(r)
     return reports
+
+
+def check_measurable(target: nn.Module, drafters: Sequence[Drafter],
+                     sequences: Sequence[TokenSequence], settings: Settings) -> None:
+    """Refuse, before any model work, what cannot be measured."""
+    if not sequences or not drafters:
+        raise UsageError("nothing to measure: no sequences or no drafts")
+    if settings.continuation_tokens == 0 and all(len(s.ids) < 2 for s in sequences):
+        raise UsageError("with --continuation-tokens 0 the prompts are scored, but every prompt "
+                         "has fewer than 2 tokens: nothing to score; raise --max-length or use "
+                         "--continuation-tokens > 0")
+    vocab = min(shared_vocab(target, d) for d in drafters)
+    if any(max(s.ids) >= vocab for s in sequences):
+        raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
 
 
 def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
@@ -2395,7 +2540,12 @@ def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dty
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{name!r} is not a causal language model (its type is "
                          f"{config.model_type!r}); give a decoder-only LM such as Llama or GPT-2")
-    tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError):
+        if not config.model_type.endswith("_assistant"):
+            raise
+        tok = None  # an assistant sidecar ships without one: it uses its target's
     # the GGUF reader draws its own progress bar, which nothing else switches off
     with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):
         model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
@@ -2629,8 +2779,9 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
 
 
 def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
-    """Refuse a pair whose tokenizers map a shared id to different tokens."""
-    if tok_p is tok_q:
+    """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
+    tokenizer of its own, an assistant sidecar, uses the target's)."""
+    if tok_p is tok_q or tok_q is None:
         return
     n = min(n_shared, len(tok_p), len(tok_q))
     ids = list(range(n))
@@ -3180,7 +3331,8 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
                loaded[base][1]) for n in layers]
     for _, model, tok_q in named:
         check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
-    drafters = {name: ModelDrafter(name, model) for name, model, _ in named}
+    drafters = {name: AssistantDrafter(target, model, name) if AssistantDrafter.recognises(model)
+                else ModelDrafter(name, model) for name, model, _ in named}
     for name in args.draft:
         if name in BUILT_IN_DRAFTERS:
             drafters[name] = BUILT_IN_DRAFTERS[name](target, tok, args)

@@ -284,7 +284,9 @@ def reference_loop(target, draft, seqs, s, gamma, budget, eos=(), seed=0, vocab=
 
     Bookkeeping, from the spec: examined = drafts up to and including the first rejection;
     an accepted EOS ends the generation and cuts (censors) its cycle there; the budget only
-    truncates what is emitted."""
+    truncates what is emitted. draft: a model, or draft(prefix, drafted) -> its next logits."""
+    draft_logits = (draft if not isinstance(draft, nn.Module)
+                    else lambda prefix, xs: last_logits(draft, prefix + xs, vocab))
     out = []
     for index, seq in enumerate(seqs):
         gen = stream(seed, index, phase=2)
@@ -296,7 +298,7 @@ def reference_loop(target, draft, seqs, s, gamma, budget, eos=(), seed=0, vocab=
             # Step 1: gamma guesses from the draft, autoregressively
             xs, qs = [], []
             for i in range(gamma):
-                qs.append(bf_processed(last_logits(draft, prefix + xs, vocab), s))
+                qs.append(bf_processed(draft_logits(prefix, xs)[:vocab], s))
                 xs.append(bf_sample(qs[-1], u[i]))
             # Step 2: the target at all gamma + 1 positions
             logits = target(input_ids=torch.tensor([prefix + xs])).logits[0, -gamma - 1:]
@@ -2602,6 +2604,159 @@ def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_tx
     rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
                                      "--data", data_txt])
     assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Gemma-4 assistant sidecars
+
+
+def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
+                     swap: bool = False):
+    """A tiny Gemma-4 text target (a bigram model: its attention and MLP outputs zeroed) and a
+    tiny Gemma4AssistantForCausalLM that drafts f(token) through pre_projection = [I | 0] +
+    noise (on the embedding's half); swap: its head confuses a few tokens. With
+    attention=False the assistant's own attention outputs are zeroed too, so what
+    it reads from the target's cache cannot matter."""
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM,
+                              Gemma4ForCausalLM, Gemma4TextConfig)
+    common = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                  sliding_window=64, max_position_embeddings=256, hidden_size_per_layer_input=0,
+                  vocab_size_per_layer_input=0, vocab_size=V, pad_token_id=None,
+                  bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    target = Gemma4ForCausalLM(Gemma4TextConfig(
+        hidden_size=32, tie_word_embeddings=False, intermediate_size=64, num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common))
+    assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
+        text_config=dict(model_type="gemma4_text", hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                         **common), backbone_hidden_size=32, use_ordered_embeddings=False))
+    with torch.no_grad():
+        for model in (target, assistant) if not attention else (target,):
+            for name, p in model.named_parameters():
+                if "o_proj" in name or "down_proj" in name:
+                    p.zero_()
+        assistant.pre_projection.weight.copy_(
+            torch.cat([torch.eye(32) + noise * torch.randn(32, 32), torch.zeros(32, 32)], 1))
+        assistant.model.norm.weight.copy_(target.model.norm.weight)
+        head = target.lm_head.weight.clone()
+        head[[3, 4, 5, 6, 7, 8]] = head[[8, 7, 6, 5, 4, 3]]  # wrong about a few tokens
+        assistant.model.embed_tokens.weight.copy_(head if swap else target.lm_head.weight)
+    assistant.lm_head.weight = assistant.model.embed_tokens.weight
+    assistant.generation_config.num_assistant_tokens = k
+    for m in (target, assistant):
+        m.generation_config.eos_token_id = m.generation_config.pad_token_id = None
+    return target.eval().requires_grad_(False), assistant.eval().requires_grad_(False)
+
+
+GEMMA_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?"]
+
+
+def test_assistant_greedy_simulation_is_transformers_assisted_generation(tok_plain,
+                                                                         monkeypatch):
+    """generate(assistant_model=Gemma4Assistant) at temperature 0: the same tokens and, cycle
+    by cycle, the same drafted and accepted counts (from transformers' second cycle, as for
+    MTP). The assistant's attention is off here: transformers lets it see keys of rejected
+    drafts, specdec does not (see the next test)."""
+    from transformers.generation.candidate_generator import (
+        SinglePositionMultiTokenCandidateGenerator as Sidecar)
+    target, assistant = make_gemma4_pair(attention=False, noise=0.0, swap=True)
+    drafter = sd.AssistantDrafter(target, assistant)
+    theirs = hf_cycles(monkeypatch, Sidecar)
+    ours = logged_cycles(monkeypatch)
+    budget, accepted = 16, 0
+    for text in GEMMA_PROMPTS:
+        ids = tok_plain(text)["input_ids"]
+        theirs.clear()
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
+                              assistant_model=assistant)[0, len(ids):].tolist()
+        assert theirs[0] == (0, 0)
+        ours.clear()
+        rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
+                                 SAMPLINGS["greedy"], 3, budget - 1, device=CPU, vocab=V,
+                                 eos=set())
+        assert rows[0].tokens == out[1:]
+        # near the end transformers shortens the block to the budget; specdec drafts whole
+        # blocks and truncates what is emitted: compare the cycles before that
+        whole = next((c for c, (k, _) in enumerate(theirs[1:]) if k < 3), len(theirs) - 1)
+        assert whole >= 3 and ours[id(rows[0])][:whole] == theirs[1:1 + whole]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 8
+
+
+def assistant_logits(target, assistant):
+    """An assistant drafting from scratch for a committed prefix and the tokens drafted so far,
+    through transformers' own Gemma4Assistant forward (its own masks) over the target's keys
+    and values of the prefix: no padding, no cache, nothing rejected in sight."""
+    def logits(prefix, drafted):
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([prefix[:-1]]), output_hidden_states=True,
+                         return_shared_kv_states=True)
+            kv, hidden = dict(out.shared_kv_states), out.hidden_states[-1][:, -1:]
+            for token in [prefix[-1]] + drafted:
+                x = torch.cat([target.get_input_embeddings()(torch.tensor([[token]])), hidden],
+                              -1)
+                step = assistant(inputs_embeds=x, position_ids=torch.tensor([[len(prefix) - 1]]),
+                                 attention_mask=torch.ones(1, len(prefix) - 1,
+                                                           dtype=torch.long),
+                                 shared_kv_states=kv)
+                hidden = step.last_hidden_state
+        return step.logits[0, -1]
+    return logits
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size,
+                                                                            tok_plain):
+    """With its attention on, the batched, cached sidecar simulation gives token for token
+    what the paper's loop gives with an assistant run from scratch through transformers'
+    forward at every step (T = 1)."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
+    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
+    want = reference_loop(target, assistant_logits(target, assistant), seqs, SAMPLINGS["t1"],
+                          3, 10, seed=3)
+    got = sd.run_simulation(target, sd.AssistantDrafter(target, assistant), seqs,
+                            SAMPLINGS["t1"], 3, 10, device=CPU, vocab=V, eos=set(), seed=3,
+                            batch_size=batch_size)
+    assert [counts(got[i]) for i in range(len(seqs))] == want
+    assert sum(r["accepted"] for r in want) > 0
+
+
+def test_assistant_teacher_forced_alpha_and_bad_targets(tok_plain):
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
+    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(target, sd.AssistantDrafter(target, assistant), seqs, sampling=s,
+                              device=CPU, continuation_tokens=6, seed=2, batch_size=3)
+    draft, alphas = assistant_logits(target, assistant), []
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(target, q.ids, s, 6, 2, i)
+        for t in range(len(q.ids) - 1, len(row) - 1):  # position t predicts row[t + 1]
+            p_ = bf_processed(last_logits(target, row[:t + 1]), s)
+            q_ = bf_processed(draft(row[:t + 1], [])[:V], s)
+            alphas.append(sum(min(a, b) for a, b in zip(p_, q_)))
+    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
+    with pytest.raises(ValueError, match="Gemma-4"):
+        sd.AssistantDrafter(make_llama(0), assistant)
+
+
+def test_cli_recognises_an_assistant_and_refuses_a_foreign_target(capsys, tmp_path, tok,
+                                                                  model_dirs, data_txt):
+    target, assistant = make_gemma4_pair(attention=True, noise=0.0, swap=True)
+    target.save_pretrained(tmp_path / "gemma")
+    tok.save_pretrained(tmp_path / "gemma")
+    assistant.save_pretrained(tmp_path / "assistant")  # as published: no tokenizer of its own
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "gemma"), "--draft",
+                                     str(tmp_path / "assistant"), "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "8", "--quiet",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert report["empirical_alpha"] > 0.3 and report["alpha"] > 0.3  # mostly right by design
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                     str(tmp_path / "assistant"), "--data", data_txt])
+    assert rc == 2 and err.count("\n") == 1 and "Gemma-4" in err
 
 
 # ----------------------------------------------------------------------------------------------
