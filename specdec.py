@@ -1126,16 +1126,18 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
     ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
     stats = [RowStats.empty(gamma) for _ in prompts]
     # Both caches hold every emitted token but the newest ("pending") one, at position npos.
-    with final_states(target, drafter.reads_target) as seen:  # (all positions' states: some
-        slots, _ = prefill(target, [r[:-1] for r in prompts], device,  # models skip the rest
-                           last_only=not drafter.reads_target)  # when asked for the last only)
+    # A drafter that reads the target is shown every position's state (asked for the last
+    # logits only, some models skip the other positions).
+    with final_states(target, drafter.reads_target) as seen:
+        slots, _ = prefill(target, [r[:-1] for r in prompts], device,
+                           last_only=not drafter.reads_target)
     state = drafter.begin(prompts, device, TargetView(seen[-1], slots) if seen else None)
     pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
     npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # (B,)
     live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * gamma + 1, device)  # (B, 2G+1)
-        # 1. propose: the draft drafts d_1..d_G autoregressively from its own output
+        # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
         proposal = drafter.propose(state, pending, npos, gamma, sampling, vocab, u[:, :gamma])
         # 2. verify: one target forward scores the pending token and all G proposals
         with final_states(target, drafter.reads_target) as seen:
@@ -1777,8 +1779,9 @@ def format_report(r: AcceptanceReport) -> str:
     verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
     some = "" if r.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
                                                   "does not)"
-    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify}){some}, "
-                 f"cost_ratio from {r.cost_ratio_source}: an indication, not a benchmark")
+    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
+                 f"{some}, cost_ratio from {r.cost_ratio_source}: an indication, not a "
+                 f"benchmark")
     return "\n".join(lines)
 
 
@@ -2181,8 +2184,9 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
 
     A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
     The settings come as a Settings value or as its fields by keyword (gamma=,
-    continuation_tokens=, simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=). Note the library's default
-    sampling is SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
+    continuation_tokens=, simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=).
+    Note the library's default sampling is SamplingParams() = temperature 1, no top-k/top-p;
+    the CLI's is 0.7.
     cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
     used per token; "measure" = timed on `device` (see measure_costs). costs: per draft, a Cost
     made earlier by cost_model (so a sweep times the models once).
