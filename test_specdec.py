@@ -2349,6 +2349,29 @@ def hf_cycles(monkeypatch, generator_class):
     return log
 
 
+def after_transformers_first_step(monkeypatch, generator_class, target, drafter, prompts, tok,
+                                  gamma, budget=16, **generate_kwargs):
+    """Per prompt: transformers' greedy output and (drafted, accepted) counts per cycle with
+    a drafter whose first cycle in transformers is a plain step (it drafts from a target pass
+    not made yet), and specdec's RowStats and counts from the prompt plus that first token,
+    where the two are in the same state."""
+    theirs = hf_cycles(monkeypatch, generator_class)
+    ours = logged_cycles(monkeypatch)
+    runs = []
+    for text in prompts:
+        ids = tok(text)["input_ids"]
+        theirs.clear()
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
+                              **generate_kwargs)[0, len(ids):].tolist()
+        assert theirs[0] == (0, 0)  # the plain first step
+        ours.clear()  # (keyed by id: a freed RowStats's id can come back)
+        rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
+                                 SAMPLINGS["greedy"], gamma, budget - 1, device=CPU, vocab=V,
+                                 eos=set())
+        runs.append((out, theirs[1:], rows[0], ours[id(rows[0])]))
+    return runs
+
+
 def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain, monkeypatch):
     """The oracle is transformers' own assisted generation (prompt_lookup_num_tokens):
     at temperature 0 the same tokens, and cycle by cycle the same (proposed, accepted) counts
@@ -2498,21 +2521,12 @@ def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_pair, tok_plain, monk
     it starts from the prompt plus that first token, and the two are then in the same state."""
     from transformers.generation.candidate_generator import MTPCandidateGenerator
     target, drafter = mtp_pair
-    theirs = hf_cycles(monkeypatch, MTPCandidateGenerator)
-    ours = logged_cycles(monkeypatch)
-    budget, accepted = 16, 0
-    for text in MTP_PROMPTS:
-        ids = tok_plain(text)["input_ids"]
-        theirs.clear()
-        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
-                              use_mtp=True)[0, len(ids):].tolist()
-        assert theirs[0] == (0, 0)  # the plain first step
-        ours.clear()  # (keyed by id: a freed RowStats's id can come back)
-        rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
-                                 SAMPLINGS["greedy"], 2, budget - 1, device=CPU, vocab=V,
-                                 eos=set())
-        assert rows[0].tokens == out[1:]
-        assert ours[id(rows[0])][:-1] == theirs[1:-1]  # the last: transformers crops it
+    accepted = 0
+    for out, theirs, row, ours in after_transformers_first_step(
+            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_PROMPTS, tok_plain, 2,
+            use_mtp=True):
+        assert row.tokens == out[1:]
+        assert ours[:-1] == theirs[:-1]  # the last: transformers crops it at the budget
         accepted += sum(n for _, n in theirs)
     assert accepted >= 8
 
@@ -2661,25 +2675,15 @@ def test_assistant_greedy_simulation_is_transformers_assisted_generation(tok_pla
     from transformers.generation.candidate_generator import (
         SinglePositionMultiTokenCandidateGenerator as Sidecar)
     target, assistant = make_gemma4_pair(attention=False, noise=0.0, swap=True)
-    drafter = sd.AssistantDrafter(target, assistant)
-    theirs = hf_cycles(monkeypatch, Sidecar)
-    ours = logged_cycles(monkeypatch)
-    budget, accepted = 16, 0
-    for text in GEMMA_PROMPTS:
-        ids = tok_plain(text)["input_ids"]
-        theirs.clear()
-        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
-                              assistant_model=assistant)[0, len(ids):].tolist()
-        assert theirs[0] == (0, 0)
-        ours.clear()
-        rows = sd.run_simulation(target, drafter, [sd.TokenSequence(ids + out[:1])],
-                                 SAMPLINGS["greedy"], 3, budget - 1, device=CPU, vocab=V,
-                                 eos=set())
-        assert rows[0].tokens == out[1:]
+    accepted = 0
+    for out, theirs, row, ours in after_transformers_first_step(
+            monkeypatch, Sidecar, target, sd.AssistantDrafter(target, assistant),
+            GEMMA_PROMPTS, tok_plain, 3, assistant_model=assistant):
+        assert row.tokens == out[1:]
         # near the end transformers shortens the block to the budget; specdec drafts whole
         # blocks and truncates what is emitted: compare the cycles before that
-        whole = next((c for c, (k, _) in enumerate(theirs[1:]) if k < 3), len(theirs) - 1)
-        assert whole >= 3 and ours[id(rows[0])][:whole] == theirs[1:1 + whole]
+        whole = next((c for c, (k, _) in enumerate(theirs) if k < 3), len(theirs))
+        assert whole >= 3 and ours[:whole] == theirs[:whole]
         accepted += sum(n for _, n in theirs)
     assert accepted >= 8
 
