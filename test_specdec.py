@@ -2396,6 +2396,32 @@ def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain,
     assert accepted >= 5  # drafts were accepted, not only proposed
 
 
+def sampled_acceptances(monkeypatch, generator_class, target, drafter, seqs, gamma, budget,
+                        seed, **generate_kwargs):
+    """Acceptance rate at T = 1 of specdec's simulation and of transformers' generate with the
+    same drafter, each over the prompts with its own random draws, and the standard error of
+    their difference (prompts as units). transformers' last cycle is cropped at the budget and
+    left out. -> (ours, theirs, se, examined by specdec, examined by transformers)."""
+    rows = sd.run_simulation(target, drafter, seqs, SAMPLINGS["t1"], gamma, budget, device=CPU,
+                             vocab=V, eos=set(), seed=seed, batch_size=8)
+    ours = [(r.accepted, r.examined) for r in rows.values()]
+    log = hf_cycles(monkeypatch, generator_class)
+    theirs = []
+    for i, q in enumerate(seqs):
+        log.clear()
+        torch.manual_seed(seed * 100 + i)
+        target.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
+                                                                        dtype=torch.long),
+                        do_sample=True, temperature=1.0, top_k=0, max_new_tokens=budget,
+                        **generate_kwargs)
+        cycles = [(n, min(n + 1, k)) for k, n in log[:-1] if k]
+        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
+    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
+    return (sum(a for a, _ in ours) / sum(e for _, e in ours),
+            sum(a for a, _ in theirs) / sum(e for _, e in theirs), se,
+            sum(e for _, e in ours), sum(e for _, e in theirs))
+
+
 @pytest.mark.slow  # 40 runs of transformers' generate, one prompt at a time
 def test_ngram_sampled_acceptance_agrees_with_transformers(llama, tok_plain, monkeypatch):
     """At T = 1, transformers accepts a copied token when its own sample from p equals it
@@ -2405,27 +2431,12 @@ def test_ngram_sampled_acceptance_agrees_with_transformers(llama, tok_plain, mon
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
     prompts = [f"{a} {b} {a} {b} {a}" for a in ("the cat", "one two", "abc", "red fox")
                for b in ("sat", "and", "x y", "hello", "ok")] * 2
-    seqs = sd.build_sequences(prompts, tok_plain)
-    gamma, budget, s = 3, 24, SAMPLINGS["t1"]
-    rows = sd.run_simulation(llama, sd.NgramDrafter(2, 1), seqs, s, gamma, budget, device=CPU,
-                             vocab=V, eos=set(), seed=9, batch_size=8)
-    ours = [(r.accepted, r.examined) for r in rows.values()]
-    theirs_log = hf_cycles(monkeypatch, PromptLookupCandidateGenerator)
-    theirs = []
-    for i, q in enumerate(seqs):
-        theirs_log.clear()
-        torch.manual_seed(1000 + i)
-        llama.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
-                                                                       dtype=torch.long),
-                       do_sample=True, temperature=1.0, top_k=0, max_new_tokens=budget,
-                       pad_token_id=0, prompt_lookup_num_tokens=gamma, max_matching_ngram_size=2)
-        cycles = [(n, min(n + 1, k)) for k, n in theirs_log[:-1] if k]  # the last is cropped
-        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
-    a_ours = sum(a for a, _ in ours) / sum(e for _, e in ours)
-    a_theirs = sum(a for a, _ in theirs) / sum(e for _, e in theirs)
-    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
-    assert sum(e for _, e in ours) > 200 and sum(e for _, e in theirs) > 200
-    assert abs(a_ours - a_theirs) < 3 * se, (a_ours, a_theirs, se)
+    ours, theirs, se, n_ours, n_theirs = sampled_acceptances(
+        monkeypatch, PromptLookupCandidateGenerator, llama, sd.NgramDrafter(2, 1),
+        sd.build_sequences(prompts, tok_plain), 3, 24, seed=9, pad_token_id=0,
+        prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
+    assert n_ours > 200 and n_theirs > 200
+    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
 
 
 def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs, data_txt,
@@ -2578,23 +2589,10 @@ def test_mtp_sampled_acceptance_agrees_with_transformers(mtp_pair, tok_plain, mo
     target, drafter = mtp_pair
     prompts = [f"{a} {b}" for a in ("the cat", "one two", "abc", "red fox", "hi")
                for b in ("sat", "and then", "x y z", "hello")] * 2
-    seqs = sd.build_sequences(prompts, tok_plain)
-    rows = sd.run_simulation(target, drafter, seqs, SAMPLINGS["t1"], 2, 20, device=CPU,
-                             vocab=V, eos=set(), seed=4, batch_size=8)
-    ours = [(r.accepted, r.examined) for r in rows.values()]
-    log = hf_cycles(monkeypatch, MTPCandidateGenerator)
-    theirs = []
-    for i, q in enumerate(seqs):
-        log.clear()
-        torch.manual_seed(500 + i)
-        target.generate(torch.tensor([q.ids]), do_sample=True, temperature=1.0, top_k=0,
-                        max_new_tokens=20, use_mtp=True)
-        cycles = [(n, min(n + 1, k)) for k, n in log[:-1] if k]
-        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
-    a_ours = sum(a for a, _ in ours) / sum(e for _, e in ours)
-    a_theirs = sum(a for a, _ in theirs) / sum(e for _, e in theirs)
-    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
-    assert abs(a_ours - a_theirs) < 3 * se, (a_ours, a_theirs, se)
+    ours, theirs, se, _, _ = sampled_acceptances(
+        monkeypatch, MTPCandidateGenerator, target, drafter,
+        sd.build_sequences(prompts, tok_plain), 2, 20, seed=4, use_mtp=True)
+    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
 
 
 def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_txt,
