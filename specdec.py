@@ -93,6 +93,10 @@ def _one_line(e: BaseException) -> str:
 # sampling maths: everything here is fp32 and works on the last (vocabulary) dimension
 
 
+PROPOSAL_RULES = ("sample", "argmax")
+ENGINES = "vLLM, SGLang, TensorRT-LLM, llama.cpp"  # whose drafters propose their argmax
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The serving-time sampling settings, applied identically to p and q."""
@@ -100,8 +104,12 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    proposal: str = "sample"  # how a drafter proposes: "sample" from q (Leviathan et al.), or
+    # "argmax" of q, accepted with probability p(x) (the serving engines' rule, see accept)
 
     def __post_init__(self):
+        if self.proposal not in PROPOSAL_RULES:
+            raise UsageError(f"--proposal must be sample or argmax, got {self.proposal!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
@@ -133,6 +141,16 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def draft_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The q a drafter proposes from in the simulation: processed_probs, or, under the engines'
+    rule, a point mass on its argmax (then u < p(x) accepts x, and a rejection resamples from p
+    with x removed: residual with a one-hot q, still lossless)."""
+    q = processed_probs(logits, sampling)
+    if sampling.proposal == "argmax" and not sampling.greedy:
+        q = nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float()
+    return q
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -244,14 +262,17 @@ def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
     seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])  # (B, t, S)
     near = pos[:, None, :] > query_pos[:, :, None] - window
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-
-    def additive(allowed: torch.Tensor) -> torch.Tensor:  # (B, 1, t, S): 0 or a large negative
-        zero = torch.zeros((), dtype=dtype, device=live.device)
-        return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
-
     if mixed:
-        return {"full_attention": additive(seen), "sliding_attention": additive(seen & near)}
-    return additive(seen & near)
+        return {"full_attention": additive_mask(seen, dtype),
+                "sliding_attention": additive_mask(seen & near, dtype)}
+    return additive_mask(seen & near, dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, t, S) booleans -> the (B, 1, t, S) additive mask attention layers take: 0 where a
+    query may look, the dtype's most negative number where it may not."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
 
 
 def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
@@ -454,8 +475,8 @@ class Drafter:
           drafts, committed[b] (host) the tokens row b gained: its accepted drafts, then the
           token the target added (the next pending one)
       select(state, rows) -> keep only those batch rows
-    Cost: step_cost(target) = one draft step in target steps, from parameter counts;
-    timing_model() = the module `--cost-ratio measure` times (None: nothing to time).
+    Cost: param_cost(target) -> (one drafting step in target steps from parameter counts, how
+    that was found); `--cost-ratio measure` times the drafter's own propose instead.
     A drafter that reads the target (reads_target: MTP heads, assistant sidecars) gets its
     final hidden states as `states`: score's (B, T, H) for the rows (None when the target's
     head is not linear); begin's and settle's a TargetView of the pass just made (the
@@ -465,6 +486,16 @@ class Drafter:
     name: str
     width: int | None  # logit columns: the vocabulary it can propose from (None: any)
     reads_target: bool = False
+    steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
+    # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
+
+    def for_run(self, eos: frozenset[int]) -> Drafter:
+        """The drafter as a run uses it: told the run's EOS ids (only n-gram lookup cares)."""
+        return self
+
+    def drafted_by(self, gamma: int) -> list[str] | None:
+        """What drafts each offset 1..gamma, where the report should say (None: one thing)."""
+        return None
 
 
 @dataclass
@@ -513,7 +544,7 @@ class ModelDrafter(Drafter):
         finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
         for i in range(gamma):
             finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(processed_probs(logits[:, -1, :vocab], sampling))  # (B, V)
+            qs.append(draft_probs(logits[:, -1, :vocab], sampling))  # (B, V)
             ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
             if i < gamma - 1:
                 logits = extend(self.model, slots, ds[-1][:, None], (npos + 1 + i)[:, None])
@@ -531,11 +562,9 @@ class ModelDrafter(Drafter):
         state.prev_tok = state.prev_tok[rows]
         state.prev_full = [state.prev_full[r] for r in rows.tolist()]
 
-    def step_cost(self, target):
-        return params_per_token(self.model) / params_per_token(target)
-
-    def timing_model(self):
-        return self.model
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
 
 
 def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
@@ -577,12 +606,19 @@ class NgramDrafter(Drafter):
     lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal); a position
     with no match proposes nothing, and a cycle there is one plain target step."""
 
-    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] = ()):
+    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n:
             raise UsageError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max, got "
                              f"{min_n} and {max_n}")
-        self.sizes, self.eos = range(max_n, min_n - 1, -1), frozenset(eos)
+        self.sizes, self.min_n = range(max_n, min_n - 1, -1), min_n
+        self.eos = frozenset() if eos is None else frozenset(eos)  # never copied into a draft
+        self.eos_given = eos is not None  # else the run's EOS ids are used (for_run)
         self.name, self.width = f"ngram (n={min_n}..{max_n})", None
+
+    def for_run(self, eos):
+        if self.eos_given:
+            return self
+        return NgramDrafter(self.sizes[0], self.min_n, eos)
 
     def score(self, rows, spans, device, states=None):
         proposals = []
@@ -624,11 +660,8 @@ class NgramDrafter(Drafter):
         keep = rows.tolist()
         state.seqs, state.firsts = [state.seqs[r] for r in keep], [state.firsts[r] for r in keep]
 
-    def step_cost(self, target):
-        return 0.0  # a lookup in the text: nothing next to a target step
-
-    def timing_model(self):
-        return None
+    def param_cost(self, target):
+        return 0.0, "no network: a lookup in the text costs nothing next to a target step"
 
 
 @dataclass
@@ -640,31 +673,67 @@ class MtpState:
     hidden: list[torch.Tensor]  # row b: (len(seqs[b]) - 1, H)
 
 
+def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
+    """MTP layer k's attention, as transformers' MtpModel masks it: (kind, sliding window in
+    positions, None for full attention). A key is seen from a query q positions later when
+    0 <= q < window (its sliding_window_overlay: kv > q - window), as vLLM's flash-attention
+    window (window - 1, 0) does too. Other kinds (chunked, linear) are refused."""
+    kinds = getattr(config, "layer_types", None)
+    kind = kinds[k] if kinds else "full_attention"
+    layer = config.per_layer_config[k] if getattr(config, "is_heterogeneous", False) else config
+    if kind == "full_attention":
+        return kind, None
+    if kind == "sliding_attention":
+        return kind, int(layer.sliding_window)
+    raise UsageError(f"--draft mtp: MTP layer {k + 1} has {kind} attention; specdec runs MTP "
+                     f"layers with full or sliding-window attention only")
+
+
 class MtpDrafter(Drafter):
-    """The target's own multi-token-prediction heads (DeepSeek-V3, GLM-4.x MoE and the other
+    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE and the other
     transformers 5.x models whose config has num_mtp_layers), run through transformers'
-    MtpModel layers: head k reads the embedding of the token k ahead of a position and head
-    k-1's output there (head 1: the target's final hidden state), and the heads chain, each fed
-    the token the one before drafted. q = the processed head logits, sampled from. A cycle
-    proposes min(gamma, heads) tokens. The heads are recomputed over the whole sequence every
-    cycle (no cache of their own: simple and exact; one layer per head is cheap next to the
-    target's verify pass)."""
+    MtpModel layers. Drafting step k (1..steps) reads the embedding of the token k ahead of a
+    position and step k-1's output there (step 1: the target's final hidden state), each fed
+    the token the step before drafted. Step k runs MTP layer (k-1) mod L of the model's L,
+    as vLLM's deepseek_mtp does (spec_step_idx % num_mtp_layers): steps = L runs each layer
+    once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve a
+    one-layer DeepSeek-V3 for several tokens (vLLM num_speculative_tokens, SGLang
+    --speculative-num-steps). q = the processed logits of the step. A cycle proposes
+    min(gamma, steps) tokens. The layers are recomputed over the whole sequence every cycle
+    (no cache of their own: simple and exact; one layer is cheap next to the target's pass)."""
 
     reads_target = True
 
-    def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None):
+    def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
+                 steps: int | None = None):
         self.target, self.mtp, self.heads = target, mtp, mtp.num_mtp_layers
-        self.name = name or f"mtp ({self.heads} head{'s' if self.heads > 1 else ''})"
+        self.layer_types = [mtp_layer_type(mtp.config, k) for k in range(self.heads)]
+        self.steps = self.heads if steps is None else steps
+        if self.steps < 1:
+            raise UsageError(f"--mtp-steps must be >= 1, got {self.steps}")
+        heads = f"{self.heads} head{'s' if self.heads > 1 else ''}"
+        self.name = name or (f"mtp ({heads})" if self.steps == self.heads
+                             else f"mtp ({heads}, {self.steps} steps)")
         self.width = vocab_width(target)
 
+    def layer_of(self, step: int) -> int:
+        """The MTP layer (0-based) that drafting step `step` (0-based) runs."""
+        return step % self.heads
+
+    def drafted_by(self, gamma):
+        return [f"layer {self.layer_of(k) + 1}" if k < self.steps else "-"
+                for k in range(gamma)]
+
     @classmethod
-    def of(cls, target: nn.Module) -> MtpDrafter:
-        """The MTP heads stored beside the target's weights (MtpModel.from_pretrained)."""
+    def of(cls, target: nn.Module, steps: int | None = None) -> MtpDrafter:
+        """The MTP layers stored beside the target's weights (MtpModel.from_pretrained)."""
         n = getattr(target.config.get_text_config(), "num_mtp_layers", None)
         if not n:
             raise UsageError(f"--draft mtp: {type(target).__name__} has no multi-token-"
                              f"prediction layers (its config sets no num_mtp_layers); use a "
                              f"model with MTP heads, such as DeepSeek-V3 or GLM-4.5")
+        if steps is not None and steps < 1:
+            raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
         from transformers.modeling_layers import MtpModel
         device = next(target.get_decoder().layers[-1].parameters()).device
         try:
@@ -674,53 +743,56 @@ class MtpDrafter(Drafter):
             raise UsageError(f"--draft mtp: could not load the MTP layers of "
                              f"{target.config.name_or_path!r} ({type(e).__name__}: "
                              f"{_one_line(e)[:200]})") from None
-        return cls(target, mtp.eval().requires_grad_(False))
+        return cls(target, mtp.eval().requires_grad_(False), steps=steps)
 
     def chain(self, ids: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor,
-              pos: torch.Tensor, heads: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
+              pos: torch.Tensor, steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
               ) -> list[torch.Tensor]:
-        """Heads 1..heads over slots (B, T): ids the token one ahead of each slot (at position
-        pos + 1), hidden the target's final states at the slots. After head k, feed(k, its
-        output) gives head k+1's ids. Returns each head's output (B, T, H)."""
+        """Steps 1..steps over slots (B, T): ids the token one ahead of each slot (at position
+        pos + 1), hidden the target's final states at the slots. After step k, feed(k, its
+        output) gives step k+1's ids. Returns each step's output (B, T, H). A layer whose type
+        is sliding_attention sees the keys within its window (k > q - window, as transformers'
+        masks count it)."""
         mtp = self.mtp
         seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])  # (B, T, T)
-        dtype = hidden.dtype
-        mask = torch.where(seen[:, None], torch.zeros((), dtype=dtype, device=hidden.device),
-                           torch.finfo(dtype).min)  # (B, 1, T, T)
         outs = []
-        for k in range(heads):
+        for k in range(steps):
+            layer = self.layer_of(k)
+            kind, window = self.layer_types[layer]
             emb = mtp.embed_tokens(ids).to(hidden.device)
-            at = pos + 1 + k  # head k+1 reads the token k+1 ahead of the slot
-            rope = {"layer_type": mtp.config.layer_types[k]} if mtp.has_per_layer_rope else {}
+            at = pos + 1 + k  # step k+1 reads the token k+1 ahead of the slot
+            rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
             angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=at,
                                                                          **rope)
-            hidden = mtp.layers[k](emb, hidden, position_embeddings=angles,
-                                   attention_mask=mask, position_ids=at, cache=None)
+            near = pos[:, None, :] > pos[:, :, None] - window if window else True
+            mask = additive_mask(seen & near, hidden.dtype)
+            hidden = mtp.layers[layer](emb, hidden, position_embeddings=angles,
+                                       attention_mask=mask, position_ids=at, cache=None)
             if mtp.use_shared_post_norm:
                 hidden = mtp.shared_post_norm(hidden)
             outs.append(hidden)
-            if k + 1 < heads:
+            if k + 1 < steps:
                 ids = feed(k, hidden)
         return outs
 
     def head_probs(self, hidden: torch.Tensor, sampling: SamplingParams, vocab: int,
-                   where: Callable[[int], str]) -> torch.Tensor:
+                   where: Callable[[int], str], propose: bool = False) -> torch.Tensor:
         logits = self.mtp._project_to_logits(hidden).to(hidden.device)[..., :vocab]
         check_finite(logits, "draft", where)
-        return processed_probs(logits, sampling)
+        return draft_probs(logits, sampling) if propose else processed_probs(logits, sampling)
 
     def score(self, rows, spans, device, states=None):
         if states is None:  # the target's head is not a plain map: get its states here
             states = teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
         ahead = [torch.tensor([list(r[k:]) + [0] * (width + k - len(r)) for r in rows],
-                              device=device) for k in range(1, self.heads + 1)]  # (B, T-1)
+                              device=device) for k in range(1, self.steps + 1)]  # (B, T-1)
         live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
                             device=device)
         pos = torch.arange(width, device=device).expand(len(rows), width)
-        outs = self.chain(ahead[0], states[:, :width], live, pos, self.heads,
+        outs = self.chain(ahead[0], states[:, :width], live, pos, self.steps,
                           lambda k, h: ahead[k + 1])
-        # head k at scored position t (which predicts row[t+1]) is its output at slot t-1,
+        # step k at scored position t (which predicts row[t+1]) is its output at slot t-1,
         # predicting row[t+k]; a flag column marks the positions that have such a slot
         flagged = []
         for k, out in enumerate(outs):
@@ -746,7 +818,7 @@ class MtpDrafter(Drafter):
                          torch.zeros(0, 1, device=device) for b, p in enumerate(prompts)])
 
     def propose(self, state, pending, npos, gamma, sampling, vocab, u):
-        heads, device = min(gamma, self.heads), pending.device
+        heads, device = min(gamma, self.steps), pending.device
         ids, live, pos = left_pad([seq[1:] for seq in state.seqs], device)  # slots j: x_{j+1}
         width, size = ids.shape[1], self.mtp.config.hidden_size
         count = (live[:, -1] * heads) if width else torch.zeros_like(pending)  # a row with no
@@ -760,15 +832,16 @@ class MtpDrafter(Drafter):
         qs, ds, current = [], [], [ids]
 
         def draw(k: int, out: torch.Tensor) -> torch.Tensor:
-            """Head k+1's token from its output at the last slot; the next head's inputs."""
-            qs.append(self.head_probs(out[:, -1], sampling, vocab, lambda r: f"row {r}"))
+            """Step k+1's token from its output at the last slot; the next step's inputs."""
+            qs.append(self.head_probs(out[:, -1], sampling, vocab, lambda r: f"row {r}",
+                                      propose=True))
             ds.append(sample_from(qs[-1], u[:, k]))
             current[0] = torch.cat([current[0][:, 1:], ds[-1][:, None]], 1)
             return current[0]
 
         draw(heads - 1, self.chain(ids, hidden, live, pos, heads, draw)[-1])
         q = torch.stack(qs, 1) * (count > 0)[:, None, None]  # (B, heads, V)
-        pad = gamma - heads  # offsets past the last head: nothing proposed
+        pad = gamma - heads  # offsets past the last step: nothing proposed
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(q, (0, 0, 0, pad)),
                         torch.ones_like(pending, dtype=torch.bool), count)
@@ -784,13 +857,12 @@ class MtpDrafter(Drafter):
         keep = rows.tolist()
         state.seqs, state.hidden = [state.seqs[r] for r in keep], [state.hidden[r] for r in keep]
 
-    def step_cost(self, target):
+    def param_cost(self, target):
         layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
         head = target.get_output_embeddings().weight.numel()
-        return (layer + head) / params_per_token(target)  # one layer and the head, per head
-
-    def timing_model(self):
-        return None
+        return ((layer + head) / params_per_token(target),
+                "parameters per token: one MTP layer and the output head, against the target "
+                "(every MoE expert counted: prefer measure for MoE models)")
 
 
 @dataclass
@@ -825,7 +897,8 @@ class AssistantDrafter(Drafter):
         modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
         self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
                                  if lt == t and m != "reuse") for t in set(config.layer_types)}
-        self.window = getattr(config, "sliding_window", None)
+        # the assistant's own window (its config is what transformers' mask reads)
+        self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
 
     @staticmethod
     def recognises(model: nn.Module) -> bool:
@@ -841,10 +914,11 @@ class AssistantDrafter(Drafter):
                       -1)
         x = a.pre_projection(x)
         seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
-        near = slots.pos[:, None, :] > pos[:, :, None] - (self.window or 1 << 30)
-        zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        masks = {kind: torch.where(ok[:, None], zero, torch.finfo(x.dtype).min)
-                 for kind, ok in (("full_attention", seen), ("sliding_attention", seen & near))}
+        # Gemma4AssistantForCausalLM's sliding mask is |q - kv| <= W on the shared cache: the
+        # last W + 1 keys, positions q - W - 1 .. q - 1 (the target's own is k > q - W)
+        near = slots.pos[:, None, :] >= pos[:, :, None] - (self.window or 1 << 30) - 1
+        masks = {"full_attention": additive_mask(seen, x.dtype),
+                 "sliding_attention": additive_mask(seen & near, x.dtype)}
         kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
               for t, i in self.kv_layers.items()}
         out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
@@ -896,7 +970,7 @@ class AssistantDrafter(Drafter):
             out, hidden = self.step(token, hidden, npos[:, None], state.slots)
             logits = self.head(out[:, -1])[..., :vocab].to(pending.device)
             finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(processed_probs(logits, sampling) * ready[:, None])
+            qs.append(draft_probs(logits, sampling) * ready[:, None])
             ds.append(sample_from(qs[-1], u[:, i]))
             token = ds[-1][:, None]
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, count)
@@ -908,11 +982,9 @@ class AssistantDrafter(Drafter):
     def select(self, state, rows):
         state.hidden = [state.hidden[r] for r in rows.tolist()]
 
-    def step_cost(self, target):
-        return params_per_token(self.assistant) / params_per_token(target)
-
-    def timing_model(self):
-        return None
+    def param_cost(self, target):
+        return (params_per_token(self.assistant) / params_per_token(target),
+                "parameters per token, assistant/target")
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -1181,7 +1253,7 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
     by indices[i] (default i), which also names prompt i's random stream."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = as_drafter("draft", draft)
+    drafter = as_drafter("draft", draft).for_run(frozenset(eos))
     rows: dict[int, RowStats] = {}
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
     for batch in _batches(order, batch_size):
@@ -1215,6 +1287,17 @@ def window_sum(alphas: torch.Tensor, gamma: int) -> tuple[float, int]:
         return 0.0, 0
     windows = alphas.double().unfold(0, gamma, 1)  # (n - gamma + 1, G)
     return windows.cumprod(-1).sum().item(), windows.shape[0]
+
+
+def chain_window_sum(steps: Sequence[torch.Tensor], k: int) -> tuple[float, int]:
+    """window_sum for a drafter whose offsets have drafters of their own (MTP steps): steps[j]
+    (n - j,) is step j+1's alpha at each cycle start (the same index, the same start) ->
+    (sum over starts of sum_{i=1..k} prod_{j<=i} alpha^(j), the starts where all k exist)."""
+    n = steps[k - 1].numel()
+    if n == 0:
+        return 0.0, 0
+    chain = torch.stack([a.double()[:n] for a in steps[:k]])  # (k, n)
+    return chain.cumprod(0).sum().item(), n
 
 
 def expected_accepted_positional(alphas: Sequence[torch.Tensor], gamma: int) -> float | None:
@@ -1349,28 +1432,39 @@ class PromptResult:
     category: str | None = None
     positions: int = 0  # positions of the continuation (or prompt) looked at
     scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
-    alpha_sum: float = 0.0  # sum of alpha_t
+    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
     top1_sum: float = 0.0  # positions where the two argmaxes agree
-    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t)
-    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window_sum
-    head_alpha_sums: list[float] = field(default_factory=list)  # heads 2.. of a drafter with
+    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
+    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
+    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
+    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
     head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
+    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
     sim: RowStats | None = None
 
 
+RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
+
+
 def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
-                  gammas: Sequence[int], later: Sequence[dict[str, torch.Tensor]] = ()
-                  ) -> PromptResult:
+                  gammas: Sequence[int], later: Sequence[dict[str, torch.Tensor]] = (),
+                  rule: str = "sample", steps: int | None = None) -> PromptResult:
     """A PromptResult from position_stats' per-position numbers of one prompt (and of the
-    drafter's later heads, if it has several). Windows run over every position, a position
-    without a proposal counting as alpha_t = 0."""
+    drafter's later steps, if it has a number of them). Windows run over every position, a
+    position without a proposal counting as alpha_t = 0."""
+    key = RULE_KEYS[rule]
+    if steps is None:
+        windows = {g: window_sum(stats[key], g) for g in gammas}
+    else:
+        chain = [h[key] for h in (stats, *later)]
+        windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
     alpha = stats["alpha"].double()
     return PromptResult(index, category, alpha.numel(), int(stats["proposed"].sum()),
                         alpha.sum().item(), stats["top1"].double().sum().item(),
-                        stats["p_argmax_q"].double().sum().item(),
-                        {g: window_sum(alpha, g) for g in gammas},
+                        stats["p_argmax_q"].double().sum().item(), windows,
                         [h["alpha"].double().sum().item() for h in later],
-                        [int(h["proposed"].sum()) for h in later])
+                        [int(h["proposed"].sum()) for h in later],
+                        [h["p_argmax_q"].double().sum().item() for h in later])
 
 
 @dataclass
@@ -1393,8 +1487,15 @@ class AcceptanceReport:
     alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
     scored_positions: int = 0
     n_sequences: int = 0
-    alpha_by_head: list[float] | None = None  # a drafter with several heads (MTP): each one's
-    # teacher-forced alpha, head k against the target's token k ahead
+    proposal: str = "sample"  # the proposal rule the numbers are for: sample (Leviathan et
+    # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
+    # with p(x))
+    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
+    # step's teacher-forced alpha, step k against the target's token k ahead
+    drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
+    alpha_by_rule: dict[str, float] | None = None  # teacher-forced alpha under each rule
+    tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
+    est_speedup_by_rule: dict[str, float] | None = None
     proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
     # always; an n-gram lookup proposes only after a match); alpha is over those positions
     scored_on: str = "continuation"  # "continuation" or "prompt"
@@ -1450,11 +1551,13 @@ class AcceptanceReport:
 
 
 def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
-                          cost: Cost, seed: int) -> dict[str, Any]:
-    """The distributional section of a report. alpha pools the prompts' scored positions; a
-    drafter that proposes at a share pi of positions only (n-gram lookup) accepts
-    pi * E[run] per cycle, and its cycles without a proposal cost one plain target step; a
-    drafter with several heads (MTP) runs with each head's own alpha, up to its last head."""
+                          cost: Cost, seed: int, rule: str = "sample",
+                          steps: int | None = None) -> dict[str, Any]:
+    """The distributional section of a report, under the proposal rule `rule`. alpha pools the
+    prompts' scored positions; a drafter that proposes at a share pi of positions only (n-gram
+    lookup) accepts pi * E[run] per cycle, and its cycles without a proposal cost one plain
+    target step; a drafter of `steps` steps (MTP) runs with each step's own alpha, and
+    proposes min(gamma, steps) tokens a cycle."""
     looked = [r for r in results if r.positions]
     scored = [r for r in looked if r.scored]
     if not looked:
@@ -1462,10 +1565,10 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
     if not scored:  # a drafter that never proposed: every cycle is one plain target step
         return dict(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
                     tokens_per_cycle=1.0, est_speedup=1.0)
-    sums, counts = [r.alpha_sum for r in scored], [r.scored for r in scored]
+    sums, counts = [rule_sums(r, rule)[0] for r in scored], [r.scored for r in scored]
     n_pos = sum(counts)
     alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
-    run = Run(rate, head_alphas(looked))
+    run = run_of(looked, rule, rate, steps)
     means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
     weights = bootstrap_weights(len(scored), N_BOOT, seed)
     alpha_ci = bootstrap_ci(sums, counts, weights)
@@ -1485,54 +1588,82 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
         alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
         n_sequences=len(scored), proposal_rate=rate,
-        alpha_by_head=[alpha] + run.later if run.later else None, estimator=used,
+        alpha_by_head=None if steps is None else [alpha] + run.later, estimator=used,
         expected_accepted=expected, expected_accepted_iid=exp_iid,
         expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
         est_speedup=speed, est_speedup_ci=speed_ci,
         greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
         p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
         best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
-        **category_fields(looked, rate < 1))
+        **rule_fields(looked, n_pos, rate, gamma, cost, steps),
+        **category_fields(looked, rate < 1, rule))
 
 
-def head_alphas(results: Sequence[PromptResult]) -> list[float]:
-    """Teacher-forced alpha of heads 2.. of a drafter with several heads ([] otherwise)."""
-    n = len(results[0].head_alpha_sums) if results else 0
-    return [sum(r.head_alpha_sums[k] for r in results)
-            / max(1, sum(r.head_scored[k] for r in results)) for k in range(n)]
+def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
+    """A prompt's sums of alpha_t under a proposal rule: the first offset's, the later steps'."""
+    if rule == "argmax":
+        return r.p_argmax_q_sum, r.head_p_argmax_q_sums
+    return r.alpha_sum, r.head_alpha_sums
+
+
+def run_of(looked: Sequence[PromptResult], rule: str, rate: float, steps: int | None) -> Run:
+    """The Run of a drafter under a rule: its later steps' teacher-forced alphas pooled."""
+    n = len(looked[0].head_scored)
+    later = [sum(rule_sums(r, rule)[1][k] for r in looked)
+             / max(1, sum(r.head_scored[k] for r in looked)) for k in range(n)]
+    return Run(rate, later, steps)
+
+
+def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: int,
+                cost: Cost, steps: int | None) -> dict[str, Any]:
+    """alpha, tokens per cycle and speedup under each proposal rule (i.i.d. estimator), for the
+    report's line that sets the engines' argmax rule beside Leviathan's."""
+    out: dict[str, dict[str, float]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
+                                        "est_speedup_by_rule": {}}
+    for rule in PROPOSAL_RULES:
+        alpha = sum(rule_sums(r, rule)[0] for r in looked) / n_pos
+        run = run_of(looked, rule, rate, steps)
+        tpc = run.accepted(alpha, gamma) + 1
+        out["alpha_by_rule"][rule] = alpha
+        out["tokens_per_cycle_by_rule"][rule] = tpc
+        out["est_speedup_by_rule"][rule] = cost.speedup(tpc, gamma, run.proposing(gamma))
+    return out
 
 
 class Run(NamedTuple):
     """How a drafter's proposals run, for the teacher-forced estimate: it proposes at a share
-    `rate` of positions, and offset k > 1 accepts with later[k-2] (a head of its own) or, for
-    a drafter without heads, with alpha again, as far as gamma goes."""
+    `rate` of positions; without a step limit (steps None) every offset accepts with alpha
+    again, as far as gamma goes (the i.i.d. closed form); a drafter of `steps` steps proposes
+    min(gamma, steps) tokens, offset k > 1 accepting with its own step's alpha, later[k-2]."""
 
     rate: float
     later: list[float]
+    steps: int | None = None
 
     def accepted(self, alpha: float, gamma: int) -> float:
-        if not self.later:  # the i.i.d. closed form
+        if self.steps is None:  # the i.i.d. closed form
             return self.rate * expected_accepted_iid(alpha, gamma)
-        run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:gamma]
-        return self.rate * run.cumprod(0).sum().item()  # no head past the last: no proposal
+        run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:min(gamma, self.steps)]
+        return self.rate * run.cumprod(0).sum().item()  # no step past the last: no proposal
 
     def proposing(self, gamma: int) -> list[float] | None:
         """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
-        if self.rate == 1 and not self.later:
+        if self.rate == 1 and (self.steps is None or self.steps >= gamma):
             return None
-        k = gamma if not self.later else min(gamma, len(self.later) + 1)
+        k = gamma if self.steps is None else min(gamma, self.steps)
         return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
 
 
-def category_fields(looked: Sequence[PromptResult], abstains: bool) -> dict[str, Any]:
+def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample"
+                    ) -> dict[str, Any]:
     """alpha and the number of sequences per category, where the prompts have categories (and
     the share of positions with a proposal, for a drafter that does not always propose)."""
     names = sorted({r.category for r in looked if r.scored and r.category is not None})
     if not names:
         return {}
     members = {c: [r for r in looked if r.category == c] for c in names}
-    fields = {"alpha_by_category": {c: sum(r.alpha_sum for r in rs) / sum(r.scored for r in rs)
-                                    for c, rs in members.items()},
+    fields = {"alpha_by_category": {c: sum(rule_sums(r, rule)[0] for r in rs)
+                                    / sum(r.scored for r in rs) for c, rs in members.items()},
               "sequences_by_category": {c: sum(1 for r in rs if r.scored)
                                         for c, rs in members.items()}}
     if abstains:
@@ -1624,20 +1755,21 @@ def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
     return out
 
 
-def summarise(results: Sequence[PromptResult], *, target_name: str, draft_name: str,
+def summarise(results: Sequence[PromptResult], *, target_name: str, drafter: Drafter,
               sampling: SamplingParams, settings: Settings, cost: Cost, vocab: int,
               sequences: Sequence[TokenSequence], interrupted: bool) -> AcceptanceReport:
     """One drafter's per-prompt results -> its report (text notes included)."""
     results = sorted(results, key=lambda r: r.index)  # the order bootstrap units are drawn in
     report = AcceptanceReport(
-        target=target_name, draft=draft_name, temperature=sampling.temperature,
+        target=target_name, draft=drafter.name, temperature=sampling.temperature,
         top_k=sampling.top_k, top_p=sampling.top_p, gamma=settings.gamma,
+        proposal=sampling.proposal, drafted_by=drafter.drafted_by(settings.gamma),
         cost_ratio=cost.ratio, cost_ratio_source=cost.source,
         verify_cost=cost.verify[settings.gamma], vocab=vocab, costs=cost.timings,
         scored_on="continuation" if settings.continuation_tokens > 0 else "prompt",
         truncated_prompts=sum(s.truncated for s in sequences))
     fields = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
-                                   settings.seed)
+                                   settings.seed, sampling.proposal, drafter.steps)
     if not fields and not interrupted:  # (no position at all to look at)
         raise UsageError("nothing to score: no scored position in any sequence; use longer "
                          "prompts or --continuation-tokens > 0")
@@ -1704,7 +1836,25 @@ def _teacher_forced_lines(r: AcceptanceReport, cost: str) -> list[str]:
         f"    E[tokens per cycle]           {_num(r.tokens_per_cycle, '.3f')}"
         f"{_ci(r.tokens_per_cycle_ci)}",
         f"    est. speedup                  {_num(r.est_speedup, '5.2f') + 'x':>6}   {cost}"
-        f"{_ci(r.est_speedup_ci, '.2f')}"]
+        f"{_ci(r.est_speedup_ci, '.2f')}",
+        *_other_rule_lines(r),
+        *([] if r.alpha_by_head is None else [
+            f"    alpha by step                 "
+            + "  ".join(f"{a:.3f}" for a in r.alpha_by_head)
+            + f"   (step k against the target's token k ahead)"])]
+
+
+def _other_rule_lines(r: AcceptanceReport) -> list[str]:
+    """The other proposal rule's numbers beside the report's own (teacher-forced, i.i.d.)."""
+    if not r.alpha_by_rule or r.temperature == 0:  # greedy: both rules are top-1 agreement
+        return []
+    other = "argmax" if r.proposal == "sample" else "sample"
+    who = (f"engines' rule: argmax proposal, accepted with p(x) ({ENGINES})" if other == "argmax"
+           else "Leviathan's rule: proposal sampled from q, accepted with min(1, p/q)")
+    return [f"    {who}",
+            f"      alpha {r.alpha_by_rule[other]:.3f}   tokens per cycle "
+            f"{r.tokens_per_cycle_by_rule[other]:.3f}   est. speedup "
+            f"{r.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
 
 
 def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
@@ -1724,12 +1874,18 @@ def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
             f"{sum(k * n for k, n in enumerate(r.proposed_by_cycle)) / r.cycles:.2f} tokens "
             f"proposed per cycle"]),
         f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
-        f"{_ci(r.empirical_tokens_per_cycle_ci)}",
+        f"{_ci(r.empirical_tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
         f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
         f"{cost}{_ci(r.empirical_est_speedup_ci, '.2f')}",
         f"    alpha by draft offset 1..{r.gamma:<3}{offsets}",
         f"    cycles reaching it         {reached}",
-        "      (a steep fall = the draft degrades as it runs ahead)"]
+        "      (a steep fall = the draft degrades as it runs ahead)",
+        f"    P(accepted length >= j)    "
+        + "".join(f"{_num(a, '.2f'):>6}" for a in r.accepted_per_cycle_by_draft_offset),
+        "      (per cycle: the engines' per-position acceptance rate)",
+        *([] if r.drafted_by is None else [
+            "    drafted by                 " + "".join(f"{d.replace('layer ', 'L'):>6}"
+                                                    for d in r.drafted_by)])]
 
 
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
@@ -1758,9 +1914,12 @@ def format_report(r: AcceptanceReport) -> str:
     if r.top_p < 1:
         sampling += f"  top_p={r.top_p:g}"
     cost = f"(cost_ratio={r.cost_ratio:.2f}, rough)"
+    rule = "" if r.temperature == 0 else (
+        "    proposal: sampled from q" if r.proposal == "sample"
+        else "    proposal: argmax of q (engines' rule)")
     lines = [f"  speculative-decoding acceptance  —  {r.draft}  ⇒  {r.target}",
              f"  sampling: {sampling}    gamma (draft block): {r.gamma}    "
-             f"vocabulary: first {r.vocab:,} ids"]
+             f"vocabulary: first {r.vocab:,} ids{rule}"]
     if r.partial:
         lines.append(f"  PARTIAL RESULT — {r.progress_note}")
     lines += [RULE] + _teacher_forced_lines(r, cost)
@@ -1993,56 +2152,81 @@ class Settings:
 
 
 @torch.no_grad()
-def measure_costs(target: nn.Module, draft: nn.Module | None, ids: Sequence[int],
+def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: Sequence[int],
                   gammas: Sequence[int], device: torch.device, repeats: int = 7
                   ) -> dict[str, Any]:
-    """Time one cached decode step of each model (no draft: 0) and a (gamma+1)-token verify
-    pass of the target.
+    """Time one cached decode step of the target, a (gamma+1)-token verify pass of it, and one
+    drafting step: the drafter's own propose of one token, after the target and the drafter
+    have read `ids` (so MTP layers, assistants and n-gram lookups are timed doing what they do
+    in the loop, and nothing that runs a network comes out free).
 
-    Batch 1, after a prefill of `ids` and two warm-up calls; median of `repeats`. The new slots
-    are dropped after every call so each one sees the same context length.
+    Batch 1, two warm-up calls, median of `repeats`. Target slots are dropped after every call
+    and each draft step starts from a fresh session, so every call sees the same context.
     """
-    def timed(model: nn.Module, n_new: int) -> float:
-        slots, _ = prefill(model, [list(ids)], device)
-        x = torch.tensor([[ids[-1]] * n_new], device=device)
-        pos = torch.arange(len(ids), len(ids) + n_new, device=device)[None]
+    def median(run: Callable[[Any], torch.Tensor], setup: Callable[[], Any]) -> float:
         times = []
         for i in range(repeats + 2):
+            ready = setup()  # not timed
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            logits = extend(model, slots, x, pos)
-            logits[0, -1, 0].item()  # wait for the device
+            run(ready).flatten()[0].item()  # wait for the device
             if i >= 2:
                 times.append(time.perf_counter() - start)
-            settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0, n_new)
         return sorted(times)[len(times) // 2]
 
-    step_p, step_q = timed(target, 1), 0.0 if draft is None else timed(draft, 1)
-    verify = {g: timed(target, g + 1) / step_p for g in gammas}
+    def verify(n_new: int) -> float:
+        slots, _ = prefill(target, [list(ids)], device)
+        x = torch.tensor([[ids[-1]] * n_new], device=device)
+        pos = torch.arange(len(ids), len(ids) + n_new, device=device)[None]
+
+        def drop_new_slots() -> None:
+            if slots.live.shape[1] > len(ids):
+                settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0,
+                             slots.live.shape[1] - len(ids))
+        return median(lambda _: extend(target, slots, x, pos), drop_new_slots)
+
+    step_p = verify(1)
+    step_q = 0.0 if drafter is None else median(*draft_step(
+        target, as_drafter("draft", drafter), ids, device))
     return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-            "verify_cost": verify, "device": str(device)}
+            "verify_cost": {g: verify(g + 1) / step_p for g in gammas}, "device": str(device)}
+
+
+def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
+               ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
+    """(run, setup) for timing one drafting step from `ids`: setup starts a fresh session (the
+    target's prefill, the drafter's begin), run(session) proposes one token."""
+    vocab, sampling = shared_vocab(target, drafter), SamplingParams(1.0)
+    pending = torch.tensor([ids[-1]], device=device)
+    npos = torch.tensor([len(ids) - 1], device=device)
+    u = torch.full((1, 1), 0.5, device=device)
+
+    def setup() -> Any:
+        with final_states(target, drafter.reads_target) as seen:
+            slots, _ = prefill(target, [list(ids[:-1])], device,
+                               last_only=not drafter.reads_target)
+        return drafter.begin([list(ids)], device, TargetView(seen[-1], slots) if seen else None)
+
+    return (lambda state: drafter.propose(state, pending, npos, 1, sampling, vocab, u).q), setup
 
 
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
-    gammas, how, model = settings.gammas, settings.cost_ratio, drafter.timing_model()
+    gammas, how = settings.gammas, settings.cost_ratio
     if how == "measure":
         with step(f"timing the models ({drafter.name})"):
-            m = measure_costs(target, model, sequences[0].ids, gammas, device)
+            m = measure_costs(target, drafter, sequences[0].ids, gammas, device)
         v = m["verify_cost"][settings.gamma]
-        draft = "no draft model" if model is None else \
-            f"draft step {m['draft_step_s'] * 1e3:.1f} ms"
         return Cost(m["cost_ratio"], m["verify_cost"],
-                    f"measured on {m['device']}: {draft}, target step "
-                    f"{m['target_step_s'] * 1e3:.1f} ms, verify of {settings.gamma + 1} tokens "
-                    f"{v:.2f} target steps", m)
+                    f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.2f} ms, "
+                    f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
+                    f"{settings.gamma + 1} tokens {v:.2f} target steps", m)
     ones = {g: 1.0 for g in gammas}
     if how in (None, "auto"):
-        source = ("parameters per token, draft/target" if model is not None
-                  else "no draft model: drafting costs nothing next to a target step")
-        return Cost(drafter.step_cost(target), ones, source)
+        ratio, source = drafter.param_cost(target)
+        return Cost(ratio, ones, source)
     return Cost(float(how), ones, "given")
 
 
@@ -2083,7 +2267,8 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
                 device)):
             for i, heads in zip(batch, per_prompt):
                 results[k][i] = prompt_result(i, sequences[i].category, heads[0],
-                                              settings.gammas, heads[1:])
+                                              settings.gammas, heads[1:], sampling.proposal,
+                                              drafters[k].steps)
     if not settings.simulate:
         return
     bar.set_description("simulation")
@@ -2205,6 +2390,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     check_measurable(target, drafters, sequences, settings)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
+    drafters = [d.for_run(eos) for d in drafters]
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
                                    progress and share[0] == 0, share, done)
@@ -2217,7 +2403,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     reports = []
     for d, res, cost in zip(drafters, results, costs):
         v = shared_vocab(target, d)
-        r = summarise(list(res.values()), target_name=target_name, draft_name=d.name,
+        r = summarise(list(res.values()), target_name=target_name, drafter=d,
                       sampling=sampling, settings=settings, cost=cost, vocab=v,
                       sequences=sequences, interrupted=interrupted)
         r.run_key = run_key(target_name, d.name, sampling, settings, sequences)
@@ -2297,6 +2483,7 @@ def prompt_result_of(row: dict[str, Any]) -> PromptResult:
     fields = {k: row[k] for k in ("index", "category", "positions", "scored", "alpha_sum",
                                   "top1_sum", "p_argmax_q_sum", "head_alpha_sums",
                                   "head_scored")}
+    fields["head_p_argmax_q_sums"] = row.get("head_p_argmax_q_sums", [])
     windows = {int(g): tuple(w) for g, w in row["windows"].items()}
     sim = None
     if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as it emitted
@@ -2392,7 +2579,7 @@ class TrainingMeter:
         cost = cost_model(self.target, drafter, replace(self.settings, cost_ratio=None)
                           if self.settings.cost_ratio == "measure" else self.settings,
                           self.sequences, self.device)
-        return summarise(list(results.values()), target_name="target", draft_name=name,
+        return summarise(list(results.values()), target_name="target", drafter=drafter,
                          sampling=self.sampling, settings=self.settings, cost=cost,
                          vocab=vocab, sequences=self.sequences, interrupted=False)
 
@@ -2403,7 +2590,8 @@ class TrainingMeter:
                                      vocab, self.device)[0]
             for i, heads in zip(side.batch, per_prompt):
                 results[i] = prompt_result(i, self.sequences[i].category, heads[0],
-                                           self.settings.gammas, heads[1:])
+                                           self.settings.gammas, heads[1:],
+                                           self.sampling.proposal, drafter.steps)
             if self.settings.simulate:
                 sims = run_simulation(self.target, drafter, [self.sequences[i] for i in
                                                              side.batch],
@@ -2452,13 +2640,15 @@ def _acceptance_callback_class() -> type:
         def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
                      temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
                      gamma: int = 4, continuation_tokens: int = 32, every: int | None = None,
-                     prefix: str = "specdec/", max_length: int = 512, **options: Any):
+                     prefix: str = "specdec/", max_length: int = 512,
+                     proposal: str = "sample", **options: Any):
             if tokenizer is not None:
                 prompts = build_sequences(prompts, tokenizer, max_length=max_length)
             elif not all(isinstance(p, TokenSequence) for p in prompts):
                 raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
                                  "or texts with tokenizer=")
-            self.meter = TrainingMeter(target, prompts, SamplingParams(temperature, top_k, top_p),
+            self.meter = TrainingMeter(target, prompts,
+                                       SamplingParams(temperature, top_k, top_p, proposal),
                                        Settings(gamma=gamma,
                                                 continuation_tokens=continuation_tokens,
                                                 **options))
@@ -3140,6 +3330,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft block: tokens proposed per cycle, >= 1 (default 4)")
     ap.add_argument("--simulate", action="store_true",
                     help="also run the real speculative-sampling loop (generative alpha)")
+    ap.add_argument("--proposal", default="sample", choices=list(PROPOSAL_RULES),
+                    help="how the drafter proposes at temperature > 0: sample = draws from q, "
+                    "accepted with min(1, p/q) (Leviathan et al.); argmax = its most likely "
+                    "token, accepted with probability p(x), as vLLM, SGLang, TensorRT-LLM and "
+                    "llama.cpp run drafters by default. Both routes follow it; the report "
+                    "shows the other rule beside (default sample)")
+    ap.add_argument("--mtp-steps", type=int, default=None, metavar="K",
+                    help="--draft mtp: drafting steps per cycle; step k runs MTP layer "
+                    "(k-1) mod L of the model's L, fed its own last output, as vLLM "
+                    "(num_speculative_tokens) and SGLang (--speculative-num-steps) reuse a "
+                    "model's MTP layer (default: L, each layer once)")
     ap.add_argument("--cost-ratio", default="auto", metavar="C",
                     help="cost of one draft step in target steps: a number >= 0; auto = ratio "
                     "of parameters used per token; measure = time a decode step of each model "
@@ -3244,7 +3445,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
                 ) -> list[AcceptanceReport]:
     """The CLI's work between parsing and printing: one report per (temperature, draft).
     status(line) is told what is about to be measured."""
-    samplings = [SamplingParams(t, args.top_k, args.top_p)
+    samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal)
                  for t in _number_list(args.temperature, "--temperature", float)]
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
@@ -3256,6 +3457,10 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     if not args.draft and not layers:
         raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
                          "first N decoder layers")
+    if args.mtp_steps is not None and "mtp" not in args.draft:
+        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
+    if args.mtp_steps is not None and args.mtp_steps < 1:
+        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
     prompts = load_texts(args.data)
     launch = join_processes(args.dist_timeout)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
@@ -3349,7 +3554,7 @@ BUILT_IN_DRAFTERS: dict[str, Callable[[nn.Module, Any, argparse.Namespace], Draf
     # --draft NAME for drafters that need no draft model: made from the target
     "ngram": lambda target, tok, args: NgramDrafter(args.ngram_max, args.ngram_min,
                                                     eos_ids(target, tok)),
-    "mtp": lambda target, tok, args: MtpDrafter.of(target),
+    "mtp": lambda target, tok, args: MtpDrafter.of(target, args.mtp_steps),
 }
 
 

@@ -996,6 +996,118 @@ def test_simulation_is_lossless_and_the_test_can_tell_a_5_percent_error(s, n, ll
     assert chi2_pvalue(first_tokens(llama, llama2, prompt, s, n, seed=8), p) < 1e-3
 
 
+# the serving engines' proposal rule (--proposal argmax): propose argmax q, accept with p(x)
+
+
+def argmax_rule(s: "sd.SamplingParams") -> "sd.SamplingParams":
+    return sd.SamplingParams(s.temperature, s.top_k, s.top_p, proposal="argmax")
+
+
+def point_mass_draft(draft):
+    """The draft as the engines run it, for the paper's loop: logits whose processed law at any
+    temperature > 0 is a point mass on the draft's argmax."""
+    def logits(prefix, xs):
+        z = last_logits(draft, prefix + xs)
+        out = torch.full_like(z, -1e30)
+        out[int(z.argmax())] = 0.0
+        return out
+    return logits
+
+
+@pytest.mark.parametrize("s", [SAMPLINGS["t1"], sd.SamplingParams(0.7)])
+def test_argmax_rule_teacher_forced_alpha_is_p_of_the_drafts_argmax(s, llama, llama2, seqs):
+    """alpha_t = p_t(argmax q_t) by enumeration; the report under either rule shows the other
+    rule's alpha and tokens per cycle beside its own. (No top-k/top-p here: batched logits
+    differ from one-row ones by float rounding, which can move a cut on this pair.)"""
+    K, gamma = 6, 3
+    kw = dict(device=CPU, gamma=gamma, continuation_tokens=K, seed=3, batch_size=3)
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=argmax_rule(s), **kw)
+    r0 = sd.measure_acceptance(llama, llama2, seqs, sampling=s, **kw)
+    conts = [ref_continuation(llama, q.ids, s, K, 3, i) for i, q in enumerate(seqs)]
+    per = tf_oracle(llama, llama2, seqs, conts, s)
+    pq = [x for _, _, xs in per for x in xs]
+    lev = [a for alphas, _, _ in per for a in alphas]
+    assert r.proposal == "argmax" and r.alpha == pytest.approx(sum(pq) / len(pq), abs=1e-5)
+    assert r.tokens_per_cycle == pytest.approx(
+        1 + accepted_by_enumeration([sum(pq) / len(pq)] * gamma), abs=1e-5)
+    assert r0.alpha == pytest.approx(sum(lev) / len(lev), abs=1e-5)
+    for rep in (r, r0):
+        assert rep.alpha_by_rule["argmax"] == pytest.approx(sum(pq) / len(pq), abs=1e-5)
+        assert rep.alpha_by_rule["sample"] == pytest.approx(sum(lev) / len(lev), abs=1e-5)
+    assert r0.tokens_per_cycle_by_rule["argmax"] == pytest.approx(r.tokens_per_cycle, abs=1e-9)
+    assert r.tokens_per_cycle_by_rule["sample"] == pytest.approx(r0.tokens_per_cycle, abs=1e-9)
+    text = sd.format_report(r0)
+    assert "engines' rule: argmax proposal" in text and "vLLM" in text
+    assert f"alpha {sum(pq) / len(pq):.3f}   tokens per cycle {r.tokens_per_cycle:.3f}" in text
+    assert "Leviathan's rule" in sd.format_report(r)
+
+
+def test_identical_models_accept_the_expected_max_under_the_argmax_rule(llama, seqs):
+    """A draft identical to the target, T 0.7: Leviathan's rule accepts everything (alpha 1),
+    the engines' rule accepts x = argmax p with p(x): alpha = E[max_v p_t(v)] < 1."""
+    s = sd.SamplingParams(0.7)
+    kw = dict(device=CPU, gamma=3, continuation_tokens=6, seed=4, simulate=True)
+    r = sd.measure_acceptance(llama, llama, seqs, sampling=argmax_rule(s), **kw)
+    r0 = sd.measure_acceptance(llama, llama, seqs, sampling=s, **kw)
+    tops = []
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(llama, q.ids, s, 6, 4, i)
+        with torch.no_grad():
+            lp = llama(input_ids=torch.tensor([row])).logits[0, :, :V]
+        tops += [max(bf_processed(lp[t], s)) for t in range(len(q.ids) - 1, len(row) - 1)]
+    assert r.alpha == pytest.approx(sum(tops) / len(tops), abs=1e-5) and r.alpha < 0.9
+    assert r0.alpha == pytest.approx(1.0, abs=1e-6) and r0.empirical_alpha == 1.0
+    assert r.empirical_alpha < 1
+
+
+@pytest.mark.parametrize("key", ["t1", "topk_topp"])
+def test_argmax_rule_simulation_equals_the_papers_loop_with_a_point_mass_q(key, llama, llama2,
+                                                                          seqs):
+    """The paper's loop (reference_loop, its own float64 sampling) with q a point mass on the
+    draft's argmax is the engines' rule: accept with p(x), resample from (p - q)+ = p without
+    x. specdec's argmax simulation makes the same cycles and tokens; the report's per-cycle
+    (engines') P(accepted length >= j) is those cycles' count over all cycles."""
+    s = SAMPLINGS[key]
+    want = reference_loop(llama, point_mass_draft(llama2), seqs, s, 3, 12, seed=5)
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=argmax_rule(s), device=CPU,
+                              gamma=3, continuation_tokens=12, seed=5, simulate=True,
+                              batch_size=4)
+    rows = sd.run_simulation(llama, llama2, seqs, argmax_rule(s), 3, 12, device=CPU, vocab=V,
+                             eos=set(), seed=5, batch_size=3)
+    for i, w in enumerate(want):
+        assert counts(rows[i]) == w, i
+    cycles = sum(w["cycles"] for w in want)
+    per_cycle = [sum(w["accepted_at"][j] for w in want) / cycles for j in range(3)]
+    assert r.accepted_per_cycle_by_draft_offset == pytest.approx(per_cycle, abs=1e-12)
+    line = next(x for x in sd.format_report(r).splitlines() if "P(accepted length >= j)" in x)
+    assert line.split()[-3:] == [f"{x:.2f}" for x in per_cycle]
+    assert r.empirical_tokens_per_cycle == pytest.approx(
+        1 + sum(w["accepted"] for w in want) / cycles, abs=1e-12)  # no EOS here: no censoring
+
+
+def test_argmax_rule_is_lossless_and_the_test_can_tell_a_resampling_error(llama, llama2,
+                                                                         tok_plain, monkeypatch):
+    """The first token under the engines' rule follows the target's law p (chi-square, 4,000
+    draws). Power, by planting the error: rejections resampled from p itself (x not removed)
+    give the law (1 - p(x)) p + p(x) 1_x, TV p(x)(1 - p(x)) from p: about 0.2 here, a
+    chi-square noncentrality above 200 against a critical value of 83: always rejected.
+    Both models' heads are biased towards one token x, so p(x) is large enough to matter."""
+    s = sd.SamplingParams(1.0, proposal="argmax")
+    prompt = tok_plain("the")["input_ids"]
+    n, x = 4000, 17
+    target, draft = with_head_bias(llama, {x: 3.0}), with_head_bias(llama2, {x: 6.0})
+    with torch.no_grad():
+        p = torch.tensor(bf_processed(last_logits(target, prompt), s), dtype=torch.float64)
+        assert int(last_logits(draft, prompt).argmax()) == x
+    planted = p * (1 - p[x])  # accept x with p(x); on rejection draw from p again
+    planted[x] += p[x]
+    assert (planted - p).abs().sum() / 2 == pytest.approx(p[x] * (1 - p[x]))
+    assert p[x] * (1 - p[x]) > 0.1 and n * ((planted - p) ** 2 / p).sum() > 200
+    assert chi2_pvalue(first_tokens(target, draft, prompt, s, n, seed=9), p) > 1e-3
+    monkeypatch.setattr(sd, "residual", lambda p, q: p)
+    assert chi2_pvalue(first_tokens(target, draft, prompt, s, n, seed=9), p) < 1e-3
+
+
 @pytest.fixture(scope="session")
 def eos_model(llama):
     """Llama stand-in with eos_token_id=9 in its config and a head that makes 9 common."""
@@ -1891,6 +2003,25 @@ def test_measured_cost_ratio_feeds_the_speedup(llama, llama2, seqs):
     assert r.cost_ratio_source.startswith("measured")
 
 
+def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, tok_plain):
+    """--cost-ratio measure times each drafter's own drafting step (its propose of one token),
+    so MTP layers and Gemma-4 assistants cost something (nothing was timed for them before:
+    c = 0, and the speedup more than doubled); with auto, the cost line names what was
+    counted instead of saying that drafting is free."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    for t, drafter in ((mtp_one, sd.MtpDrafter.of(mtp_one)),
+                       (target, sd.AssistantDrafter(target, assistant))):
+        r = sd.measure_acceptance(t, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                  gamma=2, continuation_tokens=4, cost_ratio="measure")
+        assert r.costs["draft_step_s"] > 0 and r.cost_ratio > 0.05, drafter.name
+        k = min(2, drafter.steps or 2)  # proposals a cycle, and a verify pass of k + 1
+        assert r.est_speedup == pytest.approx(
+            r.tokens_per_cycle / (k * r.cost_ratio + r.costs["verify_cost"][k]), rel=1e-9)
+        auto = sd.cost_model(t, drafter, sd.Settings(), seqs, CPU)
+        assert auto.ratio > 0 and "nothing" not in auto.source, auto.source
+
+
 def interrupt_after(monkeypatch, n_calls):
     """Make the n-th call of sample_continuations raise KeyboardInterrupt (a Ctrl-C)."""
     orig, calls = sd.sample_continuations, []
@@ -2170,7 +2301,8 @@ def test_cli_bad_input_exits_2_with_one_line(name, capsys, model_dirs, data_txt,
     assert word in lines[0]
 
 
-@pytest.mark.parametrize("argv", [["--gamma", "abc"], ["--dtype", "float8"], []])
+@pytest.mark.parametrize("argv", [["--gamma", "abc"], ["--dtype", "float8"],
+                                  ["--proposal", "greedy"], []])
 def test_cli_argparse_errors_exit_2_with_one_line(argv, capsys, model_dirs):
     args = argv if argv == [] else ["--target", model_dirs["target"]] + argv
     with pytest.raises(SystemExit) as e:
@@ -2325,6 +2457,21 @@ def test_ngram_teacher_forced_alpha_is_p_of_the_copied_token(llama, tok_plain):
     assert r.cost_ratio == 0.0 and r.est_speedup == pytest.approx(r.tokens_per_cycle)
 
 
+def test_a_library_ngram_drafter_never_copies_the_runs_eos(llama, tok_plain):
+    """NgramDrafter() made in a notebook is told no EOS id; the run tells it, as the CLI always
+    did, so no lookup copies an EOS. Oracle: the same drafter given the EOS id by hand; and
+    one given no EOS id proposes the EOS copies (the test can tell)."""
+    eos = tok_plain("!")["input_ids"][0]
+    seqs = sd.build_sequences(["ab!ab", "the end! the", "x!x!x"], tok_plain)
+    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, continuation_tokens=6, seed=1, eos=[eos],
+              simulate=True, gamma=3)
+    lib = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, **kw)
+    told = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[eos]), seqs, **kw)
+    blind = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[]), seqs, **kw)
+    assert numbers(lib) == numbers(told)
+    assert lib.scored_positions < blind.scored_positions
+
+
 def logged_cycles(monkeypatch):
     """(tokens proposed, accepted) of every cycle, per RowStats, as specdec records them."""
     log = {}
@@ -2467,12 +2614,15 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
 # MTP heads built into the target (DeepSeek-V3 style), run through transformers' MtpModel
 
 
-def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed: int = 0):
+def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed: int = 0,
+                        live: bool = False):
     """A tiny DeepSeek-V3 with `heads` MTP layers, saved as such checkpoints are: the MTP
     layers are decoder layers numbered after the model's own, plus enorm, hnorm, eh_proj and
     shared_head.norm. The target is a bigram model (attention and MLP outputs zeroed) and each
     head's eh_proj is [I | 0] + noise: with noise 0 a head predicts exactly the target's next
-    choice, with noise it often does not."""
+    choice, with noise it often does not. live: the MTP layers' attention and MLP are kept,
+    their attention weights times 10, so what an MTP query attends over its history changes
+    its argmax at about a third of the positions."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     torch.manual_seed(seed)
@@ -2486,8 +2636,12 @@ def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed:
                                                  num_mtp_layers=heads, **kw))
     with torch.no_grad():
         for name, p in big.named_parameters():
-            if "layers." in name and ("o_proj" in name or "down_proj" in name):
+            mtp_layer = any(f"layers.{layers + k}." in name for k in range(heads))
+            if "layers." in name and ("o_proj" in name or "down_proj" in name) and not (
+                    live and mtp_layer):
                 p.zero_()
+            if live and mtp_layer and "self_attn" in name and "norm" not in name:
+                p.mul_(10.0)
     big.save_pretrained(folder)
     weights = load_file(f"{folder}/model.safetensors")
     for k in range(heads):
@@ -2616,6 +2770,185 @@ def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_tx
     rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
                                      "--data", data_txt])
     assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
+    # three steps on two layers (vLLM's reuse), under the engines' argmax rule
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
+                                     "--mtp-steps", "3", "--proposal", "argmax", "--data",
+                                     data_txt, "--simulate", "--continuation-tokens", "6",
+                                     "--quiet", "--gamma", "4", "--json", str(out)])
+    assert rc == 0, err
+    r = json.loads(out.read_text())
+    assert r["draft"] == "mtp (2 heads, 3 steps)" and r["proposal"] == "argmax"
+    assert r["drafted_by"] == ["layer 1", "layer 2", "layer 1", "-"]
+    assert len(r["alpha_by_head"]) == 3 and r["reached_by_draft_offset"][3] == 0
+    assert "drafted by" in text and "argmax of q" in text
+    for argv, word in ((["--draft", "mtp", "--mtp-steps", "0"], "--mtp-steps"),
+                       (["--draft", "ngram", "--mtp-steps", "2"], "--draft mtp")):
+        rc, _, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--data", data_txt,
+                                      "--quiet"] + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, err
+
+
+def make_mellum(folder, window: int, noise: float = 0.05, layers: int = 2, seed: int = 0):
+    """A tiny Mellum with one MTP layer of sliding-window attention (Mellum's default type),
+    saved in its checkpoint layout (mtp.fc, mtp.pre_fc_norm_*, mtp.norm, mtp.layers.0.*); the
+    MTP attention weights times 10 so that the window matters."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MellumConfig, MellumForCausalLM
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+              num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, max_position_embeddings=256, sliding_window=window,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    types = (["sliding_attention", "full_attention"] * layers)[:layers] + ["sliding_attention"]
+    big = MellumForCausalLM(MellumConfig(num_hidden_layers=layers + 1, layer_types=types, **kw))
+    with torch.no_grad():
+        for name, p in big.named_parameters():
+            if f"layers.{layers}." in name and "self_attn" in name and "norm" not in name:
+                p.mul_(10.0)
+    big.save_pretrained(folder)
+    w = load_file(f"{folder}/model.safetensors")
+    pre = f"model.layers.{layers}."
+    for k in [k for k in w if k.startswith(pre)]:
+        w["mtp.layers.0." + k[len(pre):]] = w.pop(k)
+    w["mtp.pre_fc_norm_embedding.weight"] = torch.ones(32)
+    w["mtp.pre_fc_norm_hidden.weight"] = torch.ones(32)
+    w["mtp.norm.weight"] = big.model.norm.weight.detach().clone()
+    w["mtp.fc.weight"] = torch.cat([torch.eye(32), torch.zeros(32, 32)], 1) \
+        + noise * torch.randn(32, 64)
+    save_file(w, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    cfg = MellumConfig.from_pretrained(folder)
+    cfg.num_hidden_layers, cfg.num_mtp_layers = layers, 1
+    cfg.layer_types, cfg.mlp_layer_types = cfg.layer_types[:layers], cfg.mlp_layer_types[:layers]
+    cfg.mtp_layer_types, cfg.mtp_mlp_layer_types = ["sliding_attention"], ["sparse"]
+    cfg.save_pretrained(folder)
+    return MellumForCausalLM.from_pretrained(folder).eval().requires_grad_(False)
+
+
+MTP_MORE_PROMPTS = MTP_PROMPTS + ["one two three four", "red fox jumps", "x y z",
+                                  "the quick brown fox", "what a day it is"]
+
+
+@pytest.mark.parametrize("kind", ["deepseek-live-attention", "mellum-window-3"])
+def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plain, monkeypatch):
+    """With MTP attention that matters (weights times 10: it flips about a third of the
+    argmaxes), specdec's MTP layer attends what transformers' does: per-step teacher-forced
+    alpha equals forward_layer's (its own masks and cache), and greedy cycles equal
+    generate(use_mtp=True). Mellum's MTP layer has sliding-window attention, W = 3: full
+    attention there (as before the fix) gave alpha 0.967 against 0.962 and other cycles."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    if kind.startswith("deepseek"):
+        make_mtp_checkpoint(tmp_path, heads=2, noise=0.05, live=True)
+        target = load_mtp_target(tmp_path)
+    else:
+        target = make_mellum(tmp_path, window=3)
+    drafter = sd.MtpDrafter.of(target)
+    seqs = sd.build_sequences(MTP_MORE_PROMPTS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
+                              continuation_tokens=6, seed=2, batch_size=4)
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.steps)
+    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
+             for k in range(drafter.steps)]
+    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
+    accepted = 0
+    for out, theirs, row, ours in after_transformers_first_step(
+            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_MORE_PROMPTS, tok_plain,
+            drafter.steps, budget=20, use_mtp=True):
+        assert row.tokens == out[1:]
+        assert ours[:-1] == theirs[:-1]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 10
+
+
+@pytest.fixture(scope="session")
+def mtp_one(tmp_path_factory):
+    """A DeepSeek-V3 with one MTP layer (transformers' default for DeepSeek-V3 and GLM-4 MoE),
+    its MTP attention and MLP left as initialised (not zeroed): they contribute."""
+    folder = tmp_path_factory.mktemp("mtp1")
+    make_mtp_checkpoint(folder, heads=1, noise=0.02, seed=1)
+    return load_mtp_target(folder)
+
+
+@torch.no_grad()
+def mtp_step_alphas(target, mtp, seqs, s, n_tokens, seed, steps):
+    """Per step k = 1..steps, the teacher-forced alpha_t at every scored position where step k
+    has a target token to meet, by transformers' own MtpModel.forward_layer one prefix at a
+    time: step k runs layer (k-1) mod L, fed step k-1's output and the continuation's token
+    k-1 ahead (vLLM's rule for more steps than layers)."""
+    from transformers.cache_utils import MtpCache
+    out = []  # per prompt, per step: alpha_t at each cycle start t that step reaches
+    for i, q in enumerate(seqs):
+        want = [[] for _ in range(steps)]
+        out.append(want)
+        row = list(q.ids) + ref_continuation(target, q.ids, s, n_tokens, seed, i)
+        hidden = target.model(input_ids=torch.tensor([row])).last_hidden_state
+        logits = target(input_ids=torch.tensor([row])).logits[0, :, :V]
+        for t in range(len(q.ids) - 1, len(row) - 1):  # position t predicts row[t + 1]
+            if t == 0:
+                continue
+            h = hidden[:, :t]  # slots 0..t-1
+            for k in range(steps):
+                if t + k > len(row) - 2:  # step k+1 needs the target's row[t + 1 + k]
+                    break
+                ids = torch.tensor([row[1 + k:t + 1 + k]])
+                h = mtp.forward_layer(k % mtp.num_mtp_layers, h,
+                                      torch.arange(1 + k, t + 1 + k)[None],
+                                      MtpCache(config=mtp.config), input_ids=ids)
+                q_logits = mtp._project_to_logits(h[:, -1])[0, :V]
+                p_, q_ = bf_processed(logits[t + k], s), bf_processed(q_logits, s)
+                want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["iid", "positional"])
+def test_one_mtp_head_claims_at_most_two_tokens_per_cycle(mtp_one, tok_plain, estimator):
+    """One MTP layer drafts one token a cycle: at any gamma, no estimate may pass 2 tokens per
+    cycle, the cost charges one proposal, and the best gamma is 1. (Before the fix the
+    teacher-forced route fell into the closed form over gamma proposals: 4.8 at gamma 4.)"""
+    drafter = sd.MtpDrafter.of(mtp_one)
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(mtp_one, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=4, continuation_tokens=8, simulate=True, seed=1,
+                              estimator=estimator)
+    assert r.alpha > 0.5  # a head good enough that the old estimate went past the bound
+    assert r.tokens_per_cycle == pytest.approx(1 + r.alpha, abs=1e-9)
+    assert r.est_speedup == pytest.approx((1 + r.alpha) / (r.cost_ratio + 1), abs=1e-9)
+    assert r.empirical_tokens_per_cycle <= 2 and r.reached_by_draft_offset[1:] == [0, 0, 0]
+    for row in r.gamma_table:
+        assert row["tokens_per_cycle"] <= 2 + 1e-9
+        assert row["est_speedup"] == pytest.approx(r.est_speedup, abs=1e-9)
+    assert r.best_gamma == 1
+    assert r.alpha_by_head == [r.alpha] and r.drafted_by == ["layer 1", "-", "-", "-"]
+
+
+@pytest.mark.parametrize("layers,steps", [(2, None), (1, 3), (2, 3)])
+def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tmp_path,
+                                                              tok_plain):
+    """Each step's alpha against forward_layer (a layer reused past the last, vLLM's
+    spec_step_idx % num_mtp_layers), and both estimators chain the steps: i.i.d. = sum of
+    products of the step means; positional = mean over cycle starts of the per-start products.
+    Neither passes 1 + min(gamma, steps) tokens per cycle."""
+    make_mtp_checkpoint(tmp_path, heads=layers, noise=0.05, seed=2)
+    target = load_mtp_target(tmp_path)
+    drafter = sd.MtpDrafter.of(target, steps)
+    K = drafter.steps
+    s, gamma = SAMPLINGS["topk_topp"], 4
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
+                              continuation_tokens=6, seed=2, batch_size=3,
+                              estimator="positional")
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, K)
+    assert r.drafted_by == [f"layer {k % layers + 1}" for k in range(K)] + ["-"] * (gamma - K)
+    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
+             for k in range(K)]
+    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
+    chained = sum(math.prod(means[:k]) for k in range(1, min(gamma, K) + 1))
+    assert r.expected_accepted_iid == pytest.approx(chained, abs=1e-5)
+    # positional: the cycle starts where every step has a value, each start's own products
+    starts = [sum(math.prod(w[j][t] for j in range(k)) for k in range(1, K + 1))
+              for w in per_prompt for t in range(len(w[K - 1]))]
+    assert r.expected_accepted_positional == pytest.approx(sum(starts) / len(starts), abs=1e-5)
+    assert r.tokens_per_cycle <= 1 + min(gamma, K) + 1e-9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2623,18 +2956,19 @@ def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_tx
 
 
 def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
-                     swap: bool = False):
+                     swap: bool = False, window: int = 64, assistant_window: int | None = None):
     """A tiny Gemma-4 text target (a bigram model: its attention and MLP outputs zeroed) and a
     tiny Gemma4AssistantForCausalLM that drafts f(token) through pre_projection = [I | 0] +
     noise (on the embedding's half); swap: its head confuses a few tokens. With
     attention=False the assistant's own attention outputs are zeroed too, so what
-    it reads from the target's cache cannot matter."""
+    it reads from the target's cache cannot matter. window: the target's sliding window (and
+    the assistant's, unless assistant_window is given)."""
     from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM,
                               Gemma4ForCausalLM, Gemma4TextConfig)
     common = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-                  sliding_window=64, max_position_embeddings=256, hidden_size_per_layer_input=0,
-                  vocab_size_per_layer_input=0, vocab_size=V, pad_token_id=None,
-                  bos_token_id=None, eos_token_id=None)
+                  sliding_window=window, max_position_embeddings=256,
+                  hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, vocab_size=V,
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     target = Gemma4ForCausalLM(Gemma4TextConfig(
         hidden_size=32, tie_word_embeddings=False, intermediate_size=64, num_hidden_layers=3,
@@ -2642,7 +2976,8 @@ def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
     assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
         text_config=dict(model_type="gemma4_text", hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                         **common), backbone_hidden_size=32, use_ordered_embeddings=False))
+                         **{**common, "sliding_window": assistant_window or window}),
+        backbone_hidden_size=32, use_ordered_embeddings=False))
     with torch.no_grad():
         for model in (target, assistant) if not attention else (target,):
             for name, p in model.named_parameters():
@@ -2707,13 +3042,13 @@ def assistant_logits(target, assistant):
     return logits
 
 
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size,
+@pytest.mark.parametrize("batch_size,window", [(1, 64), (4, 64), (1, 3), (4, 3)])
+def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size, window,
                                                                             tok_plain):
     """With its attention on, the batched, cached sidecar simulation gives token for token
     what the paper's loop gives with an assistant run from scratch through transformers'
-    forward at every step (T = 1)."""
-    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
+    forward at every step (T = 1); window 3 puts most queries past the sliding window."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window)
     seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
     want = reference_loop(target, assistant_logits(target, assistant), seqs, SAMPLINGS["t1"],
                           3, 10, seed=3)
@@ -2722,6 +3057,30 @@ def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batc
                             batch_size=batch_size)
     assert [counts(got[i]) for i in range(len(seqs))] == want
     assert sum(r["accepted"] for r in want) > 0
+
+
+@pytest.mark.parametrize("window,assistant_window", [(4, 4), (6, 3), (3, 6)])
+def test_assistant_window_past_its_end_is_transformers_forward(window, assistant_window):
+    """Every query of rows several windows long (batched, left-padded): the assistant's
+    logits equal transformers' Gemma4AssistantForCausalLM.forward over the target's keys of the
+    prefix. Its sliding layers see the last W + 1 keys, positions q - W - 1 .. q - 1 (W: the
+    assistant's own sliding_window), not the target's k > q - W."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window,
+                                         assistant_window=assistant_window)
+    drafter = sd.AssistantDrafter(target, assistant)
+    reference = assistant_logits(target, assistant)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, V, (n,), generator=g).tolist() for n in (24, 13, 9)]
+    with torch.no_grad():
+        got = drafter.score(rows, [(0, len(r)) for r in rows], CPU)
+    i = 0
+    for row in rows:
+        for t in range(len(row)):  # the query for row[t], at position t, predicts row[t + 1]
+            if t > 0:  # (position 0 has no hidden state before it)
+                want = reference(row[:t + 1], [])
+                assert torch.allclose(drafter.head(got[i, :-1]), want, atol=1e-5), (row, t)
+            i += 1
+    assert i == len(got)
 
 
 def test_assistant_teacher_forced_alpha_and_bad_targets(tok_plain):
