@@ -5,10 +5,12 @@
 Measures the speculative-decoding acceptance rate of a target/draft pair, and the speedup it
 buys, with plain forward passes on the machine you have. Two independent routes:
 
-  * distributional (teacher-forced): alpha_t = sum_v min(p_t(v), q_t(v)) at every position of a
-    continuation sampled from the target (one forward of each model per sequence);
-  * generative (--simulate): the real speculative-sampling loop, draft proposals accepted with
+  * teacher-forced: alpha_t = sum_v min(p_t(v), q_t(v)) at every position of a continuation
+    sampled from the target (one forward of each model per sequence);
+  * simulated (--simulate): the real speculative-sampling loop, draft proposals accepted with
     probability min(1, p/q), rejections resampled from normalise((p - q)+).
+Both also run the serving engines' rule (--proposal argmax): the drafter proposes its argmax
+x, accepted with probability p(x), a rejection resampled from p without x.
 
 Papers: Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative
 Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -20,29 +22,33 @@ Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix
 share), N scored positions, H hidden width, G = gamma.
 
 The file reads top to bottom:
-  sampling maths       processed_probs, acceptance, residual, sample_from: fp32, pure
+  types                SamplingParams, Settings, TokenSequence; the drafter interface (Drafter:
+                       score -> Scores per drafting step, start -> a Session that proposes and
+                       advances each cycle); the results (RowStats, PromptResult) and the report
+                       of parts (RunInfo, TeacherForced, Simulated, GammaRow, AcceptanceReport)
+  sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows)
-  drafters             what proposes tokens. A drafter has two jobs: `score` the target's
-                       continuation (teacher-forced q at each position) and `propose` up to
-                       gamma tokens with their q in the simulation (plus `settle`/`select` to
-                       follow the loop). ModelDrafter (a separate model or an early-exit view),
-                       NgramDrafter (prompt lookup), MtpDrafter (the target's MTP heads) and
-                       AssistantDrafter (a Gemma-4 sidecar) are the ones here; a new kind of
-                       drafter is a new class with those methods, nothing else.
-  teacher-forced       sample_continuations, teacher_forced, position_stats
+  teacher-forced       sample_continuations, teacher_forced, position_stats, target_pass,
+                       score_batch
+  drafters             ModelDrafter (a separate model or an early-exit view), NgramDrafter
+                       (prompt lookup), MtpDrafter (the target's MTP layers), AssistantDrafter
+                       (a Gemma-4 sidecar): each a Drafter and its Session, nothing else
   simulation           propose -> verify -> accept -> advance, one cycle at a time, many prompts
-                       as one batch (simulate_batch)
-  statistics, report   PromptResult (per-prompt sums) -> AcceptanceReport, format_report,
-                       plot_reports
-  measurement          Settings, measure_drafts, measure_acceptance
+                       as one batch (simulate_batch, run_simulation)
+  statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost
+  report               PromptResult sums -> summarise -> AcceptanceReport -> format_report
+  pictures and files   plot_reports, write_atomic
+  measurement          costs, measure_side (one batch, every drafter), collect, measure_drafts,
+                       measure_acceptance, run_key and resuming
   training             TrainingMeter, AcceptanceCallback (a transformers TrainerCallback)
   loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
   many processes       join_processes (torchrun, srun), deal, gather_results
-  command line         build_parser, cli_reports, main
+  command line         build_parser (by topic), cli_reports, main
 """
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import copy
@@ -57,11 +63,35 @@ import re
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
+
+__all__ = [
+    # measure
+    "measure_acceptance", "measure_drafts", "Settings", "SamplingParams", "run_simulation",
+    "LoopConfig",
+    # reports
+    "AcceptanceReport", "RunInfo", "TeacherForced", "Simulated", "GammaRow", "format_report",
+    "plot_reports",
+    # models and data
+    "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
+    "TokenSequence",
+    # drafters: the interface, and the kinds here
+    "Drafter", "Session", "Scores", "Proposal", "TargetView", "ModelDrafter", "NgramDrafter",
+    "MtpDrafter", "AssistantDrafter",
+    # the maths
+    "processed_probs", "acceptance",
+    # training, the command line, bad input
+    "AcceptanceCallback", "main", "UsageError",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# types: what the parts hand each other (settings, prompts, the drafter interface, results)
 
 
 class UsageError(ValueError):
@@ -89,11 +119,9 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-# ----------------------------------------------------------------------------------------------
-# sampling maths: everything here is fp32 and works on the last (vocabulary) dimension
-
-
 PROPOSAL_RULES = ("sample", "argmax")
+
+
 ENGINES = "vLLM, SGLang, TensorRT-LLM, llama.cpp"  # whose drafters propose their argmax
 
 
@@ -120,6 +148,405 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a measurement runs. Constructing one checks every field (a UsageError names the
+    option to fix), so a run fails before any model work is done."""
+
+    gamma: int = 4  # draft block: tokens proposed per cycle
+    continuation_tokens: int = 64  # tokens the target writes and that are scored; sim budget
+    simulate: bool = False  # also run the real speculative-sampling loop
+    seed: int = 0
+    batch_size: int = 8  # prompts per forward pass
+    estimator: str = "iid"  # E[accepted] from alpha: "iid" closed form or "positional"
+    cost_ratio: float | str | None = None  # None/"auto" = parameters, "measure" or a number
+    eos: frozenset[int] | None = None  # ids that end a continuation; None = the target's
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise UsageError(f"--gamma must be a whole number >= 1, got {self.gamma}")
+        if self.continuation_tokens < 0:
+            raise UsageError(f"--continuation-tokens must be >= 0, got "
+                             f"{self.continuation_tokens}")
+        if self.simulate and self.continuation_tokens < 1:
+            raise UsageError("--simulate needs --continuation-tokens >= 1 (its token budget "
+                             "per prompt)")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
+        if self.estimator not in ("iid", "positional"):
+            raise UsageError(f"estimator must be iid or positional, got {self.estimator!r}")
+        c = self.cost_ratio
+        if c not in (None, "auto", "measure") and not (
+                isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf):
+            raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, got {c!r}")
+        if self.eos is not None:
+            object.__setattr__(self, "eos", frozenset(int(t) for t in self.eos))
+
+    @property
+    def gammas(self) -> list[int]:
+        """The block sizes of the best-gamma table: 1..8, and up to the chosen one."""
+        return sorted(set(GAMMA_TABLE) | set(range(1, self.gamma + 1)))
+
+
+class Prompt(NamedTuple):
+    content: str | list  # a plain prompt, or chat messages [{"role", "content"}, ...]
+    category: str | None = None
+
+
+class TokenSequence(NamedTuple):
+    ids: list[int]
+    category: str | None = None
+    truncated: bool = False
+
+
+class TargetView(NamedTuple):
+    """What a drafter that reads the target (reads_target) is shown after each target pass:
+    its final hidden states at the positions just fed (B, t, H), and its cache."""
+
+    hidden: torch.Tensor
+    slots: Slots
+
+
+class LoopConfig(NamedTuple):
+    """What a simulation fixes for every cycle of every prompt."""
+
+    sampling: SamplingParams
+    gamma: int  # tokens proposed per cycle, at most
+    budget: int  # tokens emitted per prompt, at most
+    vocab: int  # logit columns both models share
+    eos: frozenset[int]
+    device: torch.device
+    seed: int = 0
+
+
+class Proposal(NamedTuple):
+    """Up to gamma drafted tokens per row and the distributions they were drawn from."""
+
+    tokens: torch.Tensor  # (B, G), padded after `count`
+    q: torch.Tensor  # (B, G, V) the processed q each token was drawn from; zero rows after count
+    finite: torch.Tensor  # (B,) False where the drafter's logits held NaN/inf
+    count: torch.Tensor | None = None  # (B,) tokens proposed per row (None: all G); a drafter
+    # that finds nothing to propose (n-gram lookup without a match) proposes fewer, or none
+
+    @classmethod
+    def none(cls, rows: int, config: LoopConfig) -> Proposal:
+        """Nothing proposed in any row (a cycle that is one plain target step)."""
+        tokens = torch.zeros(rows, config.gamma, dtype=torch.long, device=config.device)
+        return cls(tokens, torch.zeros(*tokens.shape, config.vocab, device=config.device),
+                   torch.ones(rows, dtype=torch.bool, device=config.device),
+                   torch.zeros(rows, dtype=torch.long, device=config.device))
+
+
+@dataclass
+class Scores:
+    """One drafting step's teacher-forced outputs at a batch's N scored positions: what its
+    head reads there, and where it proposed at all (an n-gram lookup without a match, an MTP
+    step with no target state before it: nowhere else)."""
+
+    states: torch.Tensor  # (N, ...) what `head` turns into q
+    proposed: torch.Tensor  # (N,) bool
+    head: Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]  # (n, ...) -> q (n, V)
+
+    def q(self, start: int, stop: int,
+          where: Callable[[int], str] = lambda n: f"scored position {n}") -> torch.Tensor:
+        """The processed q (n, V) at scored positions start..stop-1, zero where nothing was
+        proposed; where(n) names position start + n in an error."""
+        q = self.head(self.states[start:stop], where)
+        return q * self.proposed[start:stop, None].to(q)
+
+
+class Session(abc.ABC):
+    """A drafter following one batch of prompts through the simulation. Each cycle: propose,
+    the target verifies the proposal, then advance by what the cycle committed."""
+
+    @abc.abstractmethod
+    def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor) -> Proposal:
+        """Draft up to gamma tokens per row after pending (B,), the newest committed token, at
+        position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G))."""
+
+    @abc.abstractmethod
+    def advance(self, n_acc: torch.Tensor, committed: list[list[int]],
+                view: TargetView | None) -> None:
+        """Follow the cycle: row b accepted n_acc[b] drafts and gained committed[b] (host): its
+        accepted drafts, then the target's token (the next pending one). view: the verify
+        pass, for a drafter that reads the target."""
+
+    @abc.abstractmethod
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished rows leave the batch)."""
+
+
+class Drafter(abc.ABC):
+    """What proposes tokens. A drafter that reads the target (reads_target: MTP layers,
+    assistant sidecars) is shown the target's final hidden states: score's `states` (B, T, H)
+    for its rows (None when the target's head is not a plain map), start's and advance's
+    TargetView of the pass just made (the prefilled prompts, left-padded; the verified
+    positions) and of the target's cache."""
+
+    name: str
+    width: int | None  # logit columns: the vocabulary it can propose from (None: any)
+    reads_target: bool = False
+    steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
+    # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
+
+    @abc.abstractmethod
+    def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
+              states: torch.Tensor | None, sampling: SamplingParams, vocab: int,
+              device: torch.device) -> list[Scores]:
+        """Teacher-forced, per drafting step (one for most drafters): its q at the scored
+        positions of rows, spans[b] = (start, end) as in scored_outputs; step k+1 at scored
+        position t drafts row[t + 1 + k], so it has end - start - k positions per row."""
+
+    @abc.abstractmethod
+    def start(self, prompts: list[list[int]], view: TargetView | None,
+              config: LoopConfig) -> Session:
+        """A session over prompts whose last tokens are still to be fed (pending)."""
+
+    @abc.abstractmethod
+    def param_cost(self, target: nn.Module) -> tuple[float, str]:
+        """One drafting step in target steps from parameter counts, and how that was found
+        (`--cost-ratio measure` times the session's propose instead: measure_costs)."""
+
+    def for_run(self, eos: frozenset[int]) -> Drafter:
+        """The drafter as a run uses it: told the run's EOS ids (only n-gram lookup cares)."""
+        return self
+
+    def drafted_by(self, gamma: int) -> list[str] | None:
+        """What drafts each offset 1..gamma, where the report should say (None: one thing)."""
+        return None
+
+
+@dataclass
+class RowStats:
+    """What one prompt's simulated cycles produced."""
+
+    accepted: int = 0  # draft tokens accepted (all cycles)
+    examined: int = 0  # draft tokens examined: up to and including the first rejection
+    cycles: int = 0  # cycles run
+    censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
+    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
+    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
+    unproposed: list[int] = field(default_factory=list)  # cycles that accepted every proposal
+    # and had none at offset j (a drafter proposing fewer than G): they end there
+    proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
+    tokens: list[int] = field(default_factory=list)  # emitted tokens
+
+    @classmethod
+    def empty(cls, gamma: int) -> RowStats:
+        return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
+                   proposed=[0] * (gamma + 1))
+
+
+@dataclass
+class PromptResult:
+    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
+    is the same whether its prompts came from one batch, several processes or a JSON file."""
+
+    index: int
+    category: str | None = None
+    positions: int = 0  # positions of the continuation (or prompt) looked at
+    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
+    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
+    top1_sum: float = 0.0  # positions where the two argmaxes agree
+    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
+    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
+    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
+    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
+    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
+    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
+    sim: RowStats | None = None
+
+
+RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
+
+
+@dataclass
+class RunInfo:
+    """What a report measured, and how: models, sampling, block, costs, context."""
+
+    target: str
+    draft: str
+    temperature: float
+    top_k: int
+    top_p: float
+    gamma: int
+    cost_ratio: float  # one draft step in target steps
+    cost_ratio_source: str
+    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
+    proposal: str = "sample"  # the proposal rule the numbers are for: sample (Leviathan et
+    # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
+    # with p(x))
+    drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
+    vocab: int = 0
+    truncated_prompts: int = 0
+    partial: bool = False
+    progress_note: str | None = None
+    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
+    # per prompt, for analyses of one's own and to resume: the sums of PromptResult
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    run_key: str | None = None  # what --resume matches: target, draft, sampling, settings, prompts
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TeacherForced:
+    """The teacher-forced route's numbers (under the run's proposal rule)."""
+
+    alpha: float | None = None
+    alpha_std: float | None = None  # std of the per-sequence means
+    alpha_stderr: float | None = None  # standard error of alpha, sequences as units
+    alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    scored_positions: int = 0
+    n_sequences: int = 0
+    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
+    # step's teacher-forced alpha, step k against the target's token k ahead
+    alpha_by_rule: dict[str, float] | None = None  # alpha under each proposal rule
+    tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
+    est_speedup_by_rule: dict[str, float] | None = None
+    proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
+    # always; an n-gram lookup proposes only after a match); alpha is over those positions
+    scored_on: str = "continuation"  # "continuation" or "prompt"
+    estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
+    expected_accepted: float | None = None
+    expected_accepted_iid: float | None = None
+    expected_accepted_positional: float | None = None
+    tokens_per_cycle: float | None = None
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    est_speedup: float | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    greedy_agreement: float | None = None  # top-1 agreement of the two models
+    p_argmax_q: float | None = None  # mean p(argmax q): alpha under the engines' rule
+    alpha_by_category: dict[str, float] | None = None
+    sequences_by_category: dict[str, int] | None = None
+    proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
+    best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
+
+
+@dataclass
+class Simulated:
+    """The simulated route's numbers (--simulate: the real speculative-sampling loop)."""
+
+    alpha: float | None = None  # accepted / examined draft tokens
+    alpha_stderr: float | None = None
+    alpha_ci: tuple[float, float] | None = None
+    accepted_tokens: int | None = None
+    examined_tokens: int | None = None
+    cycles: int | None = None
+    censored_cycles: int | None = None  # cycles cut by an accepted EOS
+    mean_accepted_length: float | None = None  # product-limit estimate, see product_limit
+    tokens_per_cycle: float | None = None
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    est_speedup: float | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
+    reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
+    accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
+    unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
+    proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
+    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
+    generated_tokens: int | None = None
+    simulated_prompts: int | None = None
+
+
+@dataclass
+class GammaRow:
+    """One block size of the best-gamma table: both routes' tokens per cycle and speedup."""
+
+    gamma: int
+    tokens_per_cycle: float  # teacher-forced
+    est_speedup: float
+    simulated_tokens_per_cycle: float | None = None  # None past the simulated gamma
+    simulated_est_speedup: float | None = None
+
+    def to_dict(self, simulated: bool) -> dict[str, Any]:
+        row = {"gamma": self.gamma, "tokens_per_cycle": self.tokens_per_cycle,
+               "est_speedup": self.est_speedup}
+        if simulated:
+            row.update(sim_tokens_per_cycle=self.simulated_tokens_per_cycle,
+                       sim_est_speedup=self.simulated_est_speedup)
+        return row
+
+    def __getitem__(self, key: str) -> Any:  # rows read as the JSON's dicts
+        return self.to_dict(True)[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict(True).get(key, default)
+
+
+# The simulated route's JSON keys: its fields, these with the prefix they have always had.
+SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
+                  "alpha_ci": "empirical_alpha_ci",
+                  "tokens_per_cycle": "empirical_tokens_per_cycle",
+                  "tokens_per_cycle_ci": "empirical_tokens_per_cycle_ci",
+                  "est_speedup": "empirical_est_speedup",
+                  "est_speedup_ci": "empirical_est_speedup_ci"}
+
+
+@dataclass
+class AcceptanceReport:
+    """A report of parts: what was run, the teacher-forced route, the simulated route (None
+    without simulate) and the best-gamma table. to_dict() is the flat JSON (every part's
+    fields at the top level, the simulated ones as SIMULATED_JSON names them), and the flat
+    names read as attributes too (report.alpha, report.empirical_alpha, ...)."""
+
+    run: RunInfo
+    teacher_forced: TeacherForced = field(default_factory=TeacherForced)
+    simulated: Simulated | None = None
+    gamma_table: list[GammaRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        flat = {**asdict(self.run), **asdict(self.teacher_forced)}
+        sim = asdict(self.simulated or Simulated())
+        flat.update({SIMULATED_JSON.get(k, k): v for k, v in sim.items()})
+        flat["gamma_table"] = [row.to_dict(self.simulated is not None)
+                               for row in self.gamma_table] or None
+        return flat
+
+    @classmethod
+    def from_dict(cls, flat: dict[str, Any]) -> AcceptanceReport:
+        """A report back from its JSON (to_dict's output)."""
+        def part(kind: type, rename: dict[str, str] | None = None) -> Any:
+            names = [f.name for f in dataclasses.fields(kind)]
+            return kind(**{n: flat[(rename or {}).get(n, n)] for n in names
+                           if (rename or {}).get(n, n) in flat})
+        simulated = part(Simulated, SIMULATED_JSON)
+        table = [GammaRow(r["gamma"], r["tokens_per_cycle"], r["est_speedup"],
+                          r.get("sim_tokens_per_cycle"), r.get("sim_est_speedup"))
+                 for r in flat.get("gamma_table") or []]
+        return cls(part(RunInfo), part(TeacherForced),
+                   simulated if simulated.cycles is not None else None, table)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A flat name set on the report sets its part's field."""
+        if name in AcceptanceReport.__dataclass_fields__:
+            return object.__setattr__(self, name, value)
+        for part in (self.run, self.teacher_forced):
+            if name in part.__dataclass_fields__:
+                return setattr(part, name, value)
+        raise AttributeError(f"AcceptanceReport has no field {name!r} to set")
+
+    def __getattr__(self, name: str) -> Any:
+        """The flat names of to_dict as attributes."""
+        if name.startswith("_") or name in ("run", "teacher_forced", "simulated"):
+            raise AttributeError(name)
+        for part in (self.run, self.teacher_forced):
+            if name in part.__dataclass_fields__:
+                return getattr(part, name)
+        simulated = {SIMULATED_JSON.get(k, k): k for k in Simulated.__dataclass_fields__}
+        if name in simulated:
+            return None if self.simulated is None else getattr(self.simulated, simulated[name])
+        raise AttributeError(f"AcceptanceReport has no field {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling maths: everything here is fp32 and works on the last (vocabulary) dimension
 
 
 def processed_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -347,13 +774,19 @@ def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> Non
     """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
     ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
     if not ok.all():
-        raise FloatingPointError(f"the {name} model produced non-finite logits at "
-                                 f"{where(int((~ok).nonzero()[0]))}; try --dtype float32 or "
-                                 f"check the checkpoint")
+        raise non_finite(name, where(int((~ok).nonzero()[0])))
 
 
-def _batches(order: Sequence[int], size: int) -> list[list[int]]:
-    order = list(order)
+def non_finite(name: str, where: str) -> FloatingPointError:
+    return FloatingPointError(f"the {name} model produced non-finite logits at {where}; try "
+                              f"--dtype float32 or check the checkpoint")
+
+
+def length_batches(seqs: Sequence[Any], size: int) -> list[list[int]]:
+    """Indices of seqs (token sequences or id lists), shortest first, in batches of `size`:
+    rows of similar length pad little. Every batch of a run is formed this way, whichever
+    process or step makes it, so the floating-point sums are the same."""
+    order = sorted(range(len(seqs)), key=lambda i: len(getattr(seqs[i], "ids", seqs[i])))
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
@@ -378,6 +811,10 @@ class _NoBar:
         pass
 
 
+# ----------------------------------------------------------------------------------------------
+# teacher-forced route: alpha_t = sum min(p_t, q_t) on the target's own continuation
+
+
 def head_route(model: nn.Module, probe: torch.Tensor) -> bool:
     """True if head(base_model(x)) reproduces model(x).logits, so logits can be made from
     hidden states in chunks; False for a head that is more than a linear map."""
@@ -391,23 +828,6 @@ def head_route(model: nn.Module, probe: torch.Tensor) -> bool:
         return False
     return full.shape == via.shape and torch.allclose(full.float(), via.float(), atol=1e-4,
                                                       rtol=1e-4)
-
-
-def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
-                   spans: Sequence[tuple[int, int]], device: torch.device,
-                   route: bool) -> torch.Tensor:
-    """One teacher-forced forward of right-padded rows; the outputs at scored positions.
-
-    spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
-    Returns hidden states (N, H) when route (see head_route), else logits (N, V_model).
-    """
-    return at_spans(teacher_forced(model, rows, device, route), spans, device)
-
-
-def at_spans(states: torch.Tensor, spans: Sequence[tuple[int, int]], device: torch.device,
-             shift: int = 0) -> torch.Tensor:
-    """(B, T, ...) -> the rows' positions start+shift..end-1, concatenated: (N, ...)."""
-    return torch.cat([states[b, s + shift:e] for b, (s, e) in enumerate(spans)]).to(device)
 
 
 def teacher_forced(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device,
@@ -429,82 +849,185 @@ def teacher_forced(model: nn.Module, rows: Sequence[Sequence[int]], device: torc
                  use_cache=False).logits  # (B, T, V)
 
 
+def at_spans(states: torch.Tensor, spans: Sequence[tuple[int, int]], device: torch.device,
+             shift: int = 0) -> torch.Tensor:
+    """(B, T, ...) -> the rows' positions start+shift..end-1, concatenated: (N, ...)."""
+    return torch.cat([states[b, s + shift:e] for b, (s, e) in enumerate(spans)]).to(device)
+
+
+def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
+                   spans: Sequence[tuple[int, int]], device: torch.device,
+                   route: bool) -> torch.Tensor:
+    """One teacher-forced forward of right-padded rows; the outputs at scored positions.
+
+    spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
+    Returns hidden states (N, H) when route (see head_route), else logits (N, V_model).
+    """
+    return at_spans(teacher_forced(model, rows, device, route), spans, device)
+
+
 def head_logits(model: nn.Module, states: torch.Tensor, route: bool) -> torch.Tensor:
     """Logits from what scored_outputs returned."""
     return model.get_output_embeddings()(states).to(states.device) if route else states
 
 
 def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """A short real input for head_route: the first tokens of the longest row."""
-    return torch.tensor([list(max(rows, key=len))[:16]], device=device)
+    """A short real input for head_route: the first tokens of the longest row (the last of
+    the longest, in length_batches' order)."""
+    return torch.tensor([list(rows[length_batches(rows, len(rows))[0][-1]])[:16]],
+                        device=device)
+
+
+@torch.no_grad()
+def sample_continuations(target: nn.Module, seqs: Sequence[TokenSequence],
+                         sampling: SamplingParams, n_tokens: int, *, device: torch.device,
+                         vocab: int, eos: set[int] | frozenset[int], seed: int = 0,
+                         batch_size: int = 8, indices: Sequence[int] | None = None,
+                         bar: Any = None) -> list[list[int]]:
+    """Sample up to n_tokens from the target after each prompt (stopping at EOS), KV-cached.
+
+    indices[i] names prompt i's random stream (default i), so any batching gives the same draws.
+    """
+    indices = list(range(len(seqs))) if indices is None else list(indices)
+    bar = bar or _NoBar()
+    conts: list[list[int]] = [[] for _ in seqs]
+    for batch in length_batches(seqs, batch_size):
+        gens = row_generators(seed, [indices[i] for i in batch], phase=1)
+        slots, logits = prefill(target, [seqs[i].ids for i in batch], device)
+        next_pos = slots.pos[:, -1:] + 1  # (B, 1)
+        alive = [True] * len(batch)
+        for n in range(n_tokens):
+            check_finite(logits, "target", lambda r: f"prompt {indices[batch[r]]}, "
+                                                     f"continuation token {n + 1}")
+            probs = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
+            token = sample_from(probs, draw_uniforms(gens, 1, device)[:, 0])  # (B,)
+            for b, t in enumerate(token.tolist()):
+                if alive[b]:
+                    conts[batch[b]].append(t)
+                    alive[b] = t not in eos
+            bar.update(len(batch))
+            if not any(alive) or n == n_tokens - 1:
+                break
+            logits = extend(target, slots, token[:, None], next_pos)
+            next_pos = next_pos + 1
+    return conts
+
+
+@torch.no_grad()
+def position_stats(target: nn.Module, scores: Scores, states_p: torch.Tensor,
+                   sampling: SamplingParams, vocab: int, route_p: bool, chunk: int | None = None,
+                   where: Callable[[int], str] = lambda n: f"scored position {n}"
+                   ) -> dict[str, torch.Tensor]:
+    """Per-position numbers (N,) from the target's scored outputs and a drafter's Scores, a
+    chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q) and whether the
+    drafter proposed anything there (all zero where it did not). Only a (chunk, V) slice of
+    fp32 probabilities exists at a time, whatever N and V are. where(n) names scored position
+    n in error messages."""
+    chunk = chunk or max(16, (1 << 24) // vocab)
+    alpha, top1, p_of_q = [], [], []
+    for s in range(0, states_p.shape[0], chunk):
+        lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
+        check_finite(lp, "target", lambda n: where(s + n))
+        p = processed_probs(lp, sampling)
+        q = scores.q(s, s + chunk, lambda n: where(s + n)).to(p.device)  # (n, V); a draft
+        made = scores.proposed[s:s + chunk].to(p.device)  # being trained may sit elsewhere
+        a = acceptance(p, q)  # (n,)
+        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
+            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
+        alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
+        top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
+        p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
+    return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
+            "p_argmax_q": torch.cat(p_of_q).cpu(), "proposed": scores.proposed.cpu()}
+
+
+class TargetPass(NamedTuple):
+    """The target's side of one batch's teacher-forced measurement, made once for every
+    drafter: the rows (prompt + the target's continuation), the scored spans, and the
+    target's outputs (hidden states when route_p, else logits): at every position (B, T, ...),
+    or, compact, only at the scored ones (N, ...)."""
+
+    batch: list[int]
+    rows: list[list[int]]
+    spans: list[tuple[int, int]]
+    states: torch.Tensor
+    compact: bool = False
+
+    def at(self, shift: int, device: torch.device) -> torch.Tensor:
+        """The outputs at the scored positions, `shift` positions later (a later head's)."""
+        assert not (self.compact and shift), "a compact target pass has no later positions"
+        return self.states.to(device) if self.compact else \
+            at_spans(self.states, self.spans, device, shift)
+
+
+def target_pass(target: nn.Module, route_p: bool, batch: list[int],
+                sequences: Sequence[TokenSequence], sampling: SamplingParams,
+                settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
+                bar: Any) -> TargetPass:
+    """The target's continuation of each prompt of a batch (the text speculative decoding
+    would produce), then one teacher-forced target pass over prompt + continuation."""
+    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
+    bar.set_description("continuations")
+    with step("sampling the target's continuations"):
+        conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
+                                      vocab=vocab, eos=eos, seed=settings.seed,
+                                      batch_size=len(sub), indices=batch, bar=bar)
+                 if n_tokens else [[] for _ in sub])
+    rows = [s.ids + c for s, c in zip(sub, conts)]
+    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
+             for s, c in zip(sub, conts)]
+    with step("the target's teacher-forced pass"):
+        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p))
+
+
+def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
+                side: TargetPass, sampling: SamplingParams, vocab: int, device: torch.device
+                ) -> list[list[list[dict[str, torch.Tensor]]]]:
+    """Teacher-forced alpha_t at every scored position, against one target pass shared by all
+    drafters -> per drafter, per prompt, per drafting step, position_stats' numbers."""
+    out = []
+    for drafter in drafters:
+        with step(f"the teacher-forced pass of draft {drafter.name}"):
+            reads = side.states if drafter.reads_target and route_p else None
+            steps = drafter.score(side.rows, side.spans, reads, sampling, vocab, device)
+            # step k+1 is scored against the target's distribution k positions later
+            per_step = [stats_by_prompt(target, scores, side.at(k, device), side.spans, k,
+                                        side.batch, sampling, vocab, route_p)
+                        for k, scores in enumerate(steps)]
+        out.append([[stats[j] for stats in per_step] for j in range(len(side.batch))])
+    return out
+
+
+def stats_by_prompt(target: nn.Module, scores: Scores, states_p: torch.Tensor,
+                    spans: Sequence[tuple[int, int]], shift: int, batch: list[int],
+                    sampling: SamplingParams, vocab: int, route_p: bool
+                    ) -> list[dict[str, torch.Tensor]]:
+    """position_stats over a batch's scored positions (the first `shift` of each row dropped:
+    a later step's), split back into one dict per prompt."""
+    sizes = [max(0, e - s - shift) for s, e in spans]
+    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s + shift, e)]
+    per_pos = position_stats(target, scores, states_p, sampling, vocab, route_p,
+                             where=lambda n: "prompt {}, position {}".format(*labels[n]))
+    split = {key: values.split(sizes) for key, values in per_pos.items()}
+    return [{key: v[j] for key, v in split.items()} for j in range(len(batch))]
 
 
 # ----------------------------------------------------------------------------------------------
 # drafters: what proposes the tokens the target verifies
+#
+# Each kind is a Drafter (teacher-forced: score -> Scores per drafting step; simulated: start ->
+# a Session that proposes, then advances by what each cycle committed) and one small Session.
 
 
-class TargetView(NamedTuple):
-    """What a drafter that reads the target (reads_target) is shown after each target pass:
-    its final hidden states at the positions just fed (B, t, H), and its cache."""
-
-    hidden: torch.Tensor
-    slots: Slots
-
-
-class Proposal(NamedTuple):
-    """Up to gamma drafted tokens per row and the distributions they were drawn from."""
-
-    tokens: torch.Tensor  # (B, G), padded after `count`
-    q: torch.Tensor  # (B, G, V) the processed q each token was drawn from; zero rows after count
-    finite: torch.Tensor  # (B,) False where the drafter's logits held NaN/inf
-    count: torch.Tensor | None = None  # (B,) tokens proposed per row (None: all G); a drafter
-    # that finds nothing to propose (n-gram lookup without a match) proposes fewer, or none
-
-
-class Drafter:
-    """The interface the measurement and the simulation use; they never ask what kind it is.
-
-    Teacher-forced route:
-      score(rows, spans, device, states) -> its states at the scored positions (N, ...)
-      q_probs(states, sampling, vocab, where) -> processed q (n, V) for a chunk of those states
-    Simulation (one cycle = propose, the target verifies, then settle):
-      begin(prompts, device, states) -> state; the prompts' last tokens are still to be fed
-      propose(state, pending, npos, gamma, sampling, vocab, u) -> Proposal, drawing token i of
-          row b with u[b, i]; pending (B,) is the newest token, at position npos (B,)
-      settle(state, proposal, n_acc, committed, states) -> follow the cycle: n_acc accepted
-          drafts, committed[b] (host) the tokens row b gained: its accepted drafts, then the
-          token the target added (the next pending one)
-      select(state, rows) -> keep only those batch rows
-    Cost: param_cost(target) -> (one drafting step in target steps from parameter counts, how
-    that was found); `--cost-ratio measure` times the drafter's own propose instead.
-    A drafter that reads the target (reads_target: MTP heads, assistant sidecars) gets its
-    final hidden states as `states`: score's (B, T, H) for the rows (None when the target's
-    head is not linear); begin's and settle's a TargetView of the pass just made (the
-    prefilled prompts, left-padded; the verified positions) and of the target's cache.
-    """
-
-    name: str
-    width: int | None  # logit columns: the vocabulary it can propose from (None: any)
-    reads_target: bool = False
-    steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
-    # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
-
-    def for_run(self, eos: frozenset[int]) -> Drafter:
-        """The drafter as a run uses it: told the run's EOS ids (only n-gram lookup cares)."""
-        return self
-
-    def drafted_by(self, gamma: int) -> list[str] | None:
-        """What drafts each offset 1..gamma, where the report should say (None: one thing)."""
-        return None
-
-
-@dataclass
-class DraftCache:
-    """A model drafter's simulation state."""
-
-    slots: Slots
-    prev_tok: torch.Tensor  # (B,) the last cycle's d_G, which the draft has not seen yet
-    prev_full: list[bool]  # whether that block was accepted whole (then d_G is fed, else dead)
+def model_head(model: nn.Module, route: bool, sampling: SamplingParams, vocab: int
+               ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+    """Scores.head for a model's scored outputs (see scored_outputs): logits, cut to the
+    shared vocabulary, refused if not finite, processed."""
+    def head(states: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+        logits = head_logits(model, states, route)[..., :vocab]
+        check_finite(logits, "draft", where)
+        return processed_probs(logits, sampling)
+    return head
 
 
 class ModelDrafter(Drafter):
@@ -514,57 +1037,64 @@ class ModelDrafter(Drafter):
         self.name, self.model, self.width = name, model, vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
-    def score(self, rows, spans, device, states=None):
+    def score(self, rows, spans, states, sampling, vocab, device):
         device = model_device(self.model) or device
         if self.route is None:
             self.route = head_route(self.model, _probe(rows, device))
-        return scored_outputs(self.model, rows, spans, device, self.route)
+        out = scored_outputs(self.model, rows, spans, device, self.route)  # (N, ...)
+        return [Scores(out, torch.ones(len(out), dtype=torch.bool, device=out.device),
+                       model_head(self.model, self.route, sampling, vocab))]
 
-    def q_probs(self, states, sampling, vocab, where):
-        logits = head_logits(self.model, states, bool(self.route))[..., :vocab]
-        check_finite(logits, "draft", where)
-        return processed_probs(logits, sampling)
-
-    def begin(self, prompts, device, states=None):
-        slots, _ = prefill(self.model, [r[:-1] for r in prompts], device)
-        return DraftCache(slots, torch.zeros(len(prompts), dtype=torch.long, device=device),
-                          [False] * len(prompts))
-
-    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
-        slots = state.slots
-        if any(state.prev_full):  # feed last cycle's d_G too (a dead slot where not accepted)
-            x = torch.stack([state.prev_tok, pending], 1)  # (B, 2)
-            pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
-            full = torch.tensor(state.prev_full, device=x.device).long()
-            live = torch.stack([full, torch.ones_like(full)], 1)
-            logits = extend(self.model, slots, x, pos, live, last_only=True)
-        else:
-            logits = extend(self.model, slots, pending[:, None], npos[:, None], last_only=True)
-        qs, ds = [], []
-        finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
-        for i in range(gamma):
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits[:, -1, :vocab], sampling))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
-            if i < gamma - 1:
-                logits = extend(self.model, slots, ds[-1][:, None], (npos + 1 + i)[:, None])
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
-
-    def settle(self, state, proposal, n_acc, committed, states=None):
-        gamma, n_host = proposal.tokens.shape[1], [len(c) - 1 for c in committed]
-        if gamma > 1:  # the draft's cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(state.slots, n_acc, max(n_host), gamma - 1)
-        state.prev_tok = proposal.tokens[:, -1]
-        state.prev_full = [n == gamma for n in n_host]
-
-    def select(self, state, rows):
-        select_slots(state.slots, rows)
-        state.prev_tok = state.prev_tok[rows]
-        state.prev_full = [state.prev_full[r] for r in rows.tolist()]
+    def start(self, prompts, view, config):
+        return ModelSession(self.model, prompts, config)
 
     def param_cost(self, target):
         return (params_per_token(self.model) / params_per_token(target),
                 "parameters per token, draft/target")
+
+
+class ModelSession(Session):
+    """A draft model's cache: it has seen every committed token but the pending one, and, when
+    the last block was accepted whole, not its last draft d_G either (fed with the next)."""
+
+    def __init__(self, model: nn.Module, prompts: list[list[int]], config: LoopConfig):
+        self.model, self.config = model, config
+        self.slots, _ = prefill(model, [r[:-1] for r in prompts], config.device)
+        self.last = torch.zeros(len(prompts), dtype=torch.long, device=config.device)  # d_G
+        self.full = [False] * len(prompts)  # whether that block was accepted whole
+
+    def propose(self, pending, npos, u):
+        c = self.config
+        if any(self.full):  # feed last cycle's d_G too (a dead slot where not accepted)
+            x = torch.stack([self.last, pending], 1)  # (B, 2)
+            pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
+            full = torch.tensor(self.full, device=x.device).long()
+            live = torch.stack([full, torch.ones_like(full)], 1)
+            logits = extend(self.model, self.slots, x, pos, live, last_only=True)
+        else:
+            logits = extend(self.model, self.slots, pending[:, None], npos[:, None],
+                            last_only=True)
+        qs, ds = [], []
+        finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
+        for i in range(c.gamma):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            qs.append(draft_probs(logits[:, -1, :c.vocab], c.sampling))  # (B, V)
+            ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
+            if i < c.gamma - 1:
+                logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
+        self.last = ds[-1]
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
+
+    def advance(self, n_acc, committed, view):
+        gamma, n_host = self.config.gamma, [len(c) - 1 for c in committed]
+        if gamma > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
+            settle_slots(self.slots, n_acc, max(n_host), gamma - 1)
+        self.full = [n == gamma for n in n_host]
+
+    def keep(self, rows):
+        select_slots(self.slots, rows)
+        self.last = self.last[rows]
+        self.full = [self.full[r] for r in rows.tolist()]
 
 
 def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
@@ -593,18 +1123,11 @@ def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, star
                 first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
 
 
-@dataclass
-class NgramState:
-    """An n-gram drafter's simulation state: each row's tokens and its n-gram index."""
-
-    seqs: list[list[int]]
-    firsts: list[dict[tuple, int]]
-
-
 class NgramDrafter(Drafter):
     """Model-free drafts copied from earlier text (prompt lookup; vLLM's `ngram`, llama.cpp's
-    lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal); a position
-    with no match proposes nothing, and a cycle there is one plain target step."""
+    lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal) under
+    either proposal rule; a position with no match proposes nothing, and a cycle there is one
+    plain target step."""
 
     def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n:
@@ -616,61 +1139,58 @@ class NgramDrafter(Drafter):
         self.name, self.width = f"ngram (n={min_n}..{max_n})", None
 
     def for_run(self, eos):
-        if self.eos_given:
-            return self
-        return NgramDrafter(self.sizes[0], self.min_n, eos)
+        return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
 
-    def score(self, rows, spans, device, states=None):
-        proposals = []
+    def score(self, rows, spans, states, sampling, vocab, device):
+        found = []
         for row, (s, e) in zip(rows, spans):
             first: dict[tuple, int] = {}
             index_ngrams(row, first, self.sizes, 0, s)
             for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
                 index_ngrams(row, first, self.sizes, t, t + 1)
-                found = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
-                proposals.append(found[0] if found else -1)
-        return torch.tensor(proposals, dtype=torch.long, device=device)  # (N,), -1: none
+                copied = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
+                found.append(copied[0] if copied else -1)
+        found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
+        return [Scores(found_t.clamp_min(0), found_t >= 0,
+                       lambda x, where: nn.functional.one_hot(x, vocab).float())]
 
-    def q_probs(self, states, sampling, vocab, where):
-        return nn.functional.one_hot(states.clamp_min(0), vocab).float() * (states >= 0)[:, None]
-
-    def begin(self, prompts, device, states=None):
-        firsts: list[dict[tuple, int]] = [{} for _ in prompts]
-        for seq, first in zip(prompts, firsts):
-            index_ngrams(seq, first, self.sizes, 0)
-        return NgramState([list(seq) for seq in prompts], firsts)
-
-    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
-        found = [ngram_lookup(seq, first, self.sizes, gamma, self.eos)
-                 for seq, first in zip(state.seqs, state.firsts)]
-        tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long)
-        count = torch.tensor([len(f) for f in found])
-        q = nn.functional.one_hot(tokens, vocab).float() * (
-            torch.arange(gamma) < count[:, None])[..., None]  # (B, G, V)
-        device = pending.device
-        return Proposal(tokens.to(device), q.to(device), torch.ones_like(pending, dtype=torch.bool),
-                        count.to(device))
-
-    def settle(self, state, proposal, n_acc, committed, states=None):
-        for seq, first, new in zip(state.seqs, state.firsts, committed):
-            seq += new
-            index_ngrams(seq, first, self.sizes, len(seq) - len(new))
-
-    def select(self, state, rows):
-        keep = rows.tolist()
-        state.seqs, state.firsts = [state.seqs[r] for r in keep], [state.firsts[r] for r in keep]
+    def start(self, prompts, view, config):
+        return NgramSession(self, prompts, config)
 
     def param_cost(self, target):
         return 0.0, "no network: a lookup in the text costs nothing next to a target step"
 
 
-@dataclass
-class MtpState:
-    """An MTP drafter's simulation state: per row, the committed tokens (the pending one last)
-    and the target's final hidden states of all but the pending one."""
+class NgramSession(Session):
+    """Each row's committed tokens and its n-gram index."""
 
-    seqs: list[list[int]]
-    hidden: list[torch.Tensor]  # row b: (len(seqs[b]) - 1, H)
+    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.seqs = [list(seq) for seq in prompts]
+        self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
+        for seq, first in zip(self.seqs, self.firsts):
+            index_ngrams(seq, first, drafter.sizes, 0)
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        found = [ngram_lookup(seq, first, d.sizes, c.gamma, d.eos)
+                 for seq, first in zip(self.seqs, self.firsts)]
+        tokens = torch.tensor([f + [0] * (c.gamma - len(f)) for f in found], dtype=torch.long)
+        count = torch.tensor([len(f) for f in found])
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(c.gamma) < count[:, None])[..., None]  # (B, G, V)
+        return Proposal(tokens.to(c.device), q.to(c.device),
+                        torch.ones(len(found), dtype=torch.bool, device=c.device),
+                        count.to(c.device))
+
+    def advance(self, n_acc, committed, view):
+        for seq, first, new in zip(self.seqs, self.firsts, committed):
+            seq += new
+            index_ngrams(seq, first, self.drafter.sizes, len(seq) - len(new))
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.firsts = [self.seqs[r] for r in keep], [self.firsts[r] for r in keep]
 
 
 def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
@@ -690,17 +1210,17 @@ def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
 
 
 class MtpDrafter(Drafter):
-    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE and the other
-    transformers 5.x models whose config has num_mtp_layers), run through transformers'
+    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE, Mellum and the
+    other transformers 5.x models whose config has num_mtp_layers), run through transformers'
     MtpModel layers. Drafting step k (1..steps) reads the embedding of the token k ahead of a
     position and step k-1's output there (step 1: the target's final hidden state), each fed
-    the token the step before drafted. Step k runs MTP layer (k-1) mod L of the model's L,
-    as vLLM's deepseek_mtp does (spec_step_idx % num_mtp_layers): steps = L runs each layer
-    once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve a
-    one-layer DeepSeek-V3 for several tokens (vLLM num_speculative_tokens, SGLang
-    --speculative-num-steps). q = the processed logits of the step. A cycle proposes
-    min(gamma, steps) tokens. The layers are recomputed over the whole sequence every cycle
-    (no cache of their own: simple and exact; one layer is cheap next to the target's pass)."""
+    the token the step before drafted. Step k runs MTP layer (k-1) mod L of the model's L, as
+    vLLM's deepseek_mtp model picks it (spec_step_idx % num_mtp_layers): steps = L runs each
+    layer once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve
+    a one-layer model for several tokens (vLLM num_speculative_tokens, SGLang
+    --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each layer attends its
+    own history over the committed positions, recomputed every cycle (exact: depth 1 is what
+    transformers, vLLM and SGLang cache; see docs/design.md for reused layers)."""
 
     reads_target = True
 
@@ -716,14 +1236,6 @@ class MtpDrafter(Drafter):
                              else f"mtp ({heads}, {self.steps} steps)")
         self.width = vocab_width(target)
 
-    def layer_of(self, step: int) -> int:
-        """The MTP layer (0-based) that drafting step `step` (0-based) runs."""
-        return step % self.heads
-
-    def drafted_by(self, gamma):
-        return [f"layer {self.layer_of(k) + 1}" if k < self.steps else "-"
-                for k in range(gamma)]
-
     @classmethod
     def of(cls, target: nn.Module, steps: int | None = None) -> MtpDrafter:
         """The MTP layers stored beside the target's weights (MtpModel.from_pretrained)."""
@@ -732,8 +1244,6 @@ class MtpDrafter(Drafter):
             raise UsageError(f"--draft mtp: {type(target).__name__} has no multi-token-"
                              f"prediction layers (its config sets no num_mtp_layers); use a "
                              f"model with MTP heads, such as DeepSeek-V3 or GLM-4.5")
-        if steps is not None and steps < 1:
-            raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
         from transformers.modeling_layers import MtpModel
         device = next(target.get_decoder().layers[-1].parameters()).device
         try:
@@ -745,14 +1255,20 @@ class MtpDrafter(Drafter):
                              f"{_one_line(e)[:200]})") from None
         return cls(target, mtp.eval().requires_grad_(False), steps=steps)
 
+    def layer_of(self, step: int) -> int:
+        """The MTP layer (0-based) that drafting step `step` (0-based) runs."""
+        return step % self.heads
+
+    def drafted_by(self, gamma):
+        return [f"layer {self.layer_of(k) + 1}" if k < self.steps else "-"
+                for k in range(gamma)]
+
     def chain(self, ids: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor,
               pos: torch.Tensor, steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
               ) -> list[torch.Tensor]:
         """Steps 1..steps over slots (B, T): ids the token one ahead of each slot (at position
         pos + 1), hidden the target's final states at the slots. After step k, feed(k, its
-        output) gives step k+1's ids. Returns each step's output (B, T, H). A layer whose type
-        is sliding_attention sees the keys within its window (k > q - window, as transformers'
-        masks count it)."""
+        output) gives step k+1's ids. Returns each step's output (B, T, H)."""
         mtp = self.mtp
         seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])  # (B, T, T)
         outs = []
@@ -765,9 +1281,9 @@ class MtpDrafter(Drafter):
             angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=at,
                                                                          **rope)
             near = pos[:, None, :] > pos[:, :, None] - window if window else True
-            mask = additive_mask(seen & near, hidden.dtype)
             hidden = mtp.layers[layer](emb, hidden, position_embeddings=angles,
-                                       attention_mask=mask, position_ids=at, cache=None)
+                                       attention_mask=additive_mask(seen & near, hidden.dtype),
+                                       position_ids=at, cache=None)
             if mtp.use_shared_post_norm:
                 hidden = mtp.shared_post_norm(hidden)
             outs.append(hidden)
@@ -775,13 +1291,16 @@ class MtpDrafter(Drafter):
                 ids = feed(k, hidden)
         return outs
 
-    def head_probs(self, hidden: torch.Tensor, sampling: SamplingParams, vocab: int,
-                   where: Callable[[int], str], propose: bool = False) -> torch.Tensor:
-        logits = self.mtp._project_to_logits(hidden).to(hidden.device)[..., :vocab]
-        check_finite(logits, "draft", where)
-        return draft_probs(logits, sampling) if propose else processed_probs(logits, sampling)
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Outputs (..., H) -> q: the shared head's logits, processed (draft_probs: propose)."""
+        def to_q(hidden: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+            logits = self.mtp._project_to_logits(hidden).to(hidden.device)[..., :vocab]
+            check_finite(logits, "draft", where)
+            return (draft_probs if propose else processed_probs)(logits, sampling)
+        return to_q
 
-    def score(self, rows, spans, device, states=None):
+    def score(self, rows, spans, states, sampling, vocab, device):
         if states is None:  # the target's head is not a plain map: get its states here
             states = teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
@@ -793,69 +1312,21 @@ class MtpDrafter(Drafter):
         outs = self.chain(ahead[0], states[:, :width], live, pos, self.steps,
                           lambda k, h: ahead[k + 1])
         # step k at scored position t (which predicts row[t+1]) is its output at slot t-1,
-        # predicting row[t+k]; a flag column marks the positions that have such a slot
-        flagged = []
+        # predicting row[t+k]; position 0 has no slot before it: nothing proposed there
+        scores = []
         for k, out in enumerate(outs):
-            per_row = []
+            picked, made = [], []
             for b, (s, e) in enumerate(spans):
                 h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
-                if s == 0 and e - k > 0:  # position 0 has no slot before it
+                if s == 0 and e - k > 0:
                     h = torch.cat([torch.zeros_like(out[b, :1]), h])
-                per_row.append(torch.cat([h, (torch.arange(len(h), device=device) + s > 0)[
-                    :, None].to(h)], 1))
-            flagged.append(torch.cat(per_row))
-        return flagged
+                picked.append(h)
+                made.append(torch.arange(len(h), device=device) + s > 0)
+            scores.append(Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab)))
+        return scores
 
-    def q_probs(self, states, sampling, vocab, where):
-        made = states[:, -1:] > 0
-        return self.head_probs(states[:, :-1], sampling, vocab, where) * made
-
-    def begin(self, prompts, device, states=None):
-        hidden = states.hidden if states is not None else None
-        width = hidden.shape[1] if hidden is not None else 0
-        return MtpState([list(p) for p in prompts],
-                        [hidden[b, width - len(p) + 1:] if len(p) > 1 else
-                         torch.zeros(0, 1, device=device) for b, p in enumerate(prompts)])
-
-    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
-        heads, device = min(gamma, self.steps), pending.device
-        ids, live, pos = left_pad([seq[1:] for seq in state.seqs], device)  # slots j: x_{j+1}
-        width, size = ids.shape[1], self.mtp.config.hidden_size
-        count = (live[:, -1] * heads) if width else torch.zeros_like(pending)  # a row with no
-        if not width:  # target state yet (a one-token prompt) proposes nothing this cycle
-            tokens = torch.zeros(len(pending), gamma, dtype=torch.long, device=device)
-            return Proposal(tokens, torch.zeros(*tokens.shape, vocab, device=device),
-                            torch.ones_like(pending, dtype=torch.bool), count)
-        hidden = torch.stack([torch.cat([torch.zeros(width - len(h), size).to(h), h])
-                              if len(h) else torch.zeros(width, size, device=device)
-                              for h in state.hidden])  # (B, T, H), left-padded like ids
-        qs, ds, current = [], [], [ids]
-
-        def draw(k: int, out: torch.Tensor) -> torch.Tensor:
-            """Step k+1's token from its output at the last slot; the next step's inputs."""
-            qs.append(self.head_probs(out[:, -1], sampling, vocab, lambda r: f"row {r}",
-                                      propose=True))
-            ds.append(sample_from(qs[-1], u[:, k]))
-            current[0] = torch.cat([current[0][:, 1:], ds[-1][:, None]], 1)
-            return current[0]
-
-        draw(heads - 1, self.chain(ids, hidden, live, pos, heads, draw)[-1])
-        q = torch.stack(qs, 1) * (count > 0)[:, None, None]  # (B, heads, V)
-        pad = gamma - heads  # offsets past the last step: nothing proposed
-        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
-                        nn.functional.pad(q, (0, 0, 0, pad)),
-                        torch.ones_like(pending, dtype=torch.bool), count)
-
-    def settle(self, state, proposal, n_acc, committed, states=None):
-        for b, new in enumerate(committed):
-            state.seqs[b] += new
-            fresh = states.hidden[b, :len(new)]  # the pending token and the accepted drafts
-            state.hidden[b] = torch.cat([state.hidden[b].to(fresh), fresh]) \
-                if len(state.hidden[b]) else fresh
-
-    def select(self, state, rows):
-        keep = rows.tolist()
-        state.seqs, state.hidden = [state.seqs[r] for r in keep], [state.hidden[r] for r in keep]
+    def start(self, prompts, view, config):
+        return MtpSession(self, prompts, view, config)
 
     def param_cost(self, target):
         layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
@@ -865,13 +1336,56 @@ class MtpDrafter(Drafter):
                 "(every MoE expert counted: prefer measure for MoE models)")
 
 
-@dataclass
-class SidecarState:
-    """An assistant sidecar's simulation state: per row, the target's final hidden state at
-    the last position it processed (None before it has processed any), and its cache."""
+class MtpSession(Session):
+    """Per row, the committed tokens (the pending one last) and the target's final hidden
+    states of all but the pending one; the layers run over them every cycle."""
 
-    hidden: list[torch.Tensor | None]  # row b: (H,)
-    slots: Slots | None
+    def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
+                 config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        hidden = view.hidden if view is not None else None
+        width = hidden.shape[1] if hidden is not None else 0
+        self.seqs = [list(p) for p in prompts]
+        self.hidden = [hidden[b, width - len(p) + 1:] if len(p) > 1 else
+                       torch.zeros(0, 1, device=config.device) for b, p in enumerate(prompts)]
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        steps = min(c.gamma, d.steps)
+        ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
+        if not ids.shape[1]:  # no target state yet (one-token prompts): no proposal
+            return Proposal.none(len(pending), c)
+        size = d.mtp.config.hidden_size
+        hidden = torch.stack([torch.cat([torch.zeros(ids.shape[1] - len(h), size).to(h), h])
+                              if len(h) else torch.zeros(ids.shape[1], size, device=c.device)
+                              for h in self.hidden])  # (B, T, H), left-padded like ids
+        count = live[:, -1] * steps  # a row with no target state yet proposes nothing
+        head, qs, ds, current = d.head(c.sampling, c.vocab, propose=True), [], [], [ids]
+
+        def draw(k: int, out: torch.Tensor) -> torch.Tensor:
+            """Step k+1's token from its output at the last slot; the next step's inputs."""
+            qs.append(head(out[:, -1], lambda r: f"row {r}"))
+            ds.append(sample_from(qs[-1], u[:, k]))
+            current[0] = torch.cat([current[0][:, 1:], ds[-1][:, None]], 1)
+            return current[0]
+
+        draw(steps - 1, d.chain(ids, hidden, live, pos, steps, draw)[-1])
+        q = torch.stack(qs, 1) * (count > 0)[:, None, None]  # (B, steps, V)
+        pad = c.gamma - steps  # offsets past the last step: nothing proposed
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(q, (0, 0, 0, pad)),
+                        torch.ones_like(pending, dtype=torch.bool), count)
+
+    def advance(self, n_acc, committed, view):
+        for b, new in enumerate(committed):
+            self.seqs[b] += new
+            fresh = view.hidden[b, :len(new)]  # the pending token and the accepted drafts
+            self.hidden[b] = torch.cat([self.hidden[b].to(fresh), fresh]) \
+                if len(self.hidden[b]) else fresh
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.hidden = [self.seqs[r] for r in keep], [self.hidden[r] for r in keep]
 
 
 class AssistantDrafter(Drafter):
@@ -926,65 +1440,77 @@ class AssistantDrafter(Drafter):
                       output_hidden_states=True).last_hidden_state  # (no query skipped)
         return out, a.post_projection(out)
 
-    def head(self, out: torch.Tensor) -> torch.Tensor:
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
         a = self.assistant
         return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
                 else a.lm_head(out))
 
-    def score(self, rows, spans, device, states=None):
+    def head(self, sampling: SamplingParams, vocab: int
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
+        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+            logits = self.logits(out)[..., :vocab]
+            check_finite(logits, "draft", where)
+            return processed_probs(logits, sampling)
+        return to_q
+
+    def score(self, rows, spans, states, sampling, vocab, device):
         with final_states(self.target) as seen:
             slots, _ = prefill(self.target, rows, device, last_only=False)
         ids, live, pos = left_pad(rows, device)
         before = torch.cat([torch.zeros_like(seen[-1][:, :1]), seen[-1][:, :-1]], 1)
         out, _ = self.step(ids, before, pos, slots)  # position t predicts row[t + 1]
-        width, flagged = ids.shape[1], []
+        width, picked, made = ids.shape[1], [], []
         for b, (s, e) in enumerate(spans):
             at = width - len(rows[b])  # row b's first slot
-            made = (torch.arange(s, e, device=device) > 0).to(out)[:, None]
-            flagged.append(torch.cat([out[b, at + s:at + e].to(device), made], 1))
-        return torch.cat(flagged)  # (N, H_a + 1): outputs, and whether a hidden state preceded
+            picked.append(out[b, at + s:at + e].to(device))
+            made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
+        return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
 
-    def q_probs(self, states, sampling, vocab, where):
-        logits = self.head(states[:, :-1])[..., :vocab]
-        check_finite(logits, "draft", where)
-        return processed_probs(logits, sampling) * (states[:, -1:] > 0)
-
-    def begin(self, prompts, device, states=None):
-        last = [states.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
-        return SidecarState(last, states.slots if states is not None else None)
-
-    def propose(self, state, pending, npos, gamma, sampling, vocab, u):
-        ready = torch.tensor([h is not None for h in state.hidden], device=pending.device)
-        count = ready.long() * gamma
-        if state.slots is None or not ready.any():  # nothing processed yet: no proposal
-            tokens = torch.zeros(len(pending), gamma, dtype=torch.long, device=pending.device)
-            return Proposal(tokens, torch.zeros(*tokens.shape, vocab, device=pending.device),
-                            torch.ones_like(ready), count)
-        size = next(h for h in state.hidden if h is not None).shape[-1]
-        hidden = torch.stack([h if h is not None else torch.zeros(size, device=pending.device)
-                              for h in state.hidden])[:, None]  # (B, 1, H)
-        token, qs, ds = pending[:, None], [], []
-        finite = torch.ones_like(ready)
-        for i in range(gamma):  # every step at the pending token's position
-            out, hidden = self.step(token, hidden, npos[:, None], state.slots)
-            logits = self.head(out[:, -1])[..., :vocab].to(pending.device)
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits, sampling) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, i]))
-            token = ds[-1][:, None]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, count)
-
-    def settle(self, state, proposal, n_acc, committed, states=None):
-        state.hidden = [states.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
-        state.slots = states.slots
-
-    def select(self, state, rows):
-        state.hidden = [state.hidden[r] for r in rows.tolist()]
+    def start(self, prompts, view, config):
+        return AssistantSession(self, prompts, view, config)
 
     def param_cost(self, target):
         return (params_per_token(self.assistant) / params_per_token(target),
                 "parameters per token, assistant/target")
+
+
+class AssistantSession(Session):
+    """Per row, the target's final hidden state at the last position it processed (None before
+    it has processed any), and the target's cache, which the assistant reads."""
+
+    def __init__(self, drafter: AssistantDrafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+        self.slots = view.slots if view is not None else None
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        ready = torch.tensor([h is not None for h in self.hidden], device=pending.device)
+        if self.slots is None or not ready.any():  # nothing processed yet: no proposal
+            return Proposal.none(len(pending), c)
+        size = next(h for h in self.hidden if h is not None).shape[-1]
+        hidden = torch.stack([h if h is not None else torch.zeros(size, device=pending.device)
+                              for h in self.hidden])[:, None]  # (B, 1, H)
+        token, qs, ds = pending[:, None], [], []
+        finite = torch.ones_like(ready)
+        for i in range(c.gamma):  # every step at the pending token's position
+            out, hidden = d.step(token, hidden, npos[:, None], self.slots)
+            logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            qs.append(draft_probs(logits, c.sampling) * ready[:, None])
+            ds.append(sample_from(qs[-1], u[:, i]))
+            token = ds[-1][:, None]
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.gamma)
+
+    def advance(self, n_acc, committed, view):
+        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+        self.slots = view.slots
+
+    def keep(self, rows):
+        self.hidden = [self.hidden[r] for r in rows.tolist()]
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -1021,98 +1547,7 @@ def vocab_width(model: nn.Module) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# teacher-forced route: alpha_t = sum min(p_t, q_t) on the target's own continuation
-
-
-@torch.no_grad()
-def sample_continuations(target: nn.Module, seqs: Sequence[TokenSequence],
-                         sampling: SamplingParams, n_tokens: int, *, device: torch.device,
-                         vocab: int, eos: set[int] | frozenset[int], seed: int = 0,
-                         batch_size: int = 8, indices: Sequence[int] | None = None,
-                         bar: Any = None) -> list[list[int]]:
-    """Sample up to n_tokens from the target after each prompt (stopping at EOS), KV-cached.
-
-    indices[i] names prompt i's random stream (default i), so any batching gives the same draws.
-    """
-    indices = list(range(len(seqs))) if indices is None else list(indices)
-    bar = bar or _NoBar()
-    conts: list[list[int]] = [[] for _ in seqs]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))  # similar lengths batch
-    for batch in _batches(order, batch_size):
-        gens = row_generators(seed, [indices[i] for i in batch], phase=1)
-        slots, logits = prefill(target, [seqs[i].ids for i in batch], device)
-        next_pos = slots.pos[:, -1:] + 1  # (B, 1)
-        alive = [True] * len(batch)
-        for n in range(n_tokens):
-            check_finite(logits, "target", lambda r: f"prompt {indices[batch[r]]}, "
-                                                     f"continuation token {n + 1}")
-            probs = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
-            token = sample_from(probs, draw_uniforms(gens, 1, device)[:, 0])  # (B,)
-            for b, t in enumerate(token.tolist()):
-                if alive[b]:
-                    conts[batch[b]].append(t)
-                    alive[b] = t not in eos
-            bar.update(len(batch))
-            if not any(alive) or n == n_tokens - 1:
-                break
-            logits = extend(target, slots, token[:, None], next_pos)
-            next_pos = next_pos + 1
-    return conts
-
-
-@torch.no_grad()
-def position_stats(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
-                   states_q: torch.Tensor, sampling: SamplingParams, vocab: int,
-                   route_p: bool, chunk: int | None = None,
-                   where: Callable[[int], str] = lambda n: f"scored position {n}"
-                   ) -> dict[str, torch.Tensor]:
-    """Per-position numbers (N,) from scored outputs, a chunk of positions at a time: alpha_t,
-    top-1 agreement, p(argmax q) and whether the drafter proposed anything there (all zero
-    where it did not). Only a (chunk, V) slice of fp32 probabilities exists at a time,
-    whatever N and V are. where(n) names scored position n in error messages."""
-    chunk = chunk or max(16, (1 << 24) // vocab)
-    alpha, top1, p_of_q, proposed = [], [], [], []
-    for s in range(0, states_p.shape[0], chunk):
-        lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
-        check_finite(lp, "target", lambda n: where(s + n))
-        p = processed_probs(lp, sampling)
-        q = drafter.q_probs(states_q[s:s + chunk], sampling, vocab, lambda n: where(s + n))
-        q = q.to(p.device)  # a draft being trained may sit on another device
-        made = q.sum(-1) > 0  # (n,) a proposal here (a q of zeros: nothing proposed)
-        a = acceptance(p, q)  # (n,)
-        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
-            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
-        alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
-        top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
-        p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
-        proposed.append(made)
-    return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
-            "p_argmax_q": torch.cat(p_of_q).cpu(), "proposed": torch.cat(proposed).cpu()}
-
-
-# ----------------------------------------------------------------------------------------------
 # simulation: the real speculative-sampling loop, many prompts as one batch
-
-
-@dataclass
-class RowStats:
-    """What one prompt's simulated cycles produced."""
-
-    accepted: int = 0  # draft tokens accepted (all cycles)
-    examined: int = 0  # draft tokens examined: up to and including the first rejection
-    cycles: int = 0  # cycles run
-    censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
-    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
-    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
-    unproposed: list[int] = field(default_factory=list)  # cycles that accepted every proposal
-    # and had none at offset j (a drafter proposing fewer than G): they end there
-    proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
-    tokens: list[int] = field(default_factory=list)  # emitted tokens
-
-    @classmethod
-    def empty(cls, gamma: int) -> RowStats:
-        return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
-                   proposed=[0] * (gamma + 1))
 
 
 def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
@@ -1179,97 +1614,103 @@ def accept(p: torch.Tensor, proposal: Proposal, u: torch.Tensor
     return n_acc, new
 
 
-def _check_cycle_finite(host: list[list], where: Callable[[int], str]) -> None:
-    """host rows end with (target finite, draft finite); where(r) names row r."""
-    for r, row in enumerate(host):
-        for name, ok in (("target", row[-2]), ("draft", row[-1])):
-            if not ok:
-                raise FloatingPointError(f"the {name} model produced non-finite logits at "
-                                         f"{where(r)} (simulation); try --dtype float32 or "
-                                         f"check the checkpoint")
+class Cycle(NamedTuple):
+    """One row's cycle, read back from the device in the cycle's one host sync."""
+
+    n_acc: int  # drafts accepted
+    new: int  # the token the target added after them
+    count: int  # drafts proposed
+    drafted: list[int]  # (G,) the drafts, padded after count
+    finite_p: bool  # the target's logits were finite
+    finite_q: bool  # the drafter's were
+
+    @classmethod
+    def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
+             finite_p: torch.Tensor) -> list[Cycle]:
+        gamma = proposal.tokens.shape[1]
+        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
+        host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
+                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
+        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[-2]), bool(h[-1])) for h in host]
 
 
 @torch.no_grad()
 def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
-                   gens: list[torch.Generator], sampling: SamplingParams, gamma: int,
-                   budget: int, vocab: int, eos: set[int] | frozenset[int],
-                   device: torch.device, names: list[str], bar: Any) -> list[RowStats]:
-    """Speculative sampling from every prompt of one batch until each has `budget` tokens or
-    ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
-    stats = [RowStats.empty(gamma) for _ in prompts]
-    # Both caches hold every emitted token but the newest ("pending") one, at position npos.
-    # A drafter that reads the target is shown every position's state (asked for the last
-    # logits only, some models skip the other positions).
+                   gens: list[torch.Generator], config: LoopConfig, names: list[str],
+                   bar: Any) -> list[RowStats]:
+    """Speculative sampling from every prompt of one batch until each has config.budget
+    tokens or ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
+    c = config
+    stats = [RowStats.empty(c.gamma) for _ in prompts]
+    # The target's cache holds every emitted token but the newest ("pending") one, at position
+    # npos. A drafter that reads the target is shown every position's state (asked for the
+    # last logits only, some models skip the other positions).
     with final_states(target, drafter.reads_target) as seen:
-        slots, _ = prefill(target, [r[:-1] for r in prompts], device,
+        slots, _ = prefill(target, [r[:-1] for r in prompts], c.device,
                            last_only=not drafter.reads_target)
-    state = drafter.begin(prompts, device, TargetView(seen[-1], slots) if seen else None)
-    pending = torch.tensor([r[-1] for r in prompts], device=device)  # (B,)
-    npos = torch.tensor([len(r) - 1 for r in prompts], device=device)  # (B,)
+    session = drafter.start(prompts, TargetView(seen[-1], slots) if seen else None, c)
+    pending = torch.tensor([r[-1] for r in prompts], device=c.device)  # (B,)
+    npos = torch.tensor([len(r) - 1 for r in prompts], device=c.device)  # (B,)
     live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
     while live:
-        u = draw_uniforms([gens[b] for b in live], 2 * gamma + 1, device)  # (B, 2G+1)
+        u = draw_uniforms([gens[b] for b in live], 2 * c.gamma + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
-        proposal = drafter.propose(state, pending, npos, gamma, sampling, vocab, u[:, :gamma])
+        proposal = session.propose(pending, npos, u[:, :c.gamma])
         # 2. verify: one target forward scores the pending token and all G proposals
         with final_states(target, drafter.reads_target) as seen:
-            p, finite_p = verify(target, slots, pending, npos, proposal.tokens, sampling, vocab)
+            p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c.sampling,
+                                 c.vocab)
         # 3. accept: the accepted run, and the token that follows it
-        n_acc, new = accept(p, proposal, u[:, gamma:])
-        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
-        host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
-                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
-        _check_cycle_finite(host, lambda r: f"{names[live[r]]}, position {int(npos[r])}")
+        n_acc, new = accept(p, proposal, u[:, c.gamma:])
+        cycles = Cycle.read(n_acc, new, proposal, finite_p)
         still = []
-        for r, b in enumerate(live):
+        for r, (b, cyc) in enumerate(zip(live, cycles)):
+            for name, ok in (("target", cyc.finite_p), ("draft", cyc.finite_q)):
+                if not ok:
+                    raise non_finite(name, f"{names[b]}, position {int(npos[r])} (simulation)")
             before = len(stats[b].tokens)
-            n, token, k, drafted = host[r][0], host[r][1], host[r][2], host[r][3:3 + gamma]
-            if not record_cycle(stats[b], drafted, n, token, gamma, budget, eos, k):
+            if not record_cycle(stats[b], cyc.drafted, cyc.n_acc, cyc.new, c.gamma, c.budget,
+                                c.eos, cyc.count):
                 still.append(r)
             bar.update(len(stats[b].tokens) - before)
-        # 4. advance: rejected slots die in both caches; the new token is pending
-        committed = [h[3:3 + h[0]] + [h[1]] for h in host]  # accepted drafts, then the new one
-        settle_slots(slots, n_acc, max(h[0] for h in host), gamma)  # pending always stays
-        drafter.settle(state, proposal, n_acc, committed,
-                       TargetView(seen[-1], slots) if seen else None)
+        # 4. advance: rejected slots die; the new token is pending
+        settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), c.gamma)
+        session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
+                        TargetView(seen[-1], slots) if seen else None)
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
         if len(still) < len(live):  # finished rows leave the batch
-            keep = torch.tensor(still, device=device)
+            keep = torch.tensor(still, device=c.device)
             select_slots(slots, keep)
-            drafter.select(state, keep)
+            session.keep(keep)
             pending, npos = pending[keep], npos[keep]
             live = [live[r] for r in still]
     return stats
 
 
 def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
-                   seqs: Sequence[TokenSequence], sampling: SamplingParams, gamma: int,
-                   budget: int, *, device: torch.device, vocab: int,
-                   eos: set[int] | frozenset[int], seed: int = 0, batch_size: int = 8,
+                   seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
                    indices: Sequence[int] | None = None, bar: Any = None
                    ) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
     by indices[i] (default i), which also names prompt i's random stream."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = as_drafter("draft", draft).for_run(frozenset(eos))
+    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos))
     rows: dict[int, RowStats] = {}
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-    for batch in _batches(order, batch_size):
+    for batch in length_batches(seqs, batch_size):
         keys = [indices[i] for i in batch]
         stats = simulate_batch(target, drafter, [list(seqs[i].ids) for i in batch],
-                               row_generators(seed, keys, phase=2), sampling, gamma, budget,
-                               vocab, eos, device, [f"prompt {k}" for k in keys],
-                               bar or _NoBar())
+                               row_generators(config.seed, keys, phase=2), config,
+                               [f"prompt {k}" for k in keys], bar or _NoBar())
         rows.update(zip(keys, stats))
     return rows
 
 
 # ----------------------------------------------------------------------------------------------
-# statistics: closed forms, estimators and intervals
+# statistics: closed forms, estimators, intervals and costs
 
-GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+
 N_BOOT = 1000  # bootstrap resamples for the confidence intervals
 
 
@@ -1356,10 +1797,15 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tens
     den_t = torch.tensor(den, dtype=torch.float64)
     top, bottom = weights @ num_t, weights @ den_t  # (n_boot,)
     stats = (top / bottom)[bottom > 0]
-    if not stats.numel():
-        return None
-    lo, hi = torch.quantile(stats, torch.tensor([(1 - level) / 2, (1 + level) / 2],
-                                                dtype=torch.float64)).tolist()
+    return quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel() \
+        else None
+
+
+def quantile_interval(stats: torch.Tensor, probs: tuple[float, float] = (0.025, 0.975)
+                      ) -> tuple[float, float]:
+    """The interval between two quantiles (a central 95% by default) of bootstrap statistics
+    (n_boot,)."""
+    lo, hi = torch.quantile(stats.double(), torch.tensor(probs, dtype=torch.float64)).tolist()
     return lo, hi
 
 
@@ -1419,31 +1865,32 @@ def block_of(proposed: Sequence[float], g: int) -> list[float]:
     return list(proposed[:g]) + [sum(proposed[g:])]
 
 
+class Run(NamedTuple):
+    """How a drafter's proposals run, for the teacher-forced estimate: it proposes at a share
+    `rate` of positions; without a step limit (steps None) every offset accepts with alpha
+    again, as far as gamma goes (the i.i.d. closed form); a drafter of `steps` steps proposes
+    min(gamma, steps) tokens, offset k > 1 accepting with its own step's alpha, later[k-2]."""
+
+    rate: float
+    later: list[float]
+    steps: int | None = None
+
+    def accepted(self, alpha: float, gamma: int) -> float:
+        if self.steps is None:  # the i.i.d. closed form
+            return self.rate * expected_accepted_iid(alpha, gamma)
+        run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:min(gamma, self.steps)]
+        return self.rate * run.cumprod(0).sum().item()  # no step past the last: no proposal
+
+    def proposing(self, gamma: int) -> list[float] | None:
+        """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
+        if self.rate == 1 and (self.steps is None or self.steps >= gamma):
+            return None
+        k = gamma if self.steps is None else min(gamma, self.steps)
+        return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
+
+
 # ----------------------------------------------------------------------------------------------
-# per-prompt results and the report
-
-
-@dataclass
-class PromptResult:
-    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
-    is the same whether its prompts came from one batch, several processes or a JSON file."""
-
-    index: int
-    category: str | None = None
-    positions: int = 0  # positions of the continuation (or prompt) looked at
-    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
-    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
-    top1_sum: float = 0.0  # positions where the two argmaxes agree
-    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
-    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
-    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
-    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
-    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
-    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
-    sim: RowStats | None = None
-
-
-RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
+# the report: per-prompt sums -> AcceptanceReport -> text
 
 
 def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
@@ -1467,92 +1914,9 @@ def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tenso
                         [h["p_argmax_q"].double().sum().item() for h in later])
 
 
-@dataclass
-class AcceptanceReport:
-    """Every number the text report shows (simulation fields are None without simulate)."""
-
-    target: str
-    draft: str
-    temperature: float
-    top_k: int
-    top_p: float
-    gamma: int
-    cost_ratio: float  # one draft step in target steps
-    cost_ratio_source: str
-    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
-    # distributional (teacher-forced)
-    alpha: float | None = None
-    alpha_std: float | None = None  # std of the per-sequence means
-    alpha_stderr: float | None = None  # standard error of alpha, sequences as units
-    alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
-    scored_positions: int = 0
-    n_sequences: int = 0
-    proposal: str = "sample"  # the proposal rule the numbers are for: sample (Leviathan et
-    # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
-    # with p(x))
-    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
-    # step's teacher-forced alpha, step k against the target's token k ahead
-    drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
-    alpha_by_rule: dict[str, float] | None = None  # teacher-forced alpha under each rule
-    tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
-    est_speedup_by_rule: dict[str, float] | None = None
-    proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
-    # always; an n-gram lookup proposes only after a match); alpha is over those positions
-    scored_on: str = "continuation"  # "continuation" or "prompt"
-    estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
-    expected_accepted: float | None = None
-    expected_accepted_iid: float | None = None
-    expected_accepted_positional: float | None = None
-    tokens_per_cycle: float | None = None
-    tokens_per_cycle_ci: tuple[float, float] | None = None
-    est_speedup: float | None = None
-    est_speedup_ci: tuple[float, float] | None = None
-    greedy_agreement: float | None = None  # top-1 agreement of the two models
-    p_argmax_q: float | None = None  # mean p(argmax q): acceptance of an argmax-proposing draft
-    alpha_by_category: dict[str, float] | None = None
-    sequences_by_category: dict[str, int] | None = None
-    proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
-    gamma_table: list[dict[str, Any]] | None = None  # per gamma: tokens per cycle and speedup
-    best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
-    # generative (simulation)
-    empirical_alpha: float | None = None
-    empirical_alpha_stderr: float | None = None
-    empirical_alpha_ci: tuple[float, float] | None = None
-    accepted_tokens: int | None = None
-    examined_tokens: int | None = None
-    cycles: int | None = None
-    censored_cycles: int | None = None  # cycles cut by an accepted EOS
-    mean_accepted_length: float | None = None  # product-limit estimate, see product_limit
-    empirical_tokens_per_cycle: float | None = None
-    empirical_tokens_per_cycle_ci: tuple[float, float] | None = None
-    empirical_est_speedup: float | None = None
-    empirical_est_speedup_ci: tuple[float, float] | None = None
-    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
-    reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
-    accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
-    unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
-    proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
-    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
-    generated_tokens: int | None = None
-    simulated_prompts: int | None = None
-    # context
-    vocab: int = 0
-    truncated_prompts: int = 0
-    partial: bool = False
-    progress_note: str | None = None
-    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
-    # per prompt, for analyses of one's own and to resume: the sums of PromptResult
-    per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    run_key: str | None = None  # what --resume matches: target, draft, sampling, settings, prompts
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
-                          cost: Cost, seed: int, rule: str = "sample",
-                          steps: int | None = None) -> dict[str, Any]:
+                          cost: Cost, seed: int, rule: str = "sample", steps: int | None = None
+                          ) -> tuple[TeacherForced | None, list[GammaRow]]:
     """The distributional section of a report, under the proposal rule `rule`. alpha pools the
     prompts' scored positions; a drafter that proposes at a share pi of positions only (n-gram
     lookup) accepts pi * E[run] per cycle, and its cycles without a proposal cost one plain
@@ -1561,10 +1925,10 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
     looked = [r for r in results if r.positions]
     scored = [r for r in looked if r.scored]
     if not looked:
-        return {}
+        return None, []
     if not scored:  # a drafter that never proposed: every cycle is one plain target step
-        return dict(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
-                    tokens_per_cycle=1.0, est_speedup=1.0)
+        return TeacherForced(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
+                             tokens_per_cycle=1.0, est_speedup=1.0), []
     sums, counts = [rule_sums(r, rule)[0] for r in scored], [r.scored for r in scored]
     n_pos = sum(counts)
     alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
@@ -1584,7 +1948,7 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost,
                                                  run.proposing(gamma))
     table = gamma_rows(scored, alpha, run, used, cost)
-    return dict(
+    return TeacherForced(
         alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
         alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
         n_sequences=len(scored), proposal_rate=rate,
@@ -1593,10 +1957,10 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
         est_speedup=speed, est_speedup_ci=speed_ci,
         greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
-        p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos, gamma_table=table,
-        best_gamma=max(table, key=lambda row: row["est_speedup"])["gamma"] if table else None,
+        p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos,
+        best_gamma=max(table, key=lambda row: row.est_speedup).gamma if table else None,
         **rule_fields(looked, n_pos, rate, gamma, cost, steps),
-        **category_fields(looked, rate < 1, rule))
+        **category_fields(looked, rate < 1, rule)), table
 
 
 def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
@@ -1630,30 +1994,6 @@ def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: 
     return out
 
 
-class Run(NamedTuple):
-    """How a drafter's proposals run, for the teacher-forced estimate: it proposes at a share
-    `rate` of positions; without a step limit (steps None) every offset accepts with alpha
-    again, as far as gamma goes (the i.i.d. closed form); a drafter of `steps` steps proposes
-    min(gamma, steps) tokens, offset k > 1 accepting with its own step's alpha, later[k-2]."""
-
-    rate: float
-    later: list[float]
-    steps: int | None = None
-
-    def accepted(self, alpha: float, gamma: int) -> float:
-        if self.steps is None:  # the i.i.d. closed form
-            return self.rate * expected_accepted_iid(alpha, gamma)
-        run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:min(gamma, self.steps)]
-        return self.rate * run.cumprod(0).sum().item()  # no step past the last: no proposal
-
-    def proposing(self, gamma: int) -> list[float] | None:
-        """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
-        if self.rate == 1 and (self.steps is None or self.steps >= gamma):
-            return None
-        k = gamma if self.steps is None else min(gamma, self.steps)
-        return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
-
-
 def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample"
                     ) -> dict[str, Any]:
     """alpha and the number of sequences per category, where the prompts have categories (and
@@ -1674,7 +2014,7 @@ def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = 
 
 
 def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
-               cost: Cost) -> list[dict[str, Any]]:
+               cost: Cost) -> list[GammaRow]:
     """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
     table = []
     for g in sorted(cost.verify):
@@ -1684,14 +2024,13 @@ def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator
         else:
             e = run.accepted(alpha, g)
         if e is not None:
-            table.append({"gamma": g, "tokens_per_cycle": e + 1,
-                          "est_speedup": cost.speedup(e + 1, g, run.proposing(g))})
+            table.append(GammaRow(g, e + 1, cost.speedup(e + 1, g, run.proposing(g))))
     return table
 
 
-def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
-                      seed: int) -> dict[str, Any]:
-    """The generative section of a report, from the per-prompt simulation statistics. The
+def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: int
+                      ) -> Simulated:
+    """The simulated section of a report, from the per-prompt simulation statistics. The
     accepted length is the product-limit estimate: at offset j, the cycles at risk are those
     that examined it plus those that had accepted everything and proposed nothing there."""
     acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
@@ -1704,40 +2043,39 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost,
     length = product_limit(at_risk.sum(0), counts[:, 1].sum(0)).item() if cycles else None
     length_ci = None
     if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
-        boot = product_limit(weights @ at_risk, weights @ counts[:, 1])  # (n_boot,)
-        length_ci = tuple(torch.quantile(boot, torch.tensor(
-            [0.025, 0.975], dtype=torch.float64)).tolist())
+        length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
     proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
     split = None if proposed[gamma] == cycles else proposed
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
-    return dict(
+    return Simulated(
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
         censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
         generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
-        empirical_alpha=sum(acc) / sum(exam) if sum(exam) else None,
-        empirical_alpha_stderr=ratio_stderr(acc, exam),
-        empirical_alpha_ci=bootstrap_ci(acc, exam, weights), mean_accepted_length=length,
-        empirical_tokens_per_cycle=tpc, empirical_tokens_per_cycle_ci=tpc_ci,
-        empirical_est_speedup=speed, empirical_est_speedup_ci=speed_ci,
+        alpha=sum(acc) / sum(exam) if sum(exam) else None,
+        alpha_stderr=ratio_stderr(acc, exam), alpha_ci=bootstrap_ci(acc, exam, weights),
+        mean_accepted_length=length, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
+        est_speedup=speed, est_speedup_ci=speed_ci,
         reached_by_draft_offset=reached, accepted_by_draft_offset=took,
         unproposed_by_draft_offset=unproposed,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
         accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
 
 
-def add_simulated_gammas(report: AcceptanceReport, cost: Cost) -> None:
+def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
+                         ) -> None:
     """The simulation speaks for blocks up to its own: the product-limit estimate over its
     first g offsets is the accepted length of a block of g."""
-    at_risk = torch.tensor(report.reached_by_draft_offset, dtype=torch.float64) + torch.tensor(
-        report.unproposed_by_draft_offset, dtype=torch.float64)
-    took = torch.tensor(report.accepted_by_draft_offset, dtype=torch.float64)
-    proposed = report.proposed_by_cycle
-    for row in report.gamma_table or []:
-        g = row["gamma"]
-        e = product_limit(at_risk[:g], took[:g]).item() if g <= report.gamma else None
-        split = None if proposed[-1] == report.cycles else block_of(proposed, g)
-        row["sim_tokens_per_cycle"] = None if e is None else e + 1
-        row["sim_est_speedup"] = None if e is None else cost.speedup(e + 1, g, split)
+    at_risk = torch.tensor(sim.reached_by_draft_offset, dtype=torch.float64) + torch.tensor(
+        sim.unproposed_by_draft_offset, dtype=torch.float64)
+    took = torch.tensor(sim.accepted_by_draft_offset, dtype=torch.float64)
+    proposed = sim.proposed_by_cycle
+    for row in table:
+        if row.gamma > gamma:
+            continue
+        e = product_limit(at_risk[:row.gamma], took[:row.gamma]).item()
+        split = None if proposed[-1] == sim.cycles else block_of(proposed, row.gamma)
+        row.simulated_tokens_per_cycle = e + 1
+        row.simulated_est_speedup = cost.speedup(e + 1, row.gamma, split)
 
 
 def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
@@ -1760,38 +2098,36 @@ def summarise(results: Sequence[PromptResult], *, target_name: str, drafter: Dra
               sequences: Sequence[TokenSequence], interrupted: bool) -> AcceptanceReport:
     """One drafter's per-prompt results -> its report (text notes included)."""
     results = sorted(results, key=lambda r: r.index)  # the order bootstrap units are drawn in
-    report = AcceptanceReport(
-        target=target_name, draft=drafter.name, temperature=sampling.temperature,
-        top_k=sampling.top_k, top_p=sampling.top_p, gamma=settings.gamma,
-        proposal=sampling.proposal, drafted_by=drafter.drafted_by(settings.gamma),
-        cost_ratio=cost.ratio, cost_ratio_source=cost.source,
-        verify_cost=cost.verify[settings.gamma], vocab=vocab, costs=cost.timings,
-        scored_on="continuation" if settings.continuation_tokens > 0 else "prompt",
-        truncated_prompts=sum(s.truncated for s in sequences))
-    fields = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
-                                   settings.seed, sampling.proposal, drafter.steps)
-    if not fields and not interrupted:  # (no position at all to look at)
+    run = RunInfo(target=target_name, draft=drafter.name, temperature=sampling.temperature,
+                  top_k=sampling.top_k, top_p=sampling.top_p, gamma=settings.gamma,
+                  cost_ratio=cost.ratio, cost_ratio_source=cost.source,
+                  verify_cost=cost.verify[settings.gamma], proposal=sampling.proposal,
+                  drafted_by=drafter.drafted_by(settings.gamma), vocab=vocab,
+                  truncated_prompts=sum(s.truncated for s in sequences), costs=cost.timings,
+                  per_prompt=per_prompt_rows(results))
+    tf, table = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
+                                      settings.seed, sampling.proposal, drafter.steps)
+    if tf is None and not interrupted:  # (no position at all to look at)
         raise UsageError("nothing to score: no scored position in any sequence; use longer "
                          "prompts or --continuation-tokens > 0")
-    report = replace(report, **fields)
-    simulated = [r.sim for r in results if r.sim is not None]
-    if settings.simulate and simulated:
-        report = replace(report, **simulation_fields(simulated, settings.gamma, cost,
-                                                     settings.seed))
-        add_simulated_gammas(report, cost)
-    report.per_prompt = per_prompt_rows(results)
+    tf = tf or TeacherForced()
+    tf.scored_on = "continuation" if settings.continuation_tokens > 0 else "prompt"
+    done = [r.sim for r in results if r.sim is not None]
+    sim = None
+    if settings.simulate and done:
+        sim = simulation_fields(done, settings.gamma, cost, settings.seed)
+        add_simulated_gammas(table, sim, settings.gamma, cost)
     if interrupted:
-        done = f", {len(simulated)} of {len(sequences)} prompts simulated" \
+        simulated = f", {len(done)} of {len(sequences)} prompts simulated" \
             if settings.simulate else ""
-        report.partial = True
-        report.progress_note = (f"interrupted: {report.n_sequences} of {len(sequences)} "
-                                f"sequences scored{done}")
-    report.notes = report_notes(report, sampling, settings.continuation_tokens)
-    return report
+        run.partial = True
+        run.progress_note = (f"interrupted: {tf.n_sequences} of {len(sequences)} sequences "
+                             f"scored{simulated}")
+    run.notes = report_notes(run, sampling, settings.continuation_tokens)
+    return AcceptanceReport(run, tf, sim, table)
 
 
-def report_notes(report: AcceptanceReport, sampling: SamplingParams, n_tokens: int
-                 ) -> list[str]:
+def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
     """The warnings printed under a report."""
     notes = []
     if n_tokens == 0:
@@ -1821,125 +2157,123 @@ def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
 RULE = "  " + "─" * 66
 
 
-def _teacher_forced_lines(r: AcceptanceReport, cost: str) -> list[str]:
-    std = "" if r.alpha_std is None else f"   ± {r.alpha_std:.3f} (per-seq)"
-    est = "positional" if r.estimator == "positional" else "i.i.d. closed form"
+def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str]:
+    std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
+    est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
     return [
-        f"  distributional (teacher-forced on target {r.scored_on})",
-        f"    acceptance rate  alpha        {_num(r.alpha, '.3f')}{std}{_ci(r.alpha_ci)}",
-        f"    scored positions              {r.scored_positions:,} over {r.n_sequences} sequences",
-        *([] if r.proposal_rate in (None, 1) else [
-            f"    proposals made at             {r.proposal_rate:.1%} of the positions "
+        f"  teacher-forced (on the target's {t.scored_on})",
+        f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
+        f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
+        *([] if t.proposal_rate in (None, 1) else [
+            f"    proposals made at             {t.proposal_rate:.1%} of the positions "
             f"(alpha: where one was made)"]),
-        f"    E[accepted draft tokens]      {_num(r.expected_accepted, '.3f')}  of {r.gamma}"
+        f"    E[accepted draft tokens]      {_num(t.expected_accepted, '.3f')}  of {run.gamma}"
         f"   ({est} estimator)",
-        f"    E[tokens per cycle]           {_num(r.tokens_per_cycle, '.3f')}"
-        f"{_ci(r.tokens_per_cycle_ci)}",
-        f"    est. speedup                  {_num(r.est_speedup, '5.2f') + 'x':>6}   {cost}"
-        f"{_ci(r.est_speedup_ci, '.2f')}",
-        *_other_rule_lines(r),
-        *([] if r.alpha_by_head is None else [
-            f"    alpha by step                 "
-            + "  ".join(f"{a:.3f}" for a in r.alpha_by_head)
-            + f"   (step k against the target's token k ahead)"])]
+        f"    E[tokens per cycle]           {_num(t.tokens_per_cycle, '.3f')}"
+        f"{_ci(t.tokens_per_cycle_ci)}",
+        f"    est. speedup                  {_num(t.est_speedup, '5.2f') + 'x':>6}   {cost}"
+        f"{_ci(t.est_speedup_ci, '.2f')}",
+        *_other_rule_lines(t, run),
+        *([] if t.alpha_by_head is None else [
+            "    alpha by step                 "
+            + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
+            + "   (step k against the target's token k ahead)"])]
 
 
-def _other_rule_lines(r: AcceptanceReport) -> list[str]:
+def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
     """The other proposal rule's numbers beside the report's own (teacher-forced, i.i.d.)."""
-    if not r.alpha_by_rule or r.temperature == 0:  # greedy: both rules are top-1 agreement
+    if not t.alpha_by_rule or run.temperature == 0:  # greedy: both rules are top-1 agreement
         return []
-    other = "argmax" if r.proposal == "sample" else "sample"
+    other = "argmax" if run.proposal == "sample" else "sample"
     who = (f"engines' rule: argmax proposal, accepted with p(x) ({ENGINES})" if other == "argmax"
            else "Leviathan's rule: proposal sampled from q, accepted with min(1, p/q)")
     return [f"    {who}",
-            f"      alpha {r.alpha_by_rule[other]:.3f}   tokens per cycle "
-            f"{r.tokens_per_cycle_by_rule[other]:.3f}   est. speedup "
-            f"{r.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
+            f"      alpha {t.alpha_by_rule[other]:.3f}   tokens per cycle "
+            f"{t.tokens_per_cycle_by_rule[other]:.3f}   est. speedup "
+            f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
 
 
-def _simulation_lines(r: AcceptanceReport, cost: str) -> list[str]:
-    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in r.alpha_by_draft_offset)
-    reached = "".join(f"{n:>6}" for n in r.reached_by_draft_offset)
+def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
+    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset)
+    reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset)
     return [
-        RULE, "  generative (real rejection sampling — the number to trust)",
-        f"    acceptance rate  alpha        {_num(r.empirical_alpha, '.3f')}"
-        f"{_ci(r.empirical_alpha_ci)}",
-        f"    examined draft tokens         {r.examined_tokens:,} ({r.accepted_tokens:,} "
-        f"accepted) from {r.simulated_prompts} prompts",
-        f"    mean accepted length          {_num(r.mean_accepted_length, '.3f')}  "
-        f"of {r.gamma}   ({r.cycles:,} cycles, {r.censored_cycles} cut by EOS)",
-        *([] if r.proposed_by_cycle[-1] == r.cycles else [
-            f"    cycles with a proposal        {r.cycles - r.proposed_by_cycle[0]:,} of "
-            f"{r.cycles:,}; "
-            f"{sum(k * n for k, n in enumerate(r.proposed_by_cycle)) / r.cycles:.2f} tokens "
+        RULE, "  simulated (the real speculative-sampling loop — the number to trust)",
+        f"    acceptance rate  alpha        {_num(s.alpha, '.3f')}{_ci(s.alpha_ci)}",
+        f"    examined draft tokens         {s.examined_tokens:,} ({s.accepted_tokens:,} "
+        f"accepted) from {s.simulated_prompts} prompts",
+        f"    mean accepted length          {_num(s.mean_accepted_length, '.3f')}  "
+        f"of {run.gamma}   ({s.cycles:,} cycles, {s.censored_cycles} cut by EOS)",
+        *([] if s.proposed_by_cycle[-1] == s.cycles else [
+            f"    cycles with a proposal        {s.cycles - s.proposed_by_cycle[0]:,} of "
+            f"{s.cycles:,}; "
+            f"{sum(k * n for k, n in enumerate(s.proposed_by_cycle)) / s.cycles:.2f} tokens "
             f"proposed per cycle"]),
-        f"    tokens per cycle              {_num(r.empirical_tokens_per_cycle, '.3f')}"
-        f"{_ci(r.empirical_tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
-        f"    est. speedup                  {_num(r.empirical_est_speedup, '5.2f') + 'x':>6}   "
-        f"{cost}{_ci(r.empirical_est_speedup_ci, '.2f')}",
-        f"    alpha by draft offset 1..{r.gamma:<3}{offsets}",
+        f"    tokens per cycle              {_num(s.tokens_per_cycle, '.3f')}"
+        f"{_ci(s.tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
+        f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
+        f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
+        f"    alpha by draft offset 1..{run.gamma:<3}{offsets}",
         f"    cycles reaching it         {reached}",
         "      (a steep fall = the draft degrades as it runs ahead)",
-        f"    P(accepted length >= j)    "
-        + "".join(f"{_num(a, '.2f'):>6}" for a in r.accepted_per_cycle_by_draft_offset),
+        "    P(accepted length >= j)    "
+        + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset),
         "      (per cycle: the engines' per-position acceptance rate)",
-        *([] if r.drafted_by is None else [
+        *([] if run.drafted_by is None else [
             "    drafted by                 " + "".join(f"{d.replace('layer ', 'L'):>6}"
-                                                    for d in r.drafted_by)])]
+                                                    for d in run.drafted_by)])]
 
 
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
-    table = r.gamma_table
-    lines = [RULE, f"  best gamma at cost_ratio={r.cost_ratio:.2f} "
+    table, best = r.gamma_table, r.teacher_forced.best_gamma
+    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f} "
                    f"(* = highest est. speedup, teacher-forced)",
-             "    gamma            " + "".join(f"{row['gamma']:>7}" for row in table),
-             "    tokens/cycle     " + "".join(f"{row['tokens_per_cycle']:>7.2f}"
-                                              for row in table),
+             "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
+             "    tokens/cycle     " + "".join(f"{row.tokens_per_cycle:>7.2f}" for row in table),
              "    est. speedup     " + "".join(
-                 f"{row['est_speedup']:>6.2f}{'*' if row['gamma'] == r.best_gamma else ' '}"
-                 for row in table)]
-    if any(row.get("sim_tokens_per_cycle") is not None for row in table):
-        for label, key in (("sim tokens/cycle ", "sim_tokens_per_cycle"),
-                           ("sim speedup      ", "sim_est_speedup")):
-            lines.append(f"    {label}" + "".join(f"{_num(row.get(key), '.2f'):>7}"
-                                                   for row in table))
+                 f"{row.est_speedup:>6.2f}{'*' if row.gamma == best else ' '}" for row in table)]
+    if any(row.simulated_tokens_per_cycle is not None for row in table):
+        lines += ["    sim tokens/cycle " + "".join(
+                      f"{_num(row.simulated_tokens_per_cycle, '.2f'):>7}" for row in table),
+                  "    sim speedup      " + "".join(
+                      f"{_num(row.simulated_est_speedup, '.2f'):>7}" for row in table)]
     return lines
 
 
 def format_report(r: AcceptanceReport) -> str:
-    """The text report (layout of SPEC.md), notes underneath."""
-    sampling = f"temperature={r.temperature:g}"
-    if r.top_k:
-        sampling += f"  top_k={r.top_k}"
-    if r.top_p < 1:
-        sampling += f"  top_p={r.top_p:g}"
-    cost = f"(cost_ratio={r.cost_ratio:.2f}, rough)"
-    rule = "" if r.temperature == 0 else (
-        "    proposal: sampled from q" if r.proposal == "sample"
+    """The text report, notes underneath."""
+    run, t = r.run, r.teacher_forced
+    sampling = f"temperature={run.temperature:g}"
+    if run.top_k:
+        sampling += f"  top_k={run.top_k}"
+    if run.top_p < 1:
+        sampling += f"  top_p={run.top_p:g}"
+    cost = f"(cost_ratio={run.cost_ratio:.2f}, rough)"
+    rule = "" if run.temperature == 0 else (
+        "    proposal: sampled from q" if run.proposal == "sample"
         else "    proposal: argmax of q (engines' rule)")
-    lines = [f"  speculative-decoding acceptance  —  {r.draft}  ⇒  {r.target}",
-             f"  sampling: {sampling}    gamma (draft block): {r.gamma}    "
-             f"vocabulary: first {r.vocab:,} ids{rule}"]
-    if r.partial:
-        lines.append(f"  PARTIAL RESULT — {r.progress_note}")
-    lines += [RULE] + _teacher_forced_lines(r, cost)
-    if r.reached_by_draft_offset is not None:
-        lines += _simulation_lines(r, cost)
+    lines = [f"  speculative-decoding acceptance  —  {run.draft}  ⇒  {run.target}",
+             f"  sampling: {sampling}    gamma (draft block): {run.gamma}    "
+             f"vocabulary: first {run.vocab:,} ids{rule}"]
+    if run.partial:
+        lines.append(f"  PARTIAL RESULT — {run.progress_note}")
+    lines += [RULE] + _teacher_forced_lines(t, run, cost)
+    if r.simulated is not None and r.simulated.reached_by_draft_offset is not None:
+        lines += _simulated_lines(r.simulated, run, cost)
     if r.gamma_table:
         lines += _gamma_lines(r)
-    if r.alpha_by_category:
+    if t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
-        rates = r.proposal_rate_by_category or {}
-        lines += [f"    {name:<16} {a:.3f}   ({r.sequences_by_category[name]} sequences"
+        rates = t.proposal_rate_by_category or {}
+        lines += [f"    {name:<16} {a:.3f}   ({t.sequences_by_category[name]} sequences"
                   + (f", proposals at {rates[name]:.0%} of positions" if name in rates else "")
-                  + ")" for name, a in r.alpha_by_category.items()]
+                  + ")" for name, a in t.alpha_by_category.items()]
     lines.append(RULE)
-    lines += [f"  note: {n}" for n in r.notes]
-    verify = "1" if r.verify_cost == 1 else f"{r.verify_cost:.2f}"
-    some = "" if r.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
+    lines += [f"  note: {n}" for n in run.notes]
+    verify = "1" if run.verify_cost == 1 else f"{run.verify_cost:.2f}"
+    some = "" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
                                                   "does not)"
     lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
-                 f"{some}, cost_ratio from {r.cost_ratio_source}: an indication, not a "
+                 f"{some}, cost_ratio from {run.cost_ratio_source}: an indication, not a "
                  f"benchmark")
     return "\n".join(lines)
 
@@ -1951,38 +2285,23 @@ def format_summary(reports: Sequence[AcceptanceReport]) -> str:
         return -1.0 if best is None else best["est_speedup"]
 
     lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
-             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'gen alpha':>9} "
+             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
              f"{'best gamma':>10} {'speedup':>8}"]
     for r in sorted(reports, key=speed, reverse=True):
         ci = "" if r.alpha_ci is None else f"[{r.alpha_ci[0]:.3f}, {r.alpha_ci[1]:.3f}]"
         name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
         lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
-                     f"{_num(r.empirical_alpha, '.3f'):>9} {_num(r.best_gamma, 'd'):>10} "
+                     f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
+                     f"{_num(r.best_gamma, 'd'):>10} "
                      f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
-# pictures of a run (--plot): matplotlib, imported only when asked
+# pictures and files: --plot (matplotlib, imported only when asked), whole-or-nothing writes
+
 
 PLOT_SIZE = (12, 8)  # inches, at 100 dpi: a 1200 x 800 PNG
-
-
-def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
-    """write(binary file) into a temporary file beside PATH, then rename it: PATH holds either
-    its old content or the whole new file, never half of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -2092,7 +2411,8 @@ def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
         axes[0][1].plot([r.temperature for r in mine], [r.alpha for r in mine], "o-",
                         label=d[-24:])
         axes[1][0].plot([r.temperature for r in mine],
-                        [r.empirical_alpha if r.empirical_alpha is not None else float("nan")
+                        [r.simulated.alpha if r.simulated and r.simulated.alpha is not None
+                         else float("nan")
                          for r in mine], "s--", label=d[-24:])
         axes[1][1].plot([r.temperature for r in mine], [r.est_speedup for r in mine], "o-",
                         label=d[-24:])
@@ -2105,50 +2425,30 @@ def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
     axes[1][1].axhline(1.0, color="black", linewidth=0.8)
 
 
+def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
+    """write(binary file) into a temporary file beside PATH, then rename it: PATH holds either
+    its old content or the whole new file, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON so that PATH holds either its old content or the whole new file."""
+    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
 # ----------------------------------------------------------------------------------------------
-# the measurement
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How a measurement runs. Constructing one checks every field (a UsageError names the
-    option to fix), so a run fails before any model work is done."""
-
-    gamma: int = 4  # draft block: tokens proposed per cycle
-    continuation_tokens: int = 64  # tokens the target writes and that are scored; sim budget
-    simulate: bool = False  # also run the real speculative-sampling loop
-    seed: int = 0
-    batch_size: int = 8  # prompts per forward pass
-    estimator: str = "iid"  # E[accepted] from alpha: "iid" closed form or "positional"
-    cost_ratio: float | str | None = None  # None/"auto" = parameters, "measure" or a number
-    eos: frozenset[int] | None = None  # ids that end a continuation; None = the target's
-
-    def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise UsageError(f"--gamma must be a whole number >= 1, got {self.gamma}")
-        if self.continuation_tokens < 0:
-            raise UsageError(f"--continuation-tokens must be >= 0, got "
-                             f"{self.continuation_tokens}")
-        if self.simulate and self.continuation_tokens < 1:
-            raise UsageError("--simulate needs --continuation-tokens >= 1 (its token budget "
-                             "per prompt)")
-        if self.batch_size < 1:
-            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not 0 <= self.seed < 2**32:
-            raise UsageError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
-        if self.estimator not in ("iid", "positional"):
-            raise UsageError(f"estimator must be iid or positional, got {self.estimator!r}")
-        c = self.cost_ratio
-        if c not in (None, "auto", "measure") and not (
-                isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf):
-            raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, got {c!r}")
-        if self.eos is not None:
-            object.__setattr__(self, "eos", frozenset(int(t) for t in self.eos))
-
-    @property
-    def gammas(self) -> list[int]:
-        """The block sizes of the best-gamma table: 1..8, and up to the chosen one."""
-        return sorted(set(GAMMA_TABLE) | set(range(1, self.gamma + 1)))
+# measurement: costs, one batch at a time, the library's entry points, resuming
 
 
 @torch.no_grad()
@@ -2195,20 +2495,21 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
                ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
-    """(run, setup) for timing one drafting step from `ids`: setup starts a fresh session (the
-    target's prefill, the drafter's begin), run(session) proposes one token."""
-    vocab, sampling = shared_vocab(target, drafter), SamplingParams(1.0)
+    """(run, setup) for timing one drafting step from `ids`: setup opens a fresh session (the
+    target's prefill, the drafter's start), run(session) proposes one token."""
+    config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
+                        device)
     pending = torch.tensor([ids[-1]], device=device)
     npos = torch.tensor([len(ids) - 1], device=device)
     u = torch.full((1, 1), 0.5, device=device)
 
-    def setup() -> Any:
+    def setup() -> Session:
         with final_states(target, drafter.reads_target) as seen:
             slots, _ = prefill(target, [list(ids[:-1])], device,
                                last_only=not drafter.reads_target)
-        return drafter.begin([list(ids)], device, TargetView(seen[-1], slots) if seen else None)
+        return drafter.start([list(ids)], TargetView(seen[-1], slots) if seen else None, config)
 
-    return (lambda state: drafter.propose(state, pending, npos, 1, sampling, vocab, u).q), setup
+    return (lambda session: session.propose(pending, npos, u).q), setup
 
 
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
@@ -2247,114 +2548,51 @@ def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
     return width if drafter.width is None else min(width, drafter.width)
 
 
+def measure_side(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
+                 side: TargetPass, sequences: Sequence[TokenSequence], sampling: SamplingParams,
+                 settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
+                 into: Sequence[dict[int, PromptResult]], bar: Any) -> None:
+    """Measure one batch against every drafter, given the target's side of it (made once for
+    them all): teacher-forced scoring, then, with settings.simulate, the real loop; results
+    land in into[k][prompt index] as each step finishes, so an interrupted batch keeps what
+    it completed (its simulation only whole: the rows that finish first are the fast-
+    accepting ones, so a cut batch would bias a partial report upwards)."""
+    bar.set_description("teacher-forced")
+    for d, results, per_prompt in zip(drafters, into, score_batch(
+            target, route_p, drafters, side, sampling, vocab, device)):
+        for i, steps in zip(side.batch, per_prompt):
+            results[i] = prompt_result(i, sequences[i].category, steps[0], settings.gammas,
+                                       steps[1:], sampling.proposal, d.steps)
+    if not settings.simulate:
+        return
+    bar.set_description("simulation")
+    config = LoopConfig(sampling, settings.gamma, settings.continuation_tokens, vocab, eos,
+                        device, settings.seed)
+    for d, results in zip(drafters, into):
+        with step(f"the simulation with draft {d.name}"):
+            sims = run_simulation(target, d, [sequences[i] for i in side.batch], config,
+                                  batch_size=len(side.batch), indices=side.batch, bar=bar)
+        for i, row in sims.items():
+            results[i].sim = row
+
+
 def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
                   batch: list[int], sequences: Sequence[TokenSequence],
                   sampling: SamplingParams, settings: Settings, eos: frozenset[int],
                   device: torch.device, results: list[dict[int, PromptResult]], bar: Any) -> None:
-    """Measure one batch of prompts against every drafter, into results[k][prompt index].
-
-    Per vocabulary group: the target's continuation (the text speculative decoding would
-    produce) and the teacher-forced passes; then, with simulate, the real loop per drafter.
-    Results land as each step finishes, so an interrupted batch keeps what it completed."""
-    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
-    groups = vocab_groups(target, drafters)
-    for vocab, members in groups.items():
+    """Measure one batch of prompts against every drafter, into results[k][prompt index]:
+    per vocabulary group, the target's continuation (the text speculative decoding would
+    produce) and teacher-forced pass, then measure_side."""
+    for vocab, members in vocab_groups(target, drafters).items():
         side = target_pass(target, route_p, batch, sequences, sampling, settings, eos, device,
                            vocab, bar)
-        bar.set_description("teacher-forced")
-        for k, per_prompt in zip(members, score_batch(
-                target, route_p, [drafters[k] for k in members], side, sampling, vocab,
-                device)):
-            for i, heads in zip(batch, per_prompt):
-                results[k][i] = prompt_result(i, sequences[i].category, heads[0],
-                                              settings.gammas, heads[1:], sampling.proposal,
-                                              drafters[k].steps)
-    if not settings.simulate:
-        return
-    bar.set_description("simulation")
-    for vocab, members in groups.items():
-        for k in members:
-            with step(f"the simulation with draft {drafters[k].name}"):
-                sims = run_simulation(target, drafters[k], sub, sampling, settings.gamma,
-                                      n_tokens, device=device, vocab=vocab, eos=eos,
-                                      seed=settings.seed, batch_size=len(sub), indices=batch,
-                                      bar=bar)
-            # whole batches only: the rows of a batch that finish first are the fast-accepting
-            # ones, so a cut batch would bias a partial report upwards
-            for i, row in sims.items():
-                results[k][i].sim = row
+        measure_side(target, route_p, [drafters[k] for k in members], side, sequences,
+                     sampling, settings, eos, device, vocab, [results[k] for k in members], bar)
 
 
-class TargetPass(NamedTuple):
-    """The target's side of one batch's teacher-forced measurement, made once for every
-    drafter: the rows (prompt + the target's continuation), the scored spans, and the
-    target's outputs (hidden states when route_p, else logits): at every position (B, T, ...),
-    or, compact, only at the scored ones (N, ...)."""
-
-    batch: list[int]
-    rows: list[list[int]]
-    spans: list[tuple[int, int]]
-    states: torch.Tensor
-    compact: bool = False
-
-    def at(self, shift: int, device: torch.device) -> torch.Tensor:
-        """The outputs at the scored positions, `shift` positions later (a later head's)."""
-        assert not (self.compact and shift), "a compact target pass has no later positions"
-        return self.states.to(device) if self.compact else \
-            at_spans(self.states, self.spans, device, shift)
-
-
-def target_pass(target: nn.Module, route_p: bool, batch: list[int],
-                sequences: Sequence[TokenSequence], sampling: SamplingParams,
-                settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                bar: Any) -> TargetPass:
-    """The target's continuation of each prompt of a batch (the text speculative decoding
-    would produce), then one teacher-forced target pass over prompt + continuation."""
-    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
-    bar.set_description("continuations")
-    with step("sampling the target's continuations"):
-        conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
-                                      vocab=vocab, eos=eos, seed=settings.seed,
-                                      batch_size=len(sub), indices=batch, bar=bar)
-                 if n_tokens else [[] for _ in sub])
-    rows = [s.ids + c for s, c in zip(sub, conts)]
-    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
-             for s, c in zip(sub, conts)]
-    with step("the target's teacher-forced pass"):
-        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p))
-
-
-def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
-                side: TargetPass, sampling: SamplingParams, vocab: int, device: torch.device
-                ) -> list[list[list[dict[str, torch.Tensor]]]]:
-    """Teacher-forced alpha_t at every scored position, against one target pass shared by all
-    drafters -> per drafter, per prompt, per head, position_stats' numbers."""
-    out = []
-    for drafter in drafters:
-        with step(f"the teacher-forced pass of draft {drafter.name}"):
-            reads = side.states if drafter.reads_target and route_p else None
-            scored = drafter.score(side.rows, side.spans, device, reads)
-            # a drafter with several heads scores each: head k+1 against the target k later
-            per_head = [stats_by_prompt(target, drafter, side.at(k, device), states_q,
-                                        side.spans, k, side.batch, sampling, vocab, route_p)
-                        for k, states_q in enumerate(scored if isinstance(scored, list)
-                                                     else [scored])]
-        out.append([[head[j] for head in per_head] for j in range(len(side.batch))])
-    return out
-
-
-def stats_by_prompt(target: nn.Module, drafter: Drafter, states_p: torch.Tensor,
-                    states_q: torch.Tensor, spans: Sequence[tuple[int, int]], shift: int,
-                    batch: list[int], sampling: SamplingParams, vocab: int, route_p: bool
-                    ) -> list[dict[str, torch.Tensor]]:
-    """position_stats over a batch's scored positions (the first `shift` of each row dropped:
-    a later head's), split back into one dict per prompt."""
-    sizes = [max(0, e - s - shift) for s, e in spans]
-    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s + shift, e)]
-    per_pos = position_stats(target, drafter, states_p, states_q, sampling, vocab, route_p,
-                             where=lambda n: "prompt {}, position {}".format(*labels[n]))
-    split = {key: values.split(sizes) for key, values in per_pos.items()}
-    return [{key: v[j] for key, v in split.items()} for j in range(len(batch))]
+def run_eos(target: nn.Module, settings: Settings) -> frozenset[int]:
+    """The ids that end a continuation: settings.eos, or else the target's own."""
+    return frozenset(eos_ids(target) if settings.eos is None else settings.eos)
 
 
 def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
@@ -2389,7 +2627,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
     check_measurable(target, drafters, sequences, settings)
     device = device if isinstance(device, torch.device) else resolve_device(device)
-    eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
+    eos = run_eos(target, settings)
     drafters = [d.for_run(eos) for d in drafters]
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
@@ -2406,7 +2644,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         r = summarise(list(res.values()), target_name=target_name, drafter=d,
                       sampling=sampling, settings=settings, cost=cost, vocab=v,
                       sequences=sequences, interrupted=interrupted)
-        r.run_key = run_key(target_name, d.name, sampling, settings, sequences)
+        r.run.run_key = run_key(target_name, d.name, sampling, settings, sequences)
         if d.width is not None and d.width != vocab_width(target):
             r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
                               f"{d.width}): both cut to the first {v} ids before sampling; "
@@ -2441,15 +2679,14 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
     run, with the same numbers)."""
     results: list[dict[int, PromptResult]] = [dict(d) for d in done] if done else \
         [{} for _ in drafters]
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
-    mine = [b for b in deal(_batches(order, settings.batch_size), *share)
+    mine = [b for b in deal(length_batches(sequences, settings.batch_size), *share)
             if not all(i in r and (r[i].sim is not None or not settings.simulate)
                        for r in results for i in b)]
     groups = len(vocab_groups(target, drafters))
     bar = _progress(sum(map(len, mine)) * settings.continuation_tokens
                     * (groups + settings.simulate * len(drafters)), "measuring", progress)
     with step("the target's first forward"):
-        route_p = head_route(target, _probe([sequences[order[-1]].ids], device))
+        route_p = head_route(target, _probe([s.ids for s in sequences], device))
     try:
         for batch in mine:
             measure_batch(target, route_p, drafters, batch, sequences, sampling, settings, eos,
@@ -2459,6 +2696,20 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
     finally:
         bar.close()
     return results, False
+
+
+def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
+                       sequences: Sequence[TokenSequence], *,
+                       sampling: SamplingParams = SamplingParams(),
+                       device: torch.device | str | None = None,
+                       settings: Settings | None = None, progress: bool = False,
+                       target_name: str = "target", draft_name: str = "draft",
+                       **options: Any) -> AcceptanceReport:
+    """Measure acceptance of one draft against `target` on tokenised prompts: measure_drafts
+    for a single draft (same arguments; gamma=, simulate=, ... or settings=)."""
+    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
+                          device=device, settings=settings, progress=progress,
+                          target_name=target_name, **options)[0]
 
 
 def run_key(target_name: str, draft_name: str, sampling: SamplingParams, settings: Settings,
@@ -2493,43 +2744,6 @@ def prompt_result_of(row: dict[str, Any]) -> PromptResult:
     return PromptResult(**fields, windows=windows, sim=sim)
 
 
-def deal(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
-    """Rank `rank`'s share of whole batches, formed as one process forms them (so every
-    floating-point sum is the one a single process makes), dealt out 0, 1, .., w-1, w-1, .., 0,
-    0, 1, ..: batches go from short prompts to long, and this keeps the ranks' loads even."""
-    return [b for k, b in enumerate(batches)
-            if (k % world if (k // world) % 2 == 0 else world - 1 - k % world) == rank]
-
-
-def gather_results(results: list[dict[int, PromptResult]], interrupted: bool
-                   ) -> tuple[list[dict[int, PromptResult]], bool] | None:
-    """Every rank's results, merged on rank 0 (None elsewhere); interrupted if any rank was."""
-    import torch.distributed as dist
-    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((results, interrupted), parts, dst=0)
-    if parts is None:
-        return None
-    merged: list[dict[int, PromptResult]] = [{} for _ in results]
-    for part, _ in parts:
-        for mine, theirs in zip(merged, part):
-            mine.update(theirs)
-    return merged, any(cut for _, cut in parts)
-
-
-def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
-                       sequences: Sequence[TokenSequence], *,
-                       sampling: SamplingParams = SamplingParams(),
-                       device: torch.device | str | None = None,
-                       settings: Settings | None = None, progress: bool = False,
-                       target_name: str = "target", draft_name: str = "draft",
-                       **options: Any) -> AcceptanceReport:
-    """Measure acceptance of one draft against `target` on tokenised prompts: measure_drafts
-    for a single draft (same arguments; gamma=, simulate=, ... or settings=)."""
-    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
-                          device=device, settings=settings, progress=progress,
-                          target_name=target_name, **options)[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # training: alpha as a metric of the draft being trained
 
@@ -2552,16 +2766,14 @@ class TrainingMeter:
 
     def prepare(self, vocab: int) -> None:
         target, device, settings = self.target, self.device, self.settings
-        eos = frozenset(eos_ids(target) if settings.eos is None else settings.eos)
-        order = sorted(range(len(self.sequences)), key=lambda i: len(self.sequences[i].ids))
+        self.eos = run_eos(target, settings)
         with torch.no_grad():
-            self.route = head_route(target, _probe([self.sequences[order[-1]].ids], device))
+            self.route = head_route(target, _probe([s.ids for s in self.sequences], device))
             self.sides = []
-            for batch in _batches(order, settings.batch_size):
+            for batch in length_batches(self.sequences, settings.batch_size):
                 side = target_pass(target, self.route, batch, self.sequences, self.sampling,
-                                   settings, eos, device, vocab, _NoBar())
+                                   settings, self.eos, device, vocab, _NoBar())
                 self.sides.append(side._replace(states=side.at(0, device), compact=True))
-        self.eos = eos
 
     def measure(self, draft: nn.Module, name: str = "draft") -> AcceptanceReport:
         """The report of `draft` now (in eval mode for the measurement, its mode restored)."""
@@ -2584,23 +2796,11 @@ class TrainingMeter:
                          vocab=vocab, sequences=self.sequences, interrupted=False)
 
     def score(self, drafter: Drafter, vocab: int) -> dict[int, PromptResult]:
-        results = {}
+        results: dict[int, PromptResult] = {}
         for side in self.sides:
-            per_prompt = score_batch(self.target, self.route, [drafter], side, self.sampling,
-                                     vocab, self.device)[0]
-            for i, heads in zip(side.batch, per_prompt):
-                results[i] = prompt_result(i, self.sequences[i].category, heads[0],
-                                           self.settings.gammas, heads[1:],
-                                           self.sampling.proposal, drafter.steps)
-            if self.settings.simulate:
-                sims = run_simulation(self.target, drafter, [self.sequences[i] for i in
-                                                             side.batch],
-                                      self.sampling, self.settings.gamma,
-                                      self.settings.continuation_tokens, device=self.device,
-                                      vocab=vocab, eos=self.eos, seed=self.settings.seed,
-                                      batch_size=len(side.batch), indices=side.batch)
-                for i, row in sims.items():
-                    results[i].sim = row
+            measure_side(self.target, self.route, [drafter], side, self.sequences,
+                         self.sampling, self.settings, self.eos, self.device, vocab, [results],
+                         _NoBar())
         return results
 
 
@@ -2610,9 +2810,9 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
     out = {f"{prefix}alpha": report.alpha, f"{prefix}tokens_per_cycle": report.tokens_per_cycle,
            f"{prefix}est_speedup": report.est_speedup}
     out.update({f"{prefix}alpha/{c}": a for c, a in (report.alpha_by_category or {}).items()})
-    if report.empirical_alpha is not None:
-        out.update({f"{prefix}sim_alpha": report.empirical_alpha,
-                    f"{prefix}sim_tokens_per_cycle": report.empirical_tokens_per_cycle})
+    if report.simulated is not None:
+        out.update({f"{prefix}sim_alpha": report.simulated.alpha,
+                    f"{prefix}sim_tokens_per_cycle": report.simulated.tokens_per_cycle})
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -3000,11 +3200,6 @@ def eos_ids(model: nn.Module, tok: Any = None) -> set[int]:
     return ids
 
 
-class Prompt(NamedTuple):
-    content: str | list  # a plain prompt, or chat messages [{"role", "content"}, ...]
-    category: str | None = None
-
-
 BUILTIN_PROMPTS: list[tuple[str, str]] = [
     ("chat", "What are three good habits for staying focused while working from home?"),
     ("chat", "My friend is sad because her cat died. What could I say to comfort her?"),
@@ -3165,12 +3360,6 @@ def _load_hf(spec: str) -> list[Prompt]:
     return [_pick_field(dict(r), spec) for r in ds]
 
 
-class TokenSequence(NamedTuple):
-    ids: list[int]
-    category: str | None = None
-    truncated: bool = False
-
-
 def check_prompt_budget(max_samples: int | None, max_length: int) -> None:
     if max_samples is not None and max_samples < 1:
         raise UsageError(f"--max-samples must be >= 1, got {max_samples}")
@@ -3215,8 +3404,6 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
     return out
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # many processes: torchrun, or srun with several tasks
 
@@ -3250,11 +3437,13 @@ def launch_from_env(env: dict[str, str]) -> tuple[Launch, str]:
                   per_node), f"tcp://{addr}:{port}"
 
 
-def join_processes(timeout_s: float = 1800) -> Launch:
+def join_processes(timeout_s: float = 1800,
+                   where: tuple[Launch, str] | None = None) -> Launch:
     """Join the process group when launched as several processes (NCCL on CUDA, else gloo);
-    a collective that waits longer than timeout_s fails instead of hanging."""
+    a collective that waits longer than timeout_s fails instead of hanging. where: this
+    process's launch_from_env (read from the environment when not given)."""
     import datetime
-    launch, address = launch_from_env(dict(os.environ))
+    launch, address = where or launch_from_env(dict(os.environ))
     if launch.world < 2:
         return launch
     import torch.distributed as dist
@@ -3276,8 +3465,42 @@ def rank_gpus(launch: Launch, n_gpus: int) -> list[int]:
     return list(range(first, min(first + per, n_gpus)))
 
 
+def deal(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
+    """Rank `rank`'s share of whole batches, formed as one process forms them (so every
+    floating-point sum is the one a single process makes), dealt out 0, 1, .., w-1, w-1, .., 0,
+    0, 1, ..: batches go from short prompts to long, and this keeps the ranks' loads even."""
+    return [b for k, b in enumerate(batches)
+            if (k % world if (k // world) % 2 == 0 else world - 1 - k % world) == rank]
+
+
+def gather_results(results: list[dict[int, PromptResult]], interrupted: bool
+                   ) -> tuple[list[dict[int, PromptResult]], bool] | None:
+    """Every rank's results, merged on rank 0 (None elsewhere); interrupted if any rank was."""
+    import torch.distributed as dist
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((results, interrupted), parts, dst=0)
+    if parts is None:
+        return None
+    merged: list[dict[int, PromptResult]] = [{} for _ in results]
+    for part, _ in parts:
+        for mine, theirs in zip(merged, part):
+            mine.update(theirs)
+    return merged, any(cut for _, cut in parts)
+
+
 # ----------------------------------------------------------------------------------------------
 # command line
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -3286,39 +3509,62 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's options, by topic (--help lists them in these groups)."""
     ap = _Parser(description="Measure speculative-decoding acceptance "
                  "(alpha) and expected speedup of draft models against a target model.",
                  epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
                  "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
                  "torch or transformers (one line naming the step; --traceback for more), "
                  "130 interrupted (the partial report is printed).")
+    _models_options(ap.add_argument_group("models", "what to measure"))
+    _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
+    _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
+    _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
+    _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
+    _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
+    _scale_out_options(ap.add_argument_group("scale-out",
+                                             "models larger than a device, many processes"))
+    return ap
+
+
+def _models_options(ap: Any) -> None:
     ap.add_argument("--target", required=True,
                     help="target model: hub id, local folder or .gguf file")
     ap.add_argument("--draft", action="append", default=[], metavar="MODEL",
                     help="draft model: hub id, local folder or .gguf file; or `ngram` (prompt "
                     "lookup, no model) or `mtp` (the target's own multi-token-prediction "
                     "heads); repeat to rank several drafters against one set of target passes")
-    ap.add_argument("--ngram-max", type=int, default=2, metavar="N",
-                    help="--draft ngram: the longest n-gram matched, tried first (default 2, "
-                    "transformers' max_matching_ngram_size)")
-    ap.add_argument("--ngram-min", type=int, default=1, metavar="N",
-                    help="--draft ngram: the shortest n-gram matched (default 1)")
     ap.add_argument("--draft-layers", default=None, metavar="N[,N...]",
                     help="early-exit drafts: the first N decoder layers (+ final norm and head) "
                     "of the --draft, or of the target when there is no single --draft, sharing "
                     "its weights; a comma list makes one draft per N")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    help="model weights' dtype; auto = float32 off CUDA, bfloat16 on CUDA; "
+                    "probability maths is float32 always")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                    help="where to run; auto = cuda, then mps, then cpu")
+    ap.add_argument("--use-unsloth", action="store_true",
+                    help="load models through unsloth.FastLanguageModel (needs unsloth and a GPU)")
+
+
+def _data_options(ap: Any) -> None:
     ap.add_argument("--data", default="builtin",
                     help="prompts: builtin (default, 38 prompts in 7 categories), a .txt file "
                     "(one per line), .jsonl/.json file, or hf:NAME[:CONFIG][:SPLIT][:FIELD] "
                     "(NAME may be a local dataset folder)")
-    ap.add_argument("--max-samples", type=int, default=32, metavar="N",
+    ap.add_argument("--max-samples", type=_at_least_one, default=32, metavar="N",
                     help="prompts used, at most (default 32)")
-    ap.add_argument("--max-length", type=int, default=512, metavar="TOKENS",
+    ap.add_argument("--max-length", type=_at_least_one, default=512, metavar="TOKENS",
                     help="prompt tokens kept, from the end (default 512)")
     ap.add_argument("--continuation-tokens", type=int, default=64, metavar="K",
                     help="tokens the target writes after each prompt and that are scored; also "
                     "the simulation's budget per prompt. 0 scores the prompt tokens instead "
                     "(default 64)")
+    ap.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
+                    help="wrap prompts in the tokenizer's chat template; auto = when it has one")
+
+
+def _sampling_options(ap: Any) -> None:
     ap.add_argument("--temperature", default="0.7", metavar="T[,T...]",
                     help="sampling temperature(s), >= 0; 0 = greedy; a comma list measures each "
                     "(default 0.7)")
@@ -3326,43 +3572,71 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the K most likely tokens, >= 0; 0 = off (default 0)")
     ap.add_argument("--top-p", type=float, default=1.0, metavar="P",
                     help="nucleus sampling mass, in (0, 1]; 1 = off (default 1)")
-    ap.add_argument("--gamma", type=int, default=4, metavar="G",
-                    help="draft block: tokens proposed per cycle, >= 1 (default 4)")
-    ap.add_argument("--simulate", action="store_true",
-                    help="also run the real speculative-sampling loop (generative alpha)")
     ap.add_argument("--proposal", default="sample", choices=list(PROPOSAL_RULES),
                     help="how the drafter proposes at temperature > 0: sample = draws from q, "
                     "accepted with min(1, p/q) (Leviathan et al.); argmax = its most likely "
                     "token, accepted with probability p(x), as vLLM, SGLang, TensorRT-LLM and "
                     "llama.cpp run drafters by default. Both routes follow it; the report "
                     "shows the other rule beside (default sample)")
+    ap.add_argument("--gamma", type=int, default=4, metavar="G",
+                    help="draft block: tokens proposed per cycle, >= 1 (default 4)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed, 0..4294967295; the same seed gives the same numbers "
+                    "(default 0)")
+
+
+def _drafters_options(ap: Any) -> None:
+    ap.add_argument("--ngram-max", type=int, default=2, metavar="N",
+                    help="--draft ngram: the longest n-gram matched, tried first (default 2, "
+                    "transformers' max_matching_ngram_size)")
+    ap.add_argument("--ngram-min", type=int, default=1, metavar="N",
+                    help="--draft ngram: the shortest n-gram matched (default 1)")
     ap.add_argument("--mtp-steps", type=int, default=None, metavar="K",
                     help="--draft mtp: drafting steps per cycle; step k runs MTP layer "
                     "(k-1) mod L of the model's L, fed its own last output, as vLLM "
                     "(num_speculative_tokens) and SGLang (--speculative-num-steps) reuse a "
                     "model's MTP layer (default: L, each layer once)")
-    ap.add_argument("--cost-ratio", default="auto", metavar="C",
-                    help="cost of one draft step in target steps: a number >= 0; auto = ratio "
-                    "of parameters used per token; measure = time a decode step of each model "
-                    "and the target's verify pass on this device (default auto)")
-    ap.add_argument("--min-alpha", type=float, default=None, metavar="X",
-                    help="CI gate: exit with status 1 (after the report) when the lower 95%% "
-                    "confidence bound of alpha (generative with --simulate, else "
-                    "distributional) is below X, for any draft or temperature")
+
+
+def _measurement_options(ap: Any) -> None:
+    ap.add_argument("--simulate", action="store_true",
+                    help="also run the real speculative-sampling loop (the simulated route)")
     ap.add_argument("--estimator", default="iid", choices=["iid", "positional"],
                     help="E[accepted draft tokens] from alpha: iid = the closed form "
                     "alpha(1-alpha^gamma)/(1-alpha); positional = the mean over start positions "
                     "of the measured alpha_t windows (default iid; JSON has both)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="random seed, 0..4294967295; the same seed gives the same numbers "
-                    "(default 0)")
+    ap.add_argument("--cost-ratio", default="auto", metavar="C",
+                    help="cost of one draft step in target steps: a number >= 0; auto = ratio "
+                    "of parameters used per token; measure = time a decode step of each model "
+                    "and the target's verify pass on this device (default auto)")
     ap.add_argument("--batch-size", type=int, default=8, metavar="B",
                     help="prompts per forward pass (default 8)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                    help="model weights' dtype; auto = float32 off CUDA, bfloat16 on CUDA; "
-                    "probability maths is float32 always")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                    help="where to run; auto = cuda, then mps, then cpu")
+
+
+def _output_options(ap: Any) -> None:
+    ap.add_argument("--json", metavar="PATH",
+                    help="also write every number as JSON to PATH ('-' = stdout, the text report "
+                    "then goes to stderr); several drafts or temperatures give a list")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --json PATH: reuse the per-prompt results an interrupted run "
+                    "wrote there (same models, data and settings) and measure only the rest")
+    ap.add_argument("--plot", metavar="PATH.png",
+                    help="also draw the run to a PNG: alpha by draft offset with cohort sizes "
+                    "and intervals, tokens per cycle and speedup against gamma, alpha by "
+                    "category; several drafts or temperatures: one comparison (needs "
+                    "matplotlib)")
+    ap.add_argument("--min-alpha", type=float, default=None, metavar="X",
+                    help="CI gate: exit with status 1 (after the report) when the lower 95%% "
+                    "confidence bound of alpha (simulated with --simulate, else "
+                    "distributional) is below X, for any draft or temperature")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bars and no status line on stderr")
+    ap.add_argument("--traceback", action="store_true",
+                    help="on an unforeseen failure (exit status 3), print the whole traceback "
+                    "after the one-line message")
+
+
+def _scale_out_options(ap: Any) -> None:
     ap.add_argument("--device-map", default=None, choices=["auto", "balanced", "sequential"],
                     help="spread each model over several devices (GPUs, CPU, disk) with "
                     "accelerate's big-model loading, for a model larger than one device "
@@ -3375,32 +3649,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dist-timeout", type=float, default=1800, metavar="SECONDS",
                     help="under torchrun or srun: how long a rank waits for the others at the "
                     "final gather before giving up (default 1800)")
-    ap.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
-                    help="wrap prompts in the tokenizer's chat template; auto = when it has one")
-    ap.add_argument("--use-unsloth", action="store_true",
-                    help="load models through unsloth.FastLanguageModel (needs unsloth and a GPU)")
-    ap.add_argument("--json", metavar="PATH",
-                    help="also write every number as JSON to PATH ('-' = stdout, the text report "
-                    "then goes to stderr); several drafts or temperatures give a list")
-    ap.add_argument("--resume", action="store_true",
-                    help="with --json PATH: reuse the per-prompt results an interrupted run "
-                    "wrote there (same models, data and settings) and measure only the rest")
-    ap.add_argument("--plot", metavar="PATH.png",
-                    help="also draw the run to a PNG: alpha by draft offset with cohort sizes "
-                    "and intervals, tokens per cycle and speedup against gamma, alpha by "
-                    "category; several drafts or temperatures: one comparison (needs "
-                    "matplotlib)")
-    ap.add_argument("--quiet", action="store_true",
-                    help="no progress bars and no status line on stderr")
-    ap.add_argument("--traceback", action="store_true",
-                    help="on an unforeseen failure (exit status 3), print the whole traceback "
-                    "after the one-line message")
-    return ap
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON so that PATH holds either its old content or the whole new file."""
-    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
 
 
 def _check_plot_target(path: str | None) -> None:
@@ -3439,17 +3687,15 @@ def _number_list(text: str, what: str, kind: type) -> list:
     return values
 
 
-
-
-def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None
-                ) -> list[AcceptanceReport]:
+def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
+                where: tuple[Launch, str] | None = None) -> list[AcceptanceReport]:
     """The CLI's work between parsing and printing: one report per (temperature, draft).
-    status(line) is told what is about to be measured."""
+    status(line) is told what is about to be measured; where: this process's place in a
+    multi-process launch (launch_from_env; read from the environment when not given)."""
     samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal)
                  for t in _number_list(args.temperature, "--temperature", float)]
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
-    check_prompt_budget(args.max_samples, args.max_length)
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio))
     _check_json_target(args.json)
@@ -3462,7 +3708,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     if args.mtp_steps is not None and args.mtp_steps < 1:
         raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
     prompts = load_texts(args.data)
-    launch = join_processes(args.dist_timeout)
+    launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(args, layers, progress, launch)
     seqs = build_sequences(prompts, tok, max_samples=args.max_samples,
@@ -3589,10 +3835,11 @@ def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Lau
 
 
 def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
-    """What --min-alpha compares with: the lower 95% bound of alpha (generative when simulated),
+    """What --min-alpha compares with: the lower 95% bound of alpha (the simulated route's),
     or the point value when there is no interval; and whether it is a bound."""
-    alpha, ci = ((r.empirical_alpha, r.empirical_alpha_ci) if r.empirical_alpha is not None
-                 else (r.alpha, r.alpha_ci))
+    sim, tf = r.simulated, r.teacher_forced
+    alpha, ci = ((sim.alpha, sim.alpha_ci) if sim is not None and sim.alpha is not None
+                 else (tf.alpha, tf.alpha_ci))
     return (ci[0], True) if ci else (alpha, False)
 
 
@@ -3645,10 +3892,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
                    terminated: list[bool]) -> int:
     """main's body: run, print the reports (rank 0 only), write the JSON, the exit status."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    tag = f" (rank {rank})" if rank != "0" else ""
+    launch, address = launch_from_env(dict(os.environ))
+    tag = f" (rank {launch.rank})" if launch.rank else ""
     try:
-        reports = cli_reports(args, say)
+        reports = cli_reports(args, say, (launch, address))
     except (UsageError, FloatingPointError) as e:
         print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
         return 2

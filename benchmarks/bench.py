@@ -305,9 +305,8 @@ def measure_2(sd, ctx, cfg):
     N, sampling = cfg["m2_tokens"], sd.SamplingParams(TEMPERATURE)
 
     def specdec_run():
-        rows = sd.run_simulation(target, draft, seqs, sampling, GAMMA, N,
-                                 device=device, vocab=ctx["vocab"], eos=set(), seed=0,
-                                 batch_size=8)
+        rows = sd.run_simulation(target, draft, seqs, sd.LoopConfig(
+            sampling, GAMMA, N, ctx["vocab"], frozenset(), device, 0), batch_size=8)
         tokens = sum(len(r.tokens) for r in rows.values())
         cycles = sum(r.cycles for r in rows.values())
         return tokens, cycles
@@ -415,8 +414,8 @@ def measure_3(sd, ctx, cfg):
         return no_cache_loop(sd, target, draft, seqs, sampling, GAMMA, N, **common)
 
     def sim(prompts, bs):
-        return lambda: sd.run_simulation(target, draft, prompts, sampling, GAMMA, N,
-                                         batch_size=bs, **common)
+        config = sd.LoopConfig(sampling, GAMMA, N, ctx["vocab"], frozenset(), device, 0)
+        return lambda: sd.run_simulation(target, draft, prompts, config, batch_size=bs)
 
     times = {"reference": [], "batch1": [], "batch8": []}
     outs = {}
@@ -535,8 +534,8 @@ def main(argv=None):
 
     # warm-up (untimed): first calls pay one-off costs
     with torch.no_grad():
-        sd.run_simulation(target, draft, seqs[:2], sd.SamplingParams(TEMPERATURE), GAMMA, 8,
-                          device=device, vocab=ctx["vocab"], eos=set())
+        sd.run_simulation(target, draft, seqs[:2], sd.LoopConfig(
+            sd.SamplingParams(TEMPERATURE), GAMMA, 8, ctx["vocab"], frozenset(), device))
         ids = torch.tensor([seqs[0].ids], device=device)
         target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
                         do_sample=False, pad_token_id=ctx["pad"])

@@ -7,6 +7,8 @@ task: extraction and summarisation copy from the prompt, creative writing does n
 category: the share of positions with a proposal, alpha where one is made (teacher-forced), and
 from the simulation the acceptance rate, tokens per cycle (product-limit, the category's cycles
 pooled) and the estimated speedup (drafting costs nothing; a cycle costs one target step).
+The engines' rule (argmax proposal, accepted with p(x)) is printed beside Leviathan's: for a
+lookup q is one-hot on the copied token, so the two are the same by construction.
 """
 import argparse
 import os
@@ -40,21 +42,24 @@ def main() -> int:
     print(f"# {len(seqs)} builtin prompts, T={args.temperature:g}, gamma {args.gamma}, "
           f"{args.continuation_tokens} tokens, n-gram sizes 2..1, torch {torch.__version__}")
     print("| category | prompts | proposals at | alpha where proposed (teacher-forced) "
-          "| alpha (simulated) | tokens per cycle (simulated) | est. speedup |")
-    print("|---|---|---|---|---|---|---|")
+          "| the same, engines' rule | alpha (simulated) | tokens per cycle (simulated) "
+          "| est. speedup |")
+    print("|---|---|---|---|---|---|---|---|")
     by_cat: dict = {}
     for row in r.per_prompt:
         by_cat.setdefault(row["category"], []).append(row)
     for cat in sorted(by_cat) + ["all"]:
         rows = [x for rows in by_cat.values() for x in rows] if cat == "all" else by_cat[cat]
         total = {k: sum(x[k] for x in rows) for k in ("positions", "scored", "alpha_sum",
-                                                       "accepted", "examined")}
+                                                       "p_argmax_q_sum", "accepted",
+                                                       "examined")}
         at_risk = torch.tensor([[a + b for a, b in zip(x["reached"], x["unproposed"])]
                                 for x in rows], dtype=torch.float64).sum(0)
         took = torch.tensor([x["accepted_at"] for x in rows], dtype=torch.float64).sum(0)
         tokens = specdec.product_limit(at_risk, took).item() + 1
         print(f"| {cat} | {len(rows)} | {total['scored'] / total['positions']:.0%} "
               f"| {total['alpha_sum'] / max(1, total['scored']):.3f} "
+              f"| {total['p_argmax_q_sum'] / max(1, total['scored']):.3f} "
               f"| {total['accepted'] / max(1, total['examined']):.3f} | {tokens:.3f} "
               f"| {tokens:.2f}x |", flush=True)
     return 0

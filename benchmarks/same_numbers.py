@@ -6,9 +6,12 @@
 
 It runs the CLI (`main([... --json ...])`, the interface both versions share) on a fixed set of
 configurations: tiny random Llama stand-ins saved to a temporary folder (several temperatures,
-top-k/top-p, simulation, several drafts, early-exit drafts, a model that emits EOS often), and,
-when ../shared/models holds it, the SmolLM2 early-exit pair. --compare lists every number that
-differs; `--ignore KEY` leaves a field out (for a change that is meant to alter it).
+top-k/top-p, simulation, several drafts, early-exit drafts, a model that emits EOS often, both
+proposal rules), every drafter kind (n-gram lookup, MTP layers with their attention live, also
+reused for more steps, a Gemma-4 assistant; built by test_specdec.py's factories, so the file
+must sit beside the specdec.py being run), and, when ../shared/models holds it, the SmolLM2
+early-exit pair. --compare lists every number that differs; `--ignore KEY` leaves a field out
+(for a change that is meant to alter it).
 """
 from __future__ import annotations
 
@@ -57,7 +60,26 @@ def save_stand_ins(root: str) -> dict[str, str]:
         f.write("hello there\nwhat is two plus two?\nwrite a poem\nthe end\nx\n"
                 "a much longer prompt that goes on for a while, with commas, and more\n")
     paths["data"] = data
+    save_drafter_stand_ins(root, tok, paths)
     return paths
+
+
+def save_drafter_stand_ins(root: str, tok, paths: dict[str, str]) -> None:
+    """A tiny DeepSeek-V3 with two MTP layers (their attention live) and a tiny Gemma-4 target
+    with its assistant, built by the test file's factories, saved with the char tokenizer."""
+    import test_specdec as T
+    from transformers import DeepseekV3ForCausalLM
+    paths["mtp"] = os.path.join(root, "mtp")
+    T.make_mtp_checkpoint(paths["mtp"], heads=2, noise=0.05, live=True)
+    tok.save_pretrained(paths["mtp"])
+    # the tiny model's MTP layers are its layers 2 and 3 (the real model's are 61..)
+    DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\.",
+                                                                r"model\.layers\.3\."]
+    target, assistant = T.make_gemma4_pair(attention=True, noise=0.3, window=4)
+    paths["gemma"], paths["assistant"] = (os.path.join(root, n) for n in ("gemma", "assistant"))
+    target.save_pretrained(paths["gemma"])
+    tok.save_pretrained(paths["gemma"])
+    assistant.save_pretrained(paths["assistant"])
 
 
 def configurations(paths: dict[str, str]) -> dict[str, list[str]]:
@@ -74,6 +96,15 @@ def configurations(paths: dict[str, str]) -> dict[str, list[str]]:
         "eos": ["--target", e, "--draft", d, "--simulate", "--temperature", "1.0"],
         "positional": ["--target", t, "--draft", d, "--estimator", "positional"],
         "prompt-scored": ["--target", t, "--draft", d, "--continuation-tokens", "0"],
+        "argmax-rule-sim": ["--target", t, "--draft", d, "--simulate", "--proposal", "argmax",
+                            "--temperature", "0.9"],
+        "ngram-and-model-sim": ["--target", t, "--draft", "ngram", "--draft", d, "--simulate",
+                                "--temperature", "1.0"],
+        "mtp-sim": ["--target", paths["mtp"], "--draft", "mtp", "--simulate", "--gamma", "3"],
+        "mtp-steps-argmax-sim": ["--target", paths["mtp"], "--draft", "mtp", "--mtp-steps", "3",
+                                 "--proposal", "argmax", "--simulate", "--gamma", "4"],
+        "assistant-sim": ["--target", paths["gemma"], "--draft", paths["assistant"],
+                          "--simulate", "--gamma", "3"],
     }
     runs = {k: v + common if k != "prompt-scored" else v + common[:3] + common[5:]
             for k, v in runs.items()}
