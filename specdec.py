@@ -82,7 +82,7 @@ __all__ = [
     "TokenSequence",
     # drafters: the interface, and the kinds here
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "ModelDrafter", "NgramDrafter",
-    "MtpDrafter", "AssistantDrafter",
+    "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter", "head_drafter",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -151,6 +151,7 @@ class SamplingParams:
 
 
 GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+SCORE_STARTS = 64  # cycle starts scored at once by a drafter with a cache of its own (EAGLE-3)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,8 @@ class TargetView(NamedTuple):
 
     hidden: torch.Tensor
     slots: Slots
+    layers: dict[int, torch.Tensor] | None = None  # inputs of the target layers the drafter
+    # reads (Drafter.layers), at the same positions (B, t, H)
 
 
 class LoopConfig(NamedTuple):
@@ -253,6 +256,7 @@ class Scores:
     states: torch.Tensor  # (N, ...) what `head` turns into q
     proposed: torch.Tensor  # (N,) bool
     head: Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]  # (n, ...) -> q (n, V)
+    support: torch.Tensor | None = None  # (V,) the ids it can ever propose (None: all)
 
     def q(self, start: int, stop: int,
           where: Callable[[int], str] = lambda n: f"scored position {n}") -> torch.Tensor:
@@ -295,6 +299,8 @@ class Drafter(abc.ABC):
     reads_target: bool = False
     steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
     # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
+    layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3), besides the
+    # final hidden states
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -314,8 +320,9 @@ class Drafter(abc.ABC):
         """One drafting step in target steps from parameter counts, and how that was found
         (`--cost-ratio measure` times the session's propose instead: measure_costs)."""
 
-    def for_run(self, eos: frozenset[int]) -> Drafter:
-        """The drafter as a run uses it: told the run's EOS ids (only n-gram lookup cares)."""
+    def for_run(self, eos: frozenset[int], gammas: Sequence[int]) -> Drafter:
+        """The drafter as a run uses it: told the run's EOS ids (n-gram lookup) and the block
+        sizes it measures (EAGLE-3 runs as many steps)."""
         return self
 
     def drafted_by(self, gamma: int) -> list[str] | None:
@@ -361,6 +368,8 @@ class PromptResult:
     head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
     head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
     head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
+    coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
+    # it has one of its own (EAGLE-3's draft vocabulary)
     sim: RowStats | None = None
 
 
@@ -427,6 +436,7 @@ class TeacherForced:
     sequences_by_category: dict[str, int] | None = None
     proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
     best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
+    draft_vocab_coverage: float | None = None  # mean p mass on a draft vocabulary of its own
 
 
 @dataclass
@@ -770,6 +780,31 @@ def final_states(model: nn.Module, wanted: bool = True):
         handle.remove()
 
 
+@contextlib.contextmanager
+def layer_inputs(model: nn.Module, layers: Sequence[int]):
+    """Collect the hidden states entering the given decoder layers (the input of layer i, what
+    an output_hidden_states tuple holds at i) in the model's forwards made inside the block:
+    yields {i: list of (B, t, H)}, one entry per forward."""
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    if not layers:
+        yield seen
+        return
+    decoder_layers: Any = model
+    for part in _layer_path(model):
+        decoder_layers = getattr(decoder_layers, part)
+
+    def keep(i: int) -> Callable:
+        def hook(module, args, kwargs):
+            seen[i].append(args[0] if args else kwargs["hidden_states"])
+        return hook
+    handles = [decoder_layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+               for i in layers]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
 def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
     """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
     ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
@@ -924,7 +959,7 @@ def position_stats(target: nn.Module, scores: Scores, states_p: torch.Tensor,
     fp32 probabilities exists at a time, whatever N and V are. where(n) names scored position
     n in error messages."""
     chunk = chunk or max(16, (1 << 24) // vocab)
-    alpha, top1, p_of_q = [], [], []
+    alpha, top1, p_of_q, covered = [], [], [], []
     for s in range(0, states_p.shape[0], chunk):
         lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
         check_finite(lp, "target", lambda n: where(s + n))
@@ -937,8 +972,14 @@ def position_stats(target: nn.Module, scores: Scores, states_p: torch.Tensor,
         alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
         top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
         p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
-    return {"alpha": torch.cat(alpha).cpu(), "top1": torch.cat(top1).cpu(),
-            "p_argmax_q": torch.cat(p_of_q).cpu(), "proposed": scores.proposed.cpu()}
+        if scores.support is not None:  # p's mass on the ids the drafter can ever propose
+            covered.append((p * scores.support[:vocab].to(p)).sum(-1))
+    none = torch.zeros(0)  # (a later step may have no position to score)
+    out = {"alpha": torch.cat(alpha or [none]).cpu(), "top1": torch.cat(top1 or [none]).cpu(),
+           "p_argmax_q": torch.cat(p_of_q or [none]).cpu(), "proposed": scores.proposed.cpu()}
+    if covered:
+        out["coverage"] = torch.cat(covered).cpu()
+    return out
 
 
 class TargetPass(NamedTuple):
@@ -1138,7 +1179,7 @@ class NgramDrafter(Drafter):
         self.eos_given = eos is not None  # else the run's EOS ids are used (for_run)
         self.name, self.width = f"ngram (n={min_n}..{max_n})", None
 
-    def for_run(self, eos):
+    def for_run(self, eos, gammas):
         return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
 
     def score(self, rows, spans, states, sampling, vocab, device):
@@ -1311,19 +1352,7 @@ class MtpDrafter(Drafter):
         pos = torch.arange(width, device=device).expand(len(rows), width)
         outs = self.chain(ahead[0], states[:, :width], live, pos, self.steps,
                           lambda k, h: ahead[k + 1])
-        # step k at scored position t (which predicts row[t+1]) is its output at slot t-1,
-        # predicting row[t+k]; position 0 has no slot before it: nothing proposed there
-        scores = []
-        for k, out in enumerate(outs):
-            picked, made = [], []
-            for b, (s, e) in enumerate(spans):
-                h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
-                if s == 0 and e - k > 0:
-                    h = torch.cat([torch.zeros_like(out[b, :1]), h])
-                picked.append(h)
-                made.append(torch.arange(len(h), device=device) + s > 0)
-            scores.append(Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab)))
-        return scores
+        return step_scores(outs, spans, self.head(sampling, vocab), device)
 
     def start(self, prompts, view, config):
         return MtpSession(self, prompts, view, config)
@@ -1513,6 +1542,323 @@ class AssistantSession(Session):
         self.hidden = [self.hidden[r] for r in rows.tolist()]
 
 
+class Eagle3Net(nn.Module):
+    """EAGLE-3's draft network (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of
+    Large Language Models via Training-Time Test"), as its reference code and the engines run
+    it: `fc` fuses the target's hidden states at three layers (3 H_target -> H); one decoder
+    layer whose attention reads cat(input_layernorm(embedding), hidden_norm(h)) (2H wide), its
+    residual h (hidden_norm(h) when norm_before_residual); `norm`; `lm_head` over a draft
+    vocabulary of d tokens, draft id i standing for target id i + d2t[i]."""
+
+    def __init__(self, config: Any, target_hidden: int, draft_vocab: int,
+                 norm_before_residual: bool, embed: nn.Module):
+        from transformers.models.llama import modeling_llama as llama
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual, self.embed = norm_before_residual, embed
+        self.fc = nn.Linear(3 * target_hidden, h, bias=False)
+        self.midlayer = nn.Module()
+        attn = llama.LlamaAttention(config, layer_idx=0)
+        bias, width = bool(getattr(config, "attention_bias", False)), attn.head_dim
+        attn.q_proj = nn.Linear(2 * h, config.num_attention_heads * width, bias=bias)
+        attn.k_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
+        attn.v_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
+        self.midlayer.self_attn, self.midlayer.mlp = attn, llama.LlamaMLP(config)
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            setattr(self.midlayer, name, llama.LlamaRMSNorm(h, eps=eps))
+        self.norm = llama.LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.rotary = llama.LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+
+    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+              allowed: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The decoder layer for new slots (B, t): ids, the hidden states they come with (fc's
+        or the layer's own last output), positions; allowed (B, t, K) the keys each sees (the
+        cache's, then its own). Appends their keys and values to `cache`; returns the layer's
+        output before `norm` (B, t, H), which a next step reads."""
+        m = self.midlayer
+        emb = self.embed(ids).to(hidden)
+        residual = m.hidden_norm(hidden) if self.norm_before_residual else hidden
+        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], -1)  # (B, t, 2H)
+        attn, _ = m.self_attn(x, position_embeddings=self.rotary(x, pos),
+                              attention_mask=additive_mask(allowed, x.dtype), cache=cache)
+        x = residual + attn
+        return x + m.mlp(m.post_attention_layernorm(x))
+
+    def committed(self, ids: torch.Tensor, feats: torch.Tensor, live: torch.Tensor,
+                  pos: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Step 1 over the committed slots (B, T): ids the token one ahead of each, feats its
+        fused target features (B, T, H), at positions pos + 1 -> (outputs (B, T, H), a cache
+        holding their keys and values, which slot sees which (B, T, T))."""
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])
+        return self.layer(ids, feats, pos + 1, seen, cache), cache, seen
+
+    def later(self, out: torch.Tensor, cache: Any, seen: torch.Tensor, pos: torch.Tensor,
+              starts: torch.Tensor, steps: int,
+              feed: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """Steps 1..steps from cycle starts (B, S) (slot indices), after committed(): step k+1
+        reads feed(k, step k's outputs) (B, S) and step k's output, one position further, and
+        attends the committed slots up to its start and its start's earlier steps (the cache
+        EAGLE keeps). The cache is left as it came. -> each step's outputs (B, S, H)."""
+        size = cache.get_seq_length()
+        pick = starts[..., None]
+        outs = [out.gather(1, pick.expand(-1, -1, out.shape[-1]))]  # (B, S, H)
+        committed = seen.gather(1, pick.expand(-1, -1, seen.shape[-1]))  # (B, S, T)
+        own = torch.eye(starts.shape[1], dtype=torch.bool, device=starts.device)
+        at = pos.gather(1, starts) + 1  # (B, S) step 1's positions
+        for k in range(1, steps):
+            allowed = torch.cat([committed] + [own.expand(len(starts), -1, -1)] * k, -1)
+            outs.append(self.layer(feed(k - 1, outs[-1]), outs[-1], at + k, allowed, cache))
+        if cache.get_seq_length() > size:
+            cache.crop(size - cache.get_seq_length())  # (negative: how many to drop)
+        return outs
+
+    def logits(self, out: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Outputs (..., H) -> logits over the first `vocab` target ids, -inf off the draft
+        vocabulary (those tokens are never proposed)."""
+        small = self.lm_head(self.norm(out))  # (..., d)
+        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
+        ids = torch.arange(len(self.d2t), device=small.device) + self.d2t
+        full[..., ids[ids < vocab]] = small[..., ids < vocab]
+        return full
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 draft head (SpecForge, vLLM/speculators and the original EAGLE-3 checkpoints:
+    eagle3_checkpoint), reading the target's hidden states at three layers. Teacher-forced,
+    step k is fed the target's own continuation; in the simulation step 1 reads the committed
+    positions' fused features and later steps the layer's own last output and draft (see
+    Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
+    accepted, and the report gives the share of p's mass the draft vocabulary covers."""
+
+    reads_target = True
+
+    def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
+                 steps: int = max(GAMMA_TABLE)):
+        self.target, self.net, self.layers, self.name = target, net, tuple(layers), name
+        self.width, self.steps = vocab_width(target), steps
+
+    def for_run(self, eos, gammas):
+        """As many steps as the run's largest block (the best-gamma table included)."""
+        return Eagle3Drafter(self.target, self.net, self.layers, self.name, max(gammas))
+
+    def support(self, vocab: int) -> torch.Tensor:
+        """(vocab,) the target ids the draft vocabulary holds."""
+        ids = torch.arange(len(self.net.d2t), device=self.net.d2t.device) + self.net.d2t
+        return torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
+            0, ids[ids < vocab], True)
+
+    def fused(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states at self.layers (each (B, T, H_t)) -> fc's (B, T, H)."""
+        return self.net.fc(torch.cat([states[i] for i in self.layers], -1).to(self.net.fc.weight))
+
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+            logits = self.net.logits(out, vocab)
+            check_finite(logits.nan_to_num(neginf=0.0), "draft", where)  # -inf: off its vocab
+            return (draft_probs if propose else processed_probs)(logits, sampling)
+        return to_q
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        with layer_inputs(self.target, self.layers) as got:
+            teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
+        ahead = torch.tensor([list(r[1:]) + [0] * (width + self.steps - len(r) + 1)
+                              for r in rows], device=device)  # (B, T-1+steps): row[j + 1]
+        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
+                            device=device)
+        pos = torch.arange(width, device=device).expand(len(rows), width)
+        out, cache, seen = self.net.committed(
+            ahead[:, :width], self.fused({i: got[i][0][:, :width] for i in self.layers}),
+            live, pos)
+        outs: list[list[torch.Tensor]] = [[] for _ in range(self.steps)]
+        for chunk in torch.arange(width, device=device).split(SCORE_STARTS):
+            starts = chunk.expand(len(rows), -1)  # every slot a cycle start; step k+1 reads
+            for k, o in enumerate(self.net.later(  # the continuation's token k ahead
+                    out, cache, seen, pos, starts, self.steps,
+                    lambda k, _: ahead.gather(1, starts + k + 1))):
+                outs[k].append(o)
+        return step_scores([torch.cat(o, 1) for o in outs], spans, self.head(sampling, vocab),
+                           device, self.support(vocab))
+
+    def start(self, prompts, view, config):
+        return Eagle3Session(self, prompts, view, config)
+
+    def param_cost(self, target):
+        net = sum(p.numel() for n, p in self.net.named_parameters() if not n.startswith("embed"))
+        return (net / params_per_token(target),
+                "parameters per token: the EAGLE-3 layer, fc and its draft-vocabulary head, "
+                "against the target")
+
+
+class Eagle3Session(Session):
+    """Per row, the committed tokens (the pending one last) and the target's hidden states at
+    the drafter's layers for all but the pending one; the committed slots are run again every
+    cycle, and the cycle's steps after them (exact, like MtpSession)."""
+
+    def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.seqs = [list(p) for p in prompts]
+        width = view.hidden.shape[1] if view is not None else 0
+        self.states = [torch.cat([view.layers[i][b, width - len(p) + 1:]
+                                  for i in drafter.layers], -1) if len(p) > 1 else None
+                       for b, p in enumerate(prompts)]  # row b: (len - 1, 3 H_t)
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
+        ready = torch.tensor([s is not None for s in self.states], device=c.device)
+        if not ids.shape[1] or not ready.any():  # no target state yet: no proposal
+            return Proposal.none(len(pending), c)
+        size = next(s for s in self.states if s is not None).shape[-1]
+        feats = torch.stack([torch.cat([torch.zeros(ids.shape[1] - len(s), size).to(s), s])
+                             if s is not None else torch.zeros(ids.shape[1], size,
+                                                               device=c.device)
+                             for s in self.states])  # (B, T, 3 H_t), left-padded like ids
+        out, cache, seen = d.net.committed(ids, d.net.fc(feats.to(d.net.fc.weight)), live, pos)
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+
+        def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
+            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
+            ds.append(sample_from(qs[-1], u[:, k]))
+            return ds[-1][:, None]
+
+        last = torch.full((len(pending), 1), ids.shape[1] - 1, device=c.device)
+        draw(c.gamma - 1, d.net.later(out, cache, seen, pos, last, c.gamma, draw)[-1])
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
+                        torch.ones_like(ready), ready.long() * c.gamma)
+
+    def advance(self, n_acc, committed, view):
+        for b, new in enumerate(committed):
+            self.seqs[b] += new
+            fresh = torch.cat([view.layers[i][b, :len(new)] for i in self.drafter.layers], -1)
+            self.states[b] = fresh if self.states[b] is None else torch.cat(
+                [self.states[b].to(fresh), fresh])
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.states = [self.seqs[r] for r in keep], [self.states[r] for r in keep]
+
+
+class MedusaNet(nn.Module):
+    """Medusa-1 heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
+    with Multiple Decoding Heads"): head k is residual blocks x + SiLU(W x + b) on the target's
+    last hidden state, then a head of its own; it predicts the token k + 2 ahead of that
+    state's position (the target's own head predicts the next one)."""
+
+    def __init__(self, hidden: int, vocab: int, heads: int, layers: int, bias: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(layers))
+            for _ in range(heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(heads))
+
+    def block(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        for linear in self.blocks[k]:
+            hidden = hidden + nn.functional.silu(linear(hidden))
+        return hidden
+
+
+class MedusaDrafter(Drafter):
+    """Medusa-1 heads (FasterDecoding's medusa_lm_head checkpoints, vLLM's Medusa format),
+    measured as the chain engines run them: top-1 (or a sample, under Leviathan's rule) of
+    each head, head k drafting offset k. The heads read only the target's state, never the
+    drafted tokens. Trees of candidates are out of scope."""
+
+    reads_target = True
+
+    def __init__(self, target: nn.Module, net: MedusaNet, name: str):
+        self.target, self.net, self.name = target, net, name
+        self.width, self.steps = vocab_width(target), len(net.blocks)
+
+    def drafted_by(self, gamma):
+        return [f"head {k + 1}" if k < self.steps else "-" for k in range(gamma)]
+
+    def head(self, k: int, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+            logits = self.net.lm_heads[k](out)[..., :vocab]
+            check_finite(logits, "draft", where)
+            return (draft_probs if propose else processed_probs)(logits, sampling)
+        return to_q
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        if states is None:  # the target's head is not a plain map: get its states here
+            states = teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
+        outs = [self.net.block(k, states[:, :width].to(self.net.lm_heads[0].weight))
+                for k in range(self.steps)]  # reads to draft row[j + 2 + k]
+        return step_scores(outs, spans, [self.head(k, sampling, vocab)
+                                         for k in range(self.steps)], device)
+
+    def start(self, prompts, view, config):
+        return MedusaSession(self, prompts, view, config)
+
+    def param_cost(self, target):
+        head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
+            self.net.lm_heads[0].weight.numel()
+        return head / params_per_token(target), "parameters per token: one Medusa head"
+
+
+class MedusaSession(Session):
+    """Per row, the target's final hidden state at the last committed position before the
+    pending token (None before the target has processed any)."""
+
+    def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        ready = torch.tensor([h is not None for h in self.hidden], device=c.device)
+        if not ready.any():
+            return Proposal.none(len(pending), c)
+        size = next(h for h in self.hidden if h is not None).shape[-1]
+        hidden = torch.stack([h if h is not None else torch.zeros(size, device=c.device)
+                              for h in self.hidden]).to(d.net.lm_heads[0].weight)  # (B, H)
+        steps, qs, ds = min(c.gamma, d.steps), [], []
+        for k in range(steps):
+            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
+                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
+            ds.append(sample_from(qs[-1], u[:, k]))
+        pad = c.gamma - steps  # offsets past the last head: nothing proposed
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
+                        torch.ones_like(ready), ready.long() * steps)
+
+    def advance(self, n_acc, committed, view):
+        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+
+    def keep(self, rows):
+        self.hidden = [self.hidden[r] for r in rows.tolist()]
+
+
+def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
+                heads: Any, device: torch.device, support: torch.Tensor | None = None
+                ) -> list[Scores]:
+    """Scores of a drafter whose step k+1 at slot j (B, T, H: outs[k]) drafts row[j + 2 + k]:
+    at scored position t (which predicts row[t + 1]) that is its output at slot t - 1, for
+    positions t < end - k; position 0 has no slot before it and proposes nothing. heads: one
+    Scores.head, or one per step."""
+    scores = []
+    for k, out in enumerate(outs):
+        picked, made = [], []
+        for b, (s, e) in enumerate(spans):
+            h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
+            if s == 0 and e - k > 0:
+                h = torch.cat([torch.zeros_like(out[b, :1]), h])
+            picked.append(h.to(device))
+            made.append(torch.arange(len(h), device=device) + s > 0)
+        head = heads[k] if isinstance(heads, (list, tuple)) else heads
+        scores.append(Scores(torch.cat(picked), torch.cat(made), head, support))
+    return scores
+
 def model_device(model: nn.Module) -> torch.device | None:
     """Where a model's first weights are (None if none are anywhere but on disk)."""
     return next((p.device for p in model.parameters() if p.device.type != "meta"), None)
@@ -1634,6 +1980,13 @@ class Cycle(NamedTuple):
         return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[-2]), bool(h[-1])) for h in host]
 
 
+def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Tensor]]
+            ) -> TargetView | None:
+    """What a drafter that reads the target is shown of the forward just made (None: it
+    reads nothing)."""
+    return TargetView(seen[-1], slots, {i: v[-1] for i, v in got.items()}) if seen else None
+
+
 @torch.no_grad()
 def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
                    gens: list[torch.Generator], config: LoopConfig, names: list[str],
@@ -1645,10 +1998,11 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
     # The target's cache holds every emitted token but the newest ("pending") one, at position
     # npos. A drafter that reads the target is shown every position's state (asked for the
     # last logits only, some models skip the other positions).
-    with final_states(target, drafter.reads_target) as seen:
+    with final_states(target, drafter.reads_target) as seen, \
+            layer_inputs(target, drafter.layers) as got:
         slots, _ = prefill(target, [r[:-1] for r in prompts], c.device,
                            last_only=not drafter.reads_target)
-    session = drafter.start(prompts, TargetView(seen[-1], slots) if seen else None, c)
+    session = drafter.start(prompts, view_of(seen, slots, got), c)
     pending = torch.tensor([r[-1] for r in prompts], device=c.device)  # (B,)
     npos = torch.tensor([len(r) - 1 for r in prompts], device=c.device)  # (B,)
     live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
@@ -1657,7 +2011,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
         proposal = session.propose(pending, npos, u[:, :c.gamma])
         # 2. verify: one target forward scores the pending token and all G proposals
-        with final_states(target, drafter.reads_target) as seen:
+        with final_states(target, drafter.reads_target) as seen, \
+                layer_inputs(target, drafter.layers) as got:
             p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c.sampling,
                                  c.vocab)
         # 3. accept: the accepted run, and the token that follows it
@@ -1676,7 +2031,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 4. advance: rejected slots die; the new token is pending
         settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), c.gamma)
         session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
-                        TargetView(seen[-1], slots) if seen else None)
+                        view_of(seen, slots, got))
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -1696,7 +2051,7 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
     by indices[i] (default i), which also names prompt i's random stream."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos))
+    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         keys = [indices[i] for i in batch]
@@ -1911,7 +2266,9 @@ def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tenso
                         stats["p_argmax_q"].double().sum().item(), windows,
                         [h["alpha"].double().sum().item() for h in later],
                         [int(h["proposed"].sum()) for h in later],
-                        [h["p_argmax_q"].double().sum().item() for h in later])
+                        [h["p_argmax_q"].double().sum().item() for h in later],
+                        stats["coverage"].double().sum().item() if "coverage" in stats
+                        else None)
 
 
 def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
@@ -1959,6 +2316,8 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
         greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
         p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos,
         best_gamma=max(table, key=lambda row: row.est_speedup).gamma if table else None,
+        draft_vocab_coverage=None if looked[0].coverage_sum is None else
+        sum(r.coverage_sum for r in looked) / sum(r.positions for r in looked),
         **rule_fields(looked, n_pos, rate, gamma, cost, steps),
         **category_fields(looked, rate < 1, rule)), table
 
@@ -2174,6 +2533,9 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
         f"    est. speedup                  {_num(t.est_speedup, '5.2f') + 'x':>6}   {cost}"
         f"{_ci(t.est_speedup_ci, '.2f')}",
         *_other_rule_lines(t, run),
+        *([] if t.draft_vocab_coverage is None else [
+            f"    draft vocabulary covers       {t.draft_vocab_coverage:.3f} of p's mass "
+            f"(the rest can never be accepted)"]),
         *([] if t.alpha_by_head is None else [
             "    alpha by step                 "
             + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
@@ -2504,10 +2866,11 @@ def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: 
     u = torch.full((1, 1), 0.5, device=device)
 
     def setup() -> Session:
-        with final_states(target, drafter.reads_target) as seen:
+        with final_states(target, drafter.reads_target) as seen, \
+                layer_inputs(target, drafter.layers) as got:
             slots, _ = prefill(target, [list(ids[:-1])], device,
                                last_only=not drafter.reads_target)
-        return drafter.start([list(ids)], TargetView(seen[-1], slots) if seen else None, config)
+        return drafter.start([list(ids)], view_of(seen, slots, got), config)
 
     return (lambda session: session.propose(pending, npos, u).q), setup
 
@@ -2628,7 +2991,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     check_measurable(target, drafters, sequences, settings)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     eos = run_eos(target, settings)
-    drafters = [d.for_run(eos) for d in drafters]
+    drafters = [d.for_run(eos, settings.gammas) for d in drafters]
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
                                    progress and share[0] == 0, share, done)
@@ -2735,6 +3098,7 @@ def prompt_result_of(row: dict[str, Any]) -> PromptResult:
                                   "top1_sum", "p_argmax_q_sum", "head_alpha_sums",
                                   "head_scored")}
     fields["head_p_argmax_q_sums"] = row.get("head_p_argmax_q_sums", [])
+    fields["coverage_sum"] = row.get("coverage_sum")
     windows = {int(g): tuple(w) for g, w in row["windows"].items()}
     sim = None
     if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as it emitted
@@ -3171,6 +3535,146 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
         draft.generation_config = copy.deepcopy(model.generation_config)
     return draft
 
+
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor in a checkpoint folder's safetensors or PyTorch files, by name."""
+    names = sorted(os.listdir(folder))
+    weights: dict[str, torch.Tensor] = {}
+    for name in [n for n in names if n.endswith(".safetensors")] or \
+            [n for n in names if n.endswith((".bin", ".pt", ".pth"))]:
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            weights.update(load_file(path))
+        else:
+            weights.update(torch.load(path, map_location="cpu", weights_only=True))
+    if not weights:
+        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights")
+    return weights
+
+
+def head_kind(folder: str) -> tuple[str, dict[str, Any]] | None:
+    """("eagle3" or "medusa", its config) for a draft-head checkpoint folder, by its config:
+    speculators' speculators_model_type, SpecForge's and vLLM's EAGLE-3 architectures, Medusa's
+    medusa_num_heads (FasterDecoding) or MedusaModel (vLLM); None for anything else."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    archs = " ".join(config.get("architectures") or [])
+    if config.get("speculators_model_type") == "eagle3" or "Eagle3" in archs:
+        return "eagle3", config
+    if "medusa_num_heads" in config or "Medusa" in archs or config.get("model_type") == "medusa":
+        return "medusa", config
+    return None
+
+
+def eagle3_checkpoint(folder: str, config: dict[str, Any], target: nn.Module,
+                      name: str) -> Eagle3Drafter:
+    """An EAGLE-3 head from its checkpoint: speculators' (config speculators_model_type eagle3,
+    the layer's settings in transformer_layer_config, weights layers.0.*, norm_before_residual
+    by default) or SpecForge's and the original EAGLE-3's (a Llama-like config with
+    draft_vocab_size, weights midlayer.*). Both: fc, norm, lm_head, d2t (draft id -> target id
+    offset), t2d; embed_tokens when present, else the target's. Refuses, in one line, a head
+    that does not fit the target."""
+    from transformers import LlamaConfig
+    speculators = config.get("speculators_model_type") == "eagle3"
+    layer_cfg = dict(config.get("transformer_layer_config") or config) if speculators else config
+    cfg = LlamaConfig(**{k: v for k, v in layer_cfg.items() if k not in ("architectures",)})
+    cfg._attn_implementation = "sdpa"
+    w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
+         for k, v in read_weights(folder).items() if not k.startswith("verifier")}
+    w = {("d2t" if k == "draft_id_to_target_id" else k): v for k, v in w.items()}
+    tcfg = target.config.get_text_config(decoder=True)
+    n_layers, t_hidden = tcfg.num_hidden_layers, tcfg.hidden_size
+    draft_vocab = int(config.get("draft_vocab_size") or w.get("lm_head.weight",
+                                                              torch.empty(0)).shape[0])
+    layers = (config.get("eagle_aux_hidden_state_layer_ids")
+              or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+              or [2, n_layers // 2, n_layers - 3])
+    check_eagle3(w, cfg, t_hidden, draft_vocab, vocab_width(target), layers, n_layers, name)
+    embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
+        else target.get_input_embeddings()
+    net = Eagle3Net(cfg, t_hidden, draft_vocab, bool(config.get("norm_before_residual",
+                                                                speculators)), embed)
+    if "embed_tokens.weight" in w:
+        embed.weight.data.copy_(w.pop("embed_tokens.weight"))
+    w.pop("t2d", None)
+    w.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+    missing, unexpected = net.load_state_dict(w, strict=False)
+    missing = [k for k in missing if not k.startswith(("embed.", "rotary."))]
+    if missing or unexpected:
+        raise UsageError(f"{name}: not an EAGLE-3 checkpoint specdec can read (missing "
+                         f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
+    device = model_device(target) or torch.device("cpu")
+    net = net.to(device=device, dtype=next(target.parameters()).dtype).eval()
+    return Eagle3Drafter(target, net.requires_grad_(False), layers, name)
+
+
+def check_eagle3(w: dict[str, torch.Tensor], cfg: Any, target_hidden: int, draft_vocab: int,
+                 vocab: int, layers: Sequence[int], n_layers: int, name: str) -> None:
+    """One clear line for an EAGLE-3 head that does not fit the target."""
+    if "fc.weight" not in w:
+        raise UsageError(f"{name}: an EAGLE-3 head without fc.weight; is it an EAGLE-1/2 head?")
+    if w["fc.weight"].shape != (cfg.hidden_size, 3 * target_hidden):
+        raise UsageError(f"{name}: its fc reads {w['fc.weight'].shape[1]} features, but three "
+                         f"layers of this target give 3 x {target_hidden}: a head for another "
+                         f"target")
+    if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
+        raise UsageError(f"{name}: aux hidden-state layers {list(layers)} do not fit a target "
+                         f"of {n_layers} layers")
+    if "d2t" not in w and draft_vocab != vocab:
+        raise UsageError(f"{name}: a draft vocabulary of {draft_vocab} ids without the d2t "
+                         f"mapping to the target's {vocab}")
+    if "d2t" in w and (len(w["d2t"]) != draft_vocab or int((
+            torch.arange(len(w["d2t"])) + w["d2t"].cpu()).max()) >= vocab):
+        raise UsageError(f"{name}: its d2t maps draft ids past the target's vocabulary of "
+                         f"{vocab}: a head for another target")
+
+
+def medusa_checkpoint(folder: str, config: dict[str, Any], target: nn.Module,
+                      name: str) -> MedusaDrafter:
+    """Medusa-1 heads from FasterDecoding's checkpoints (config medusa_num_heads,
+    medusa_num_layers; weights medusa_head.K.L.linear.*, medusa_head.K.<L>.weight) or vLLM's
+    Medusa format (config num_heads, num_hidden_layers; blocks.K.layers.L.*, lm_heads.K.*)."""
+    heads = int(config.get("medusa_num_heads") or config.get("num_heads") or 0)
+    layers = int(config.get("medusa_num_layers") or config.get("num_hidden_layers") or 1)
+    w: dict[str, torch.Tensor] = {}
+    for k, v in read_weights(folder).items():
+        k = k.removeprefix("medusa_heads.")
+        m = re.fullmatch(r"medusa_head\.(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)", k)
+        if m and int(m.group(2)) == layers:
+            k = f"lm_heads.{m.group(1)}.{m.group(3)}"
+        elif m:
+            k = f"blocks.{m.group(1)}.{m.group(2)}.{m.group(3)}"
+        w[re.sub(r"^blocks\.(\d+)\.layers\.", r"blocks.\1.", k)] = v
+    hidden = target.config.get_text_config(decoder=True).hidden_size
+    if heads < 1 or "lm_heads.0.weight" not in w:
+        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no heads)")
+    if w["lm_heads.0.weight"].shape[1] != hidden or "token_map" in w:
+        raise UsageError(f"{name}: Medusa heads of width {w['lm_heads.0.weight'].shape[1]}"
+                         f"{' with a token_map' if 'token_map' in w else ''} do not fit this "
+                         f"target (hidden size {hidden})")
+    net = MedusaNet(hidden, w["lm_heads.0.weight"].shape[0], heads, layers,
+                    "blocks.0.0.bias" in w)
+    missing, unexpected = net.load_state_dict(w, strict=False)
+    if missing or unexpected:
+        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (missing "
+                         f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
+    device = model_device(target) or torch.device("cpu")
+    net = net.to(device=device, dtype=next(target.parameters()).dtype).eval()
+    return MedusaDrafter(target, net.requires_grad_(False), name)
+
+
+def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
+    """The EAGLE-3 or Medusa drafter in a checkpoint folder (None: not a draft head)."""
+    found = head_kind(folder)
+    if found is None:
+        return None
+    kind, config = found
+    load = eagle3_checkpoint if kind == "eagle3" else medusa_checkpoint
+    return load(folder, config, target, folder)
 
 def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
     """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
@@ -3775,11 +4279,13 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
     target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
                                                    args.use_unsloth, progress, **placement)
     loaded = {args.target: (target, tok)}
+    heads = {n: d for n in args.draft if os.path.isdir(n)
+             for d in [head_drafter(n, target)] if d is not None}  # EAGLE-3, Medusa
     for name in args.draft:
-        if name not in loaded and name not in BUILT_IN_DRAFTERS:
+        if name not in loaded and name not in BUILT_IN_DRAFTERS and name not in heads:
             loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
                                                     progress, **placement)[:2]
-    models = [n for n in args.draft if n not in BUILT_IN_DRAFTERS]
+    models = [n for n in args.draft if n not in BUILT_IN_DRAFTERS and n not in heads]
     base = models[0] if len(models) == 1 else args.target
     named = [] if len(models) == 1 and layers else [(n, *loaded[n]) for n in models]
     named += [(f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
@@ -3788,6 +4294,7 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
         check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
     drafters = {name: AssistantDrafter(target, model, name) if AssistantDrafter.recognises(model)
                 else ModelDrafter(name, model) for name, model, _ in named}
+    drafters.update(heads)
     for name in args.draft:
         if name in BUILT_IN_DRAFTERS:
             drafters[name] = BUILT_IN_DRAFTERS[name](target, tok, args)

@@ -16,17 +16,18 @@ Sections, in specdec.py's order (stand-ins and oracles first, the real model las
    8. drafters: n-gram prompt lookup, without a model
    9. drafters: MTP layers of the target (DeepSeek-V3, Mellum), run through transformers' MtpModel
   10. drafters: Gemma-4 assistant sidecars
-  11. simulation: the batched, cached loop against the paper's one-prompt, no-cache loop
-  12. simulation under the serving engines' rule (--proposal argmax): accept argmax q with p(x)
-  13. statistics: closed forms, estimators, intervals
-  14. the report
-  15. pictures and files
-  16. measurement: several drafts, costs, vocabularies, interrupts and resuming
-  17. training: alpha as a Trainer metric
-  18. loading models and data
-  19. many processes
-  20. command line
-  21. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
+  11. drafters: EAGLE-3 heads and Medusa heads, from the checkpoints teams publish
+  12. simulation: the batched, cached loop against the paper's one-prompt, no-cache loop
+  13. simulation under the serving engines' rule (--proposal argmax): accept argmax q with p(x)
+  14. statistics: closed forms, estimators, intervals
+  15. the report
+  16. pictures and files
+  17. measurement: several drafts, costs, vocabularies, interrupts and resuming
+  18. training: alpha as a Trainer metric
+  19. loading models and data
+  20. many processes
+  21. command line
+  22. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 """
 import os
 
@@ -396,6 +397,94 @@ def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
     return target.eval().requires_grad_(False), assistant.eval().requires_grad_(False)
 
 
+
+def make_eagle3_checkpoint(folder, fmt: str, target, seed: int = 0, draft_vocab: int = 32,
+                           zero: bool = False):
+    """A tiny EAGLE-3 head for `target` (hidden 32, 4 heads of 8, 2 KV heads) saved as `fmt`
+    publishes it: "specforge" (Llama-like config, architectures LlamaForCausalLMEagle3,
+    midlayer.* in safetensors), "speculators" (speculators_model_type eagle3, the layer's
+    settings in transformer_layer_config, layers.0.*, a verifier_* tensor to ignore) or
+    "eagle" (the original EAGLE-3 layout: midlayer.* in pytorch_model.bin, with its own
+    embed_tokens). The draft vocabulary is `draft_vocab` of the target's ids, d2t their
+    offsets. zero: every weight zero but the norms (a head whose q is uniform on its
+    vocabulary). Returns (the tensors, the draft vocabulary's target ids)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    h, t_h, inter = 32, target.config.hidden_size, 48
+    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
+
+    def rnd(*shape, scale=0.3):
+        return torch.zeros(shape) if zero else scale * torch.randn(*shape, generator=g)
+    w = {"midlayer.self_attn.q_proj.weight": rnd(32, 2 * h),
+         "midlayer.self_attn.k_proj.weight": rnd(16, 2 * h),
+         "midlayer.self_attn.v_proj.weight": rnd(16, 2 * h),
+         "midlayer.self_attn.o_proj.weight": rnd(h, 32),
+         "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+         "midlayer.mlp.up_proj.weight": rnd(inter, h),
+         "midlayer.mlp.down_proj.weight": rnd(h, inter),
+         "fc.weight": rnd(h, 3 * t_h, scale=0.2), "lm_head.weight": rnd(draft_vocab, h, scale=1.0),
+         "d2t": ids - torch.arange(draft_vocab),
+         "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"midlayer.{n}.weight"] = torch.ones(h) + (0 if zero else rnd(h, scale=0.1))
+    w["norm.weight"] = torch.ones(h)
+    layer = dict(hidden_size=h, intermediate_size=inter, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=V,
+                 max_position_embeddings=256, rope_theta=10000.0, hidden_act="silu")
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "speculators":
+        config = dict(speculators_model_type="eagle3", transformer_layer_config=layer,
+                      draft_vocab_size=draft_vocab, norm_before_residual=False,
+                      target_hidden_size=t_h)
+        w = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()}
+        w["verifier_lm_head.weight"] = torch.zeros(V, t_h)
+        save_file(w, os.path.join(folder, "model.safetensors"))
+    else:
+        config = dict(layer, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                      num_hidden_layers=1, draft_vocab_size=draft_vocab)
+        if fmt == "eagle":
+            w["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
+            torch.save(w, os.path.join(folder, "pytorch_model.bin"))
+        else:
+            save_file(w, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return {k.replace("layers.0.", "midlayer."): v for k, v in w.items()}, ids
+
+
+def make_medusa_checkpoint(folder, fmt: str, hidden: int = 32, heads: int = 3,
+                           layers: int = 1, seed: int = 0):
+    """Tiny Medusa-1 heads saved as FasterDecoding publishes them ("medusa": config
+    medusa_num_heads, medusa_head.K.L.linear.*, medusa_head.K.<layers>.weight) or in vLLM's
+    format ("vllm": config architectures MedusaModel, blocks.K.layers.L.*, lm_heads.K.*).
+    Returns the tensors by (head, what)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    t = {(k, f"w{i}"): 0.3 * torch.randn(hidden, hidden, generator=g) for k in range(heads)
+         for i in range(layers)}
+    t.update({(k, f"b{i}"): 0.1 * torch.randn(hidden, generator=g) for k in range(heads)
+              for i in range(layers)})
+    t.update({(k, "head"): torch.randn(V, hidden, generator=g) for k in range(heads)})
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "medusa":
+        w = {f"medusa_head.{k}.{i[1:]}.linear.{'weight' if i[0] == 'w' else 'bias'}": v
+             for (k, i), v in t.items() if i != "head"}
+        w.update({f"medusa_head.{k}.{layers}.weight": v for (k, i), v in t.items()
+                  if i == "head"})
+        config = dict(medusa_num_heads=heads, medusa_num_layers=layers,
+                      base_model_name_or_path="target")
+        save_file(w, os.path.join(folder, "medusa_lm_head.safetensors"))
+    else:
+        w = {f"blocks.{k}.layers.{i[1:]}.{'weight' if i[0] == 'w' else 'bias'}": v
+             for (k, i), v in t.items() if i != "head"}
+        w.update({f"lm_heads.{k}.weight": v for (k, i), v in t.items() if i == "head"})
+        config = dict(architectures=["MedusaModel"], num_heads=heads, num_hidden_layers=layers,
+                      hidden_size=hidden, vocab_size=V, medusa_fc_bias=True)
+        save_file(w, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return t
+
 # ----------------------------------------------------------------------------------------------
 # oracles: brute force, plain loops, closed forms, goodness of fit
 
@@ -610,6 +699,99 @@ def plain_product_limit(reached, took):
     return total
 
 
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def eagle3_layer(w, emb, hid, positions, heads=4, kv_heads=2, dim=8, theta=10000.0):
+    """EAGLE-3's decoder layer, plain: every slot attends every earlier one (causal), no
+    cache. emb, hid (T, 32); positions (T,) -> its output before the final norm (T, 32)."""
+    m = "midlayer."
+    x = torch.cat([rms(emb, w[m + "input_layernorm.weight"]),
+                   rms(hid, w[m + "hidden_norm.weight"])], -1)
+    q = (x @ w[m + "self_attn.q_proj.weight"].T).view(-1, heads, dim)
+    k = (x @ w[m + "self_attn.k_proj.weight"].T).view(-1, kv_heads, dim)
+    v = (x @ w[m + "self_attn.v_proj.weight"].T).view(-1, kv_heads, dim)
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, dim, 2).double() / dim)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs], -1).sin(
+    ).float()
+
+    def rope(t):
+        half = torch.cat([-t[..., dim // 2:], t[..., :dim // 2]], -1)
+        return t * cos[:, None] + half * sin[:, None]
+    q, k = rope(q), rope(k).repeat_interleave(heads // kv_heads, 1)
+    v = v.repeat_interleave(heads // kv_heads, 1)
+    score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+    n = len(positions)
+    score = score.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(n, heads * dim)
+    r = hid + attn @ w[m + "self_attn.o_proj.weight"].T
+    y = rms(r, w[m + "post_attention_layernorm.weight"])
+    mlp = (nn.functional.silu(y @ w[m + "mlp.gate_proj.weight"].T)
+           * (y @ w[m + "mlp.up_proj.weight"].T)) @ w[m + "mlp.down_proj.weight"].T
+    return r + mlp
+
+
+@torch.no_grad()
+def eagle3_draft(target, w, ids, layers=(2, 2, 1)):
+    """The EAGLE-3 draft as the paper and its reference run it, as draft(prefix, drafted) ->
+    its logits for the next token over the target's ids (-inf off its vocabulary): the
+    committed slots j read token j+1 and fc(the target's hidden states entering `layers` at
+    j); each later step reads its own draft and the step before's output, one position on,
+    attending the committed slots and the earlier steps. Everything recomputed, no cache."""
+    embed = target.get_input_embeddings().weight
+
+    def logits(prefix, drafted):
+        hs = target.model(input_ids=torch.tensor([prefix[:-1]]),
+                          output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i][0] for i in layers], -1) @ w["fc.weight"].T  # (P, 32)
+        toks, hid = list(prefix[1:]), [feats]
+        for k in range(len(drafted) + 1):
+            pos = torch.arange(1, len(toks) + 1)
+            out = eagle3_layer(w, embed[torch.tensor(toks)], torch.cat(hid), pos)[-1]
+            if k < len(drafted):
+                toks.append(drafted[k])
+                hid.append(out[None])
+        small = rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+        full = torch.full((V,), float("-inf"))
+        full[ids] = small
+        return full
+    return logits
+
+
+@torch.no_grad()
+def medusa_draft(target, t):
+    """Medusa-1 as its paper runs it, as draft(prefix, drafted): head k = len(drafted), on the
+    target's final hidden state where prefix[-1] was predicted: x + SiLU(W x + b) blocks,
+    then its own head."""
+    def logits(prefix, drafted):
+        x = target.model(input_ids=torch.tensor([prefix[:-1]])).last_hidden_state[0, -1]
+        k, i = len(drafted), 0
+        while (k, f"w{i}") in t:
+            x = x + nn.functional.silu(x @ t[k, f"w{i}"].T + t[k, f"b{i}"])
+            i += 1
+        return x @ t[k, "head"].T
+    return logits
+
+
+def head_step_alphas(target, draft, seqs, s, n_tokens, seed, steps):
+    """Per step k = 1..steps, alpha_t at every scored position t >= 1 that step k reaches:
+    draft(prefix up to t, the continuation's next k-1 tokens) against the target at t+k-1."""
+    want = [[] for _ in range(steps)]
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(target, q.ids, s, n_tokens, seed, i)
+        with torch.no_grad():
+            lp = target(input_ids=torch.tensor([row])).logits[0, :, :V]
+        for t in range(max(len(q.ids) - 1, 1), len(row) - 1):
+            for k in range(steps):
+                if t + k > len(row) - 2:
+                    break
+                p_ = bf_processed(lp[t + k], s)
+                q_ = bf_processed(draft(row[:t + 1], row[t + 1:t + 1 + k]), s)
+                want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
+    return want
+
 # ----------------------------------------------------------------------------------------------
 # types: settings and the report's JSON
 
@@ -680,15 +862,19 @@ LEGACY_REPORT_JSON = (
 
 
 def test_report_json_keeps_the_flat_keys_of_earlier_versions(llama, llama2, tok_plain):
-    """The same run today writes the same JSON as that version, key for key and number for
-    number (top level, per-prompt rows, gamma table); and the old file reads back into a
-    report that prints the same text and resumes."""
+    """The same run today writes that version's JSON, key for key and number for number (top
+    level, per-prompt rows, gamma table; keys may be added, none dropped); and the old file
+    reads back into a report that prints the same text and resumes."""
     old = json.loads(LEGACY_REPORT_JSON)
     seqs = sd.build_sequences(["hello there", "abc"], tok_plain)
     r = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9), device=CPU,
                               gamma=2, continuation_tokens=3, simulate=True, seed=1,
                               target_name="t", draft_name="d")
-    assert json.loads(json.dumps(r.to_dict())) == old
+    new = json.loads(json.dumps(r.to_dict()))  # (later versions may add keys, never drop)
+    assert {k: new[k] for k in old if k != "per_prompt"} == \
+        {k: v for k, v in old.items() if k != "per_prompt"}
+    assert [{k: row[k] for k in was} for row, was in zip(new["per_prompt"],
+                                                        old["per_prompt"])] == old["per_prompt"]
     back = sd.AcceptanceReport.from_dict(old)
     assert back.simulated.alpha == old["empirical_alpha"] and back.gamma_table[0]["sim_est_speedup"]
     assert sd.format_report(back) == sd.format_report(r)
@@ -1751,6 +1937,141 @@ def test_cli_recognises_an_assistant_and_refuses_a_foreign_target(capsys, tmp_pa
                                      str(tmp_path / "assistant"), "--data", data_txt])
     assert rc == 2 and err.count("\n") == 1 and "Gemma-4" in err
 
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: EAGLE-3 heads and Medusa heads, from the checkpoints teams publish
+
+
+@pytest.fixture(scope="session")
+def llama4():
+    """A 4-layer Llama stand-in: EAGLE-3's default layers (2, N // 2, N - 3) are (2, 2, 1)."""
+    return make_llama(3, layers=4)
+
+
+EAGLE_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?", "one two three"]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators", "eagle"])
+def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_plain, tmp_path):
+    """Each published layout loads as the same head; per step k, teacher-forced alpha equals
+    the paper's draft (eagle3_draft: plain tensors, no cache) fed the continuation's own
+    tokens, and the draft vocabulary's share of p is the target's mass on its 32 ids."""
+    w, ids = make_eagle3_checkpoint(tmp_path, fmt, llama4)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    assert isinstance(drafter, sd.Eagle3Drafter) and drafter.layers == (2, 2, 1)
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama4, drafter, seqs, sampling=s, device=CPU, gamma=3,
+                              continuation_tokens=5, seed=2, batch_size=3)
+    want = head_step_alphas(llama4, eagle3_draft(llama4, w, ids), seqs, s, 5, 2, 3)
+    assert r.alpha_by_head[:3] == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    assert len(r.alpha_by_head) == 8  # as many steps as the best-gamma table's largest block
+    cover = []
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(llama4, q.ids, s, 5, 2, i)
+        for t in range(len(q.ids) - 1, len(row) - 1):
+            cover.append(sum(bf_processed(last_logits(llama4, row[:t + 1]), s)[j] for j in ids))
+    assert r.draft_vocab_coverage == pytest.approx(sum(cover) / len(cover), abs=1e-5)
+    assert "draft vocabulary covers" in sd.format_report(r)
+
+
+@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
+def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp_path):
+    """The batched simulation, its committed slots and draft steps as EAGLE caches them,
+    against the paper's loop (reference_loop) driving the plain draft: the same cycles and
+    tokens, prompt by prompt (at T = 0 and T > 0: one random stream each)."""
+    w, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    want = reference_loop(llama4, eagle3_draft(llama4, w, ids), seqs, SAMPLINGS[key], gamma,
+                          10, seed=3)
+    got = simulate(llama4, drafter, seqs, SAMPLINGS[key], gamma, 10, seed=3, batch_size=3)
+    for i, row in enumerate(want):
+        assert counts(got[i]) == row, i
+    assert sum(row["examined"] for row in want) > 0
+
+
+def test_eagle3_that_reproduces_the_target_on_its_vocabulary_accepts_everything(
+        llama4, tok_plain, tmp_path):
+    """A target whose mass is all on the draft vocabulary (head bias -30 elsewhere, uniform
+    there) and a head whose q is uniform on that vocabulary (every weight zero): alpha 1 in
+    both routes, and the draft vocabulary covers all of p."""
+    _, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, zero=True)
+    target = with_head_bias(llama4, {j: (0.0 if j in ids.tolist() else -30.0)
+                                     for j in range(V)})
+    target.lm_head.weight.zero_()
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=3, continuation_tokens=6, simulate=True, seed=1)
+    assert r.alpha == pytest.approx(1.0, abs=1e-6) and r.empirical_alpha == 1.0
+    assert r.draft_vocab_coverage == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("fmt", ["medusa", "vllm"])
+def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plain, tmp_path):
+    """FasterDecoding's and vLLM's layouts load as the same heads; per-head teacher-forced
+    alpha and the simulation (T = 1) equal the paper's heads run on plain tensors
+    (medusa_draft) through reference_loop; the chain never claims more than 1 + heads tokens."""
+    t = make_medusa_checkpoint(tmp_path, fmt)
+    drafter = sd.head_drafter(str(tmp_path), llama)
+    assert isinstance(drafter, sd.MedusaDrafter) and drafter.steps == 3
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama, drafter, seqs, sampling=s, device=CPU, gamma=5,
+                              continuation_tokens=5, seed=2, batch_size=3)
+    want = head_step_alphas(llama, medusa_draft(llama, t), seqs, s, 5, 2, 3)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    assert r.drafted_by == ["head 1", "head 2", "head 3", "-", "-"]
+    assert all(row["tokens_per_cycle"] <= 4 + 1e-9 for row in r.gamma_table)
+    ref = reference_loop(llama, medusa_draft(llama, t), seqs, s, 3, 10, seed=4)
+    got = simulate(llama, drafter, seqs, s, 3, 10, seed=4, batch_size=4)
+    for i, row in enumerate(ref):
+        assert counts(got[i]) == row, i
+
+
+def test_cli_measures_eagle3_and_medusa_heads_and_refuses_heads_for_another_target(
+        capsys, tmp_path, model_dirs, data_txt, llama):
+    """--draft PATH recognises each by its config; a head that does not fit the target (fc
+    width, d2t past the vocabulary, a draft vocabulary without d2t, Medusa width) is one line,
+    exit 2."""
+    from safetensors.torch import load_file, save_file
+    target = model_dirs["target"]  # 2 layers: EAGLE-3 heads name their layers (0, 1, 1)
+    base = sd.load_model_and_tokenizer(target, "cpu", progress=False)[0]
+    make_eagle3_checkpoint(tmp_path / "eagle", "speculators", base)
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
+    (tmp_path / "eagle" / "config.json").write_text(json.dumps(cfg))
+    make_medusa_checkpoint(tmp_path / "medusa", "medusa")
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", target, "--draft", str(tmp_path / "eagle"),
+                                     "--draft", str(tmp_path / "medusa"), "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "6", "--quiet",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    eagle, medusa = json.loads(out.read_text())
+    assert eagle["draft_vocab_coverage"] < 1 and medusa["drafted_by"][:3] == [
+        "head 1", "head 2", "head 3"] and "draft vocabulary covers" in text
+
+    def broken(name, change):
+        folder = tmp_path / name
+        import shutil
+        shutil.copytree(tmp_path / ("medusa" if name.startswith("medusa") else "eagle"), folder)
+        path = next(folder.glob("*.safetensors"))
+        w = load_file(str(path))
+        change(w)
+        save_file(w, str(path))
+        return str(folder)
+    cases = {
+        broken("fc", lambda w: w.update({"fc.weight": torch.zeros(32, 90)})): "fc reads",
+        broken("d2t", lambda w: w.update({"d2t": w["d2t"] + 40})): "past the target",
+        broken("nomap", lambda w: w.pop("d2t")): "without the d2t",
+        broken("medusa-wide", lambda w: w.update(
+            {"medusa_head.0.1.weight": torch.zeros(V, 64)})): "do not fit",
+    }
+    for folder, word in cases.items():
+        rc, _, err = run_cli(capsys, ["--target", target, "--draft", folder, "--data",
+                                      data_txt, "--quiet"])
+        assert rc == 2 and err.count("\n") == 1 and word in err, (folder, err)
 
 # ----------------------------------------------------------------------------------------------
 # simulation: the batched, cached loop against the paper's one-prompt, no-cache loop
