@@ -167,6 +167,8 @@ class Settings:
     estimator: str = "iid"  # E[accepted] from alpha: "iid" closed form or "positional"
     cost_ratio: float | str | None = None  # None/"auto" = parameters, "measure" or a number
     eos: frozenset[int] | None = None  # ids that end a continuation; None = the target's
+    separate_continuation: bool = False  # with simulate: sample the teacher-forced text apart
+    # from the simulation's (else the simulation's output is that text: one continuation)
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -1004,16 +1006,18 @@ class TargetPass(NamedTuple):
 def target_pass(target: nn.Module, route_p: bool, batch: list[int],
                 sequences: Sequence[TokenSequence], sampling: SamplingParams,
                 settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                bar: Any) -> TargetPass:
+                bar: Any, conts: list[list[int]] | None = None) -> TargetPass:
     """The target's continuation of each prompt of a batch (the text speculative decoding
-    would produce), then one teacher-forced target pass over prompt + continuation."""
+    would produce; `conts` when the simulation has written it already), then one
+    teacher-forced target pass over prompt + continuation."""
     sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
-    bar.set_description("continuations")
-    with step("sampling the target's continuations"):
-        conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
-                                      vocab=vocab, eos=eos, seed=settings.seed,
-                                      batch_size=len(sub), indices=batch, bar=bar)
-                 if n_tokens else [[] for _ in sub])
+    if conts is None:
+        bar.set_description("continuations")
+        with step("sampling the target's continuations"):
+            conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
+                                          vocab=vocab, eos=eos, seed=settings.seed,
+                                          batch_size=len(sub), indices=batch, bar=bar)
+                     if n_tokens else [[] for _ in sub])
     rows = [s.ids + c for s, c in zip(sub, conts)]
     spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
              for s, c in zip(sub, conts)]
@@ -2914,29 +2918,42 @@ def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
 def measure_side(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
                  side: TargetPass, sequences: Sequence[TokenSequence], sampling: SamplingParams,
                  settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                 into: Sequence[dict[int, PromptResult]], bar: Any) -> None:
+                 into: Sequence[dict[int, PromptResult]], bar: Any,
+                 sims: list[dict[int, RowStats]] | None = None) -> None:
     """Measure one batch against every drafter, given the target's side of it (made once for
-    them all): teacher-forced scoring, then, with settings.simulate, the real loop; results
-    land in into[k][prompt index] as each step finishes, so an interrupted batch keeps what
-    it completed (its simulation only whole: the rows that finish first are the fast-
-    accepting ones, so a cut batch would bias a partial report upwards)."""
+    them all): teacher-forced scoring, then, with settings.simulate, the simulation (`sims`
+    when it ran already, each drafter's); results land in into[k][prompt index] as each step
+    finishes, so an interrupted batch keeps what it completed (its simulation only whole: the
+    rows that finish first are the fast-accepting ones, so a cut batch would bias a partial
+    report upwards)."""
     bar.set_description("teacher-forced")
     for d, results, per_prompt in zip(drafters, into, score_batch(
             target, route_p, drafters, side, sampling, vocab, device)):
         for i, steps in zip(side.batch, per_prompt):
             results[i] = prompt_result(i, sequences[i].category, steps[0], settings.gammas,
                                        steps[1:], sampling.proposal, d.steps)
-    if not settings.simulate:
-        return
+    if settings.simulate:
+        sims = sims or simulate_side(target, drafters, side.batch, sequences, sampling,
+                                     settings, eos, device, vocab, bar)
+        for results, rows in zip(into, sims):
+            for i, row in rows.items():
+                results[i].sim = row
+
+
+def simulate_side(target: nn.Module, drafters: Sequence[Drafter], batch: list[int],
+                  sequences: Sequence[TokenSequence], sampling: SamplingParams,
+                  settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
+                  bar: Any) -> list[dict[int, RowStats]]:
+    """The simulation of one batch with each drafter (its budget: continuation_tokens)."""
     bar.set_description("simulation")
     config = LoopConfig(sampling, settings.gamma, settings.continuation_tokens, vocab, eos,
                         device, settings.seed)
-    for d, results in zip(drafters, into):
+    out = []
+    for d in drafters:
         with step(f"the simulation with draft {d.name}"):
-            sims = run_simulation(target, d, [sequences[i] for i in side.batch], config,
-                                  batch_size=len(side.batch), indices=side.batch, bar=bar)
-        for i, row in sims.items():
-            results[i].sim = row
+            out.append(run_simulation(target, d, [sequences[i] for i in batch], config,
+                                      batch_size=len(batch), indices=batch, bar=bar))
+    return out
 
 
 def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
@@ -2945,8 +2962,21 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
                   device: torch.device, results: list[dict[int, PromptResult]], bar: Any) -> None:
     """Measure one batch of prompts against every drafter, into results[k][prompt index]:
     per vocabulary group, the target's continuation (the text speculative decoding would
-    produce) and teacher-forced pass, then measure_side."""
+    produce) and teacher-forced pass, then measure_side. With simulate, each drafter's
+    simulation runs first and its output is that drafter's continuation: speculative sampling
+    is lossless, so what it emits is an exact sample from the target, and the two routes
+    score the same text (a target pass per drafter, the continuation's own pass saved);
+    separate_continuation samples one continuation apart, shared by every drafter."""
     for vocab, members in vocab_groups(target, drafters).items():
+        if settings.simulate and not settings.separate_continuation:
+            for k in members:  # each drafter's own text, and a target pass over it
+                sims = simulate_side(target, [drafters[k]], batch, sequences, sampling,
+                                     settings, eos, device, vocab, bar)
+                side = target_pass(target, route_p, batch, sequences, sampling, settings, eos,
+                                   device, vocab, bar, [sims[0][i].tokens for i in batch])
+                measure_side(target, route_p, [drafters[k]], side, sequences, sampling,
+                             settings, eos, device, vocab, [results[k]], bar, sims)
+            continue
         side = target_pass(target, route_p, batch, sequences, sampling, settings, eos, device,
                            vocab, bar)
         measure_side(target, route_p, [drafters[k] for k in members], side, sequences,
@@ -3045,7 +3075,8 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
     mine = [b for b in deal(length_batches(sequences, settings.batch_size), *share)
             if not all(i in r and (r[i].sim is not None or not settings.simulate)
                        for r in results for i in b)]
-    groups = len(vocab_groups(target, drafters))
+    sampled = not settings.simulate or settings.separate_continuation  # a pass of its own
+    groups = len(vocab_groups(target, drafters)) if sampled else 0
     bar = _progress(sum(map(len, mine)) * settings.continuation_tokens
                     * (groups + settings.simulate * len(drafters)), "measuring", progress)
     with step("the target's first forward"):
@@ -3119,12 +3150,14 @@ class TrainingMeter:
     measurement is one batched forward of the draft (plus, with simulate, the real loop).
 
     The numbers are those of measure_acceptance(target, draft, sequences, ...) with the same
-    settings: the same batches, the same continuations, the same sums."""
+    settings: the same batches, the same continuations, the same sums (with simulate, those of
+    separate_continuation=True: the continuations are sampled before any draft is seen)."""
 
     def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
                  sampling: SamplingParams, settings: Settings, device: torch.device | None = None):
         self.target, self.sequences = target, list(sequences)
-        self.sampling, self.settings = sampling, settings
+        # the target's side is made once, before any draft: its own continuations
+        self.sampling, self.settings = sampling, replace(settings, separate_continuation=True)
         self.device = device or model_device(target) or torch.device("cpu")
         self.sides: list[TargetPass] | None = None  # made on first use
 
@@ -4104,7 +4137,14 @@ def _drafters_options(ap: Any) -> None:
 
 def _measurement_options(ap: Any) -> None:
     ap.add_argument("--simulate", action="store_true",
-                    help="also run the real speculative-sampling loop (the simulated route)")
+                    help="also run the real speculative-sampling loop (the simulated route); "
+                    "its output, an exact sample from the target, is then the text the "
+                    "teacher-forced route scores")
+    ap.add_argument("--separate-continuation", action="store_true",
+                    help="with --simulate: score the teacher-forced route on a continuation "
+                    "sampled apart from the simulation (one more target pass: earlier "
+                    "versions' behaviour, and each of several drafters then sees the same, "
+                    "drafter-free text)")
     ap.add_argument("--estimator", default="iid", choices=["iid", "positional"],
                     help="E[accepted draft tokens] from alpha: iid = the closed form "
                     "alpha(1-alpha^gamma)/(1-alpha); positional = the mean over start positions "
@@ -4201,7 +4241,8 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
-                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio))
+                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
+                        separate_continuation=args.separate_continuation)
     _check_json_target(args.json)
     _check_plot_target(args.plot)
     if not args.draft and not layers:

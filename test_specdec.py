@@ -869,10 +869,11 @@ def test_report_json_keeps_the_flat_keys_of_earlier_versions(llama, llama2, tok_
     seqs = sd.build_sequences(["hello there", "abc"], tok_plain)
     r = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9), device=CPU,
                               gamma=2, continuation_tokens=3, simulate=True, seed=1,
-                              target_name="t", draft_name="d")
+                              target_name="t", draft_name="d", separate_continuation=True)
     new = json.loads(json.dumps(r.to_dict()))  # (later versions may add keys, never drop)
-    assert {k: new[k] for k in old if k != "per_prompt"} == \
-        {k: v for k, v in old.items() if k != "per_prompt"}
+    skip = ("per_prompt", "run_key")  # (the key grows as what it must cover grows)
+    assert {k: new[k] for k in old if k not in skip} == \
+        {k: v for k, v in old.items() if k not in skip}
     assert [{k: row[k] for k in was} for row, was in zip(new["per_prompt"],
                                                         old["per_prompt"])] == old["per_prompt"]
     back = sd.AcceptanceReport.from_dict(old)
@@ -2429,14 +2430,16 @@ def test_argmax_rule_teacher_forced_alpha_is_p_of_the_drafts_argmax(s, llama, ll
 
 def test_identical_models_accept_the_expected_max_under_the_argmax_rule(llama, seqs):
     """A draft identical to the target, T 0.7: Leviathan's rule accepts everything (alpha 1),
-    the engines' rule accepts x = argmax p with p(x): alpha = E[max_v p_t(v)] < 1."""
+    the engines' rule accepts x = argmax p with p(x): alpha = E[max_v p_t(v)] < 1, here over
+    the text the simulation itself emitted (the teacher-forced route scores it)."""
     s = sd.SamplingParams(0.7)
     kw = dict(device=CPU, gamma=3, continuation_tokens=6, seed=4, simulate=True)
     r = sd.measure_acceptance(llama, llama, seqs, sampling=argmax_rule(s), **kw)
     r0 = sd.measure_acceptance(llama, llama, seqs, sampling=s, **kw)
+    emitted = simulate(llama, llama, seqs, argmax_rule(s), 3, 6, seed=4)
     tops = []
     for i, q in enumerate(seqs):
-        row = list(q.ids) + ref_continuation(llama, q.ids, s, 6, 4, i)
+        row = list(q.ids) + emitted[i].tokens
         with torch.no_grad():
             lp = llama(input_ids=torch.tensor([row])).logits[0, :, :V]
         tops += [max(bf_processed(lp[t], s)) for t in range(len(q.ids) - 1, len(row) - 1)]
@@ -2678,9 +2681,15 @@ def test_report_to_dict_fields(llama, llama2, seqs, sim_report):
                                   device=CPU, gamma=3, continuation_tokens=9, seed=11,
                                   cost_ratio=0.25, batch_size=4).to_dict()
     assert all(plain[k] is None for k in SIM_FIELDS)
-    # the teacher-forced half does not depend on whether the simulation ran
+    # scored on a continuation of its own, the teacher-forced half does not depend on whether
+    # the simulation ran
+    apart = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9, top_k=12),
+                                  device=CPU, gamma=3, continuation_tokens=9, seed=11,
+                                  cost_ratio=0.25, batch_size=4, simulate=True,
+                                  separate_continuation=True).to_dict()
     for k in ["alpha", "alpha_std", "scored_positions", "expected_accepted", "est_speedup"]:
-        assert plain[k] == d[k]
+        assert plain[k] == apart[k]
+    assert all(apart[k] == d[k] for k in SIM_FIELDS if k != "gamma_table")
 
 
 def test_gamma_table_simulation_columns(sim_report):
@@ -2985,12 +2994,12 @@ def test_wider_draft_vocab_is_cut_before_sampling(llama, wide_draft, seqs):
                               continuation_tokens=5, simulate=True, seed=6, batch_size=4)
     assert r.vocab == V
     assert any("vocab widths differ" in n and "48" in n and "56" in n for n in r.notes)
-    conts = [ref_continuation(llama, q.ids, s, 5, 6, i) for i, q in enumerate(seqs)]
-    per = tf_oracle(llama, wide_draft, seqs, conts, s, vocab=V)
+    rows = simulate(llama, wide_draft, seqs, s, 2, 5, seed=6, batch_size=4)
+    # the teacher-forced route scores the text the simulation emitted
+    per = tf_oracle(llama, wide_draft, seqs, [rows[i].tokens for i in range(len(seqs))], s,
+                    vocab=V)
     flat = [a for alphas, _, _ in per for a in alphas]
     assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
-    rows = simulate(llama, wide_draft, seqs, s, 2, 5, vocab=V, eos=set(),
-                             seed=6, batch_size=4)
     ref = reference_loop(llama, wide_draft, seqs, s, 2, 5, seed=6)
     assert all(counts(rows[i]) == ref[i] for i in rows)
     assert all(t < V for row in rows.values() for t in row.tokens)
@@ -3052,15 +3061,16 @@ def test_several_drafts_share_one_set_of_target_passes(llama, llama2, gpt2, seqs
 
 
 def interrupt_after(monkeypatch, n_calls):
-    """Make the n-th call of sample_continuations raise KeyboardInterrupt (a Ctrl-C)."""
-    orig, calls = sd.sample_continuations, []
+    """Make the n-th call of target_pass (once per batch, a drafter) raise KeyboardInterrupt
+    (a Ctrl-C)."""
+    orig, calls = sd.target_pass, []
 
     def boom(*args, **kwargs):
         calls.append(1)
         if len(calls) >= n_calls:
             raise KeyboardInterrupt
         return orig(*args, **kwargs)
-    monkeypatch.setattr(sd, "sample_continuations", boom)
+    monkeypatch.setattr(sd, "target_pass", boom)
 
 
 def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
@@ -3073,8 +3083,8 @@ def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
     assert r.partial and r.n_sequences == 3 and r.simulated_prompts == 3
     assert "3 of 7" in r.progress_note and "PARTIAL" in sd.format_report(r)
     sub = [seqs[i] for i in first]
-    conts = [ref_continuation(llama, seqs[i].ids, s, 5, 13, i) for i in first]
-    per = tf_oracle(llama, llama2, sub, conts, s)
+    emitted = simulate(llama, llama2, seqs, s, 2, 5, seed=13, batch_size=3)
+    per = tf_oracle(llama, llama2, sub, [emitted[i].tokens for i in first], s)
     flat = [a for alphas, _, _ in per for a in alphas]
     assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
 
@@ -3090,7 +3100,7 @@ def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, ca
     rc, _, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json")])
     assert rc == 0
     path = str(tmp_path / "run.json")
-    interrupt_after(monkeypatch, 2)
+    interrupt_after(monkeypatch, 3)  # a target pass per drafter: the second batch's first
     rc, out, _ = run_cli(capsys, argv + ["--json", path, "--resume"])  # no file yet: fresh
     monkeypatch.undo()
     assert rc == 130 and "PARTIAL" in out
@@ -3107,6 +3117,35 @@ def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, ca
     rc, out, err = run_cli(capsys, argv[:-3] + ["--temperature", "0.9", "--quiet", "--json",
                                                path, "--resume"])
     assert rc == 2 and "written by another run" in err
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1"])
+def test_one_continuation_serves_both_routes(key, llama, llama2, seqs, monkeypatch):
+    """With simulate, the teacher-forced route scores the text the simulation emitted: no
+    continuation is sampled apart (sample_continuations never runs), the simulated numbers are
+    bit for bit those of a run with a continuation of its own (--separate-continuation), and
+    at T = 0, where the simulation emits the target's own greedy text, so are the
+    teacher-forced ones. (At T > 0 they score another sample; the wider-vocabulary test checks
+    them against the simulation's own text.)"""
+    kw = dict(sampling=SAMPLINGS[key], device=CPU, gamma=3, continuation_tokens=8, seed=5,
+              simulate=True, batch_size=3)
+    apart = sd.measure_acceptance(llama, llama2, seqs, separate_continuation=True, **kw)
+    calls = []
+    real = sd.sample_continuations
+    monkeypatch.setattr(sd, "sample_continuations", lambda *a, **k: calls.append(1) or real(
+        *a, **k))
+    one = sd.measure_acceptance(llama, llama2, seqs, **kw)
+    assert not calls
+    assert asdict_equal(one.simulated, apart.simulated)
+    if key == "greedy":
+        assert asdict_equal(one.teacher_forced, apart.teacher_forced)
+    else:
+        assert one.alpha != apart.alpha  # another sample of the target's text
+
+
+def asdict_equal(a, b) -> bool:
+    from dataclasses import asdict
+    return json.dumps(asdict(a), sort_keys=True) == json.dumps(asdict(b), sort_keys=True)
 
 
 def test_interrupt_in_the_first_batch_gives_an_empty_partial_report(monkeypatch, llama, seqs):
