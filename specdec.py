@@ -1064,15 +1064,32 @@ def stats_by_prompt(target: nn.Module, scores: Scores, states_p: torch.Tensor,
 # a Session that proposes, then advances by what each cycle committed) and one small Session.
 
 
+def q_head(logits_of: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
+           vocab: int, propose: bool = False
+           ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+    """A Scores.head from a drafter's logits function: logits cut to the shared vocabulary,
+    refused if NaN or +inf (-inf marks ids a drafter never proposes), processed (draft_probs,
+    the q proposals are drawn from, when propose)."""
+    def head(states: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+        logits = logits_of(states)[..., :vocab]
+        check_finite(logits.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0),
+                     "draft", where)
+        return (draft_probs if propose else processed_probs)(logits, sampling)
+    return head
+
+
 def model_head(model: nn.Module, route: bool, sampling: SamplingParams, vocab: int
                ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-    """Scores.head for a model's scored outputs (see scored_outputs): logits, cut to the
-    shared vocabulary, refused if not finite, processed."""
-    def head(states: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
-        logits = head_logits(model, states, route)[..., :vocab]
-        check_finite(logits, "draft", where)
-        return processed_probs(logits, sampling)
-    return head
+    """Scores.head for a model's scored outputs (see scored_outputs)."""
+    return q_head(lambda states: head_logits(model, states, route), sampling, vocab)
+
+
+def left_pad_states(states: Sequence[torch.Tensor | None], width: int, size: int,
+                    device: torch.device) -> torch.Tensor:
+    """Per-row states (n_b, size) (None: none yet) -> (B, width, size), zeros on the left."""
+    return torch.stack([torch.cat([torch.zeros(width - len(h), size).to(h), h])
+                        if h is not None and len(h) else torch.zeros(width, size, device=device)
+                        for h in states])
 
 
 class ModelDrafter(Drafter):
@@ -1339,11 +1356,8 @@ class MtpDrafter(Drafter):
     def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
         """Outputs (..., H) -> q: the shared head's logits, processed (draft_probs: propose)."""
-        def to_q(hidden: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
-            logits = self.mtp._project_to_logits(hidden).to(hidden.device)[..., :vocab]
-            check_finite(logits, "draft", where)
-            return (draft_probs if propose else processed_probs)(logits, sampling)
-        return to_q
+        return q_head(lambda h: self.mtp._project_to_logits(h).to(h.device), sampling, vocab,
+                      propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
         if states is None:  # the target's head is not a plain map: get its states here
@@ -1388,10 +1402,8 @@ class MtpSession(Session):
         ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
         if not ids.shape[1]:  # no target state yet (one-token prompts): no proposal
             return Proposal.none(len(pending), c)
-        size = d.mtp.config.hidden_size
-        hidden = torch.stack([torch.cat([torch.zeros(ids.shape[1] - len(h), size).to(h), h])
-                              if len(h) else torch.zeros(ids.shape[1], size, device=c.device)
-                              for h in self.hidden])  # (B, T, H), left-padded like ids
+        hidden = left_pad_states(self.hidden, ids.shape[1], d.mtp.config.hidden_size,
+                                 c.device)  # (B, T, H), left-padded like ids
         count = live[:, -1] * steps  # a row with no target state yet proposes nothing
         head, qs, ds, current = d.head(c.sampling, c.vocab, propose=True), [], [], [ids]
 
@@ -1482,11 +1494,7 @@ class AssistantDrafter(Drafter):
     def head(self, sampling: SamplingParams, vocab: int
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
         """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
-        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
-            logits = self.logits(out)[..., :vocab]
-            check_finite(logits, "draft", where)
-            return processed_probs(logits, sampling)
-        return to_q
+        return q_head(self.logits, sampling, vocab)
 
     def score(self, rows, spans, states, sampling, vocab, device):
         with final_states(self.target) as seen:
@@ -1661,11 +1669,7 @@ class Eagle3Drafter(Drafter):
 
     def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
-            logits = self.net.logits(out, vocab)
-            check_finite(logits.nan_to_num(neginf=0.0), "draft", where)  # -inf: off its vocab
-            return (draft_probs if propose else processed_probs)(logits, sampling)
-        return to_q
+        return q_head(lambda out: self.net.logits(out, vocab), sampling, vocab, propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
         with layer_inputs(self.target, self.layers) as got:
@@ -1720,10 +1724,7 @@ class Eagle3Session(Session):
         if not ids.shape[1] or not ready.any():  # no target state yet: no proposal
             return Proposal.none(len(pending), c)
         size = next(s for s in self.states if s is not None).shape[-1]
-        feats = torch.stack([torch.cat([torch.zeros(ids.shape[1] - len(s), size).to(s), s])
-                             if s is not None else torch.zeros(ids.shape[1], size,
-                                                               device=c.device)
-                             for s in self.states])  # (B, T, 3 H_t), left-padded like ids
+        feats = left_pad_states(self.states, ids.shape[1], size, c.device)  # (B, T, 3 H_t)
         out, cache, seen = d.net.committed(ids, d.net.fc(feats.to(d.net.fc.weight)), live, pos)
         head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
 
@@ -1785,11 +1786,7 @@ class MedusaDrafter(Drafter):
 
     def head(self, k: int, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        def to_q(out: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
-            logits = self.net.lm_heads[k](out)[..., :vocab]
-            check_finite(logits, "draft", where)
-            return (draft_probs if propose else processed_probs)(logits, sampling)
-        return to_q
+        return q_head(self.net.lm_heads[k], sampling, vocab, propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
         if states is None:  # the target's head is not a plain map: get its states here
@@ -3906,11 +3903,14 @@ def check_prompt_budget(max_samples: int | None, max_length: int) -> None:
 
 def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
                     max_samples: int | None = None, max_length: int = 512,
-                    chat_template: str = "auto") -> list[TokenSequence]:
+                    chat_template: str = "auto", system_prompt: str | None = None
+                    ) -> list[TokenSequence]:
     """Tokenise prompts; the chat template wraps them where the tokenizer has one.
 
-    Prompts longer than max_length keep their last max_length tokens (the part the model
-    continues).
+    system_prompt: None leaves the system message to the template (some add a default of their
+    own); a text is the system message of every prompt (replacing one the data has); "" is an
+    empty one (what --system-prompt none gives). Prompts longer than max_length keep their
+    last max_length tokens (the part the model continues).
     """
     check_prompt_budget(max_samples, max_length)
     if chat_template not in ("auto", "on", "off"):
@@ -3919,6 +3919,9 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
     if chat_template == "on" and not has_template:
         raise UsageError("--chat-template on: this tokenizer has no chat template; use off")
     use_template = has_template and chat_template != "off"
+    if system_prompt is not None and not use_template:
+        raise UsageError("--system-prompt needs the tokenizer's chat template (this one has "
+                         "none, or --chat-template off)")
     out = []
     for prompt in list(prompts)[:max_samples]:
         prompt = Prompt(prompt) if isinstance(prompt, str) else prompt
@@ -3926,6 +3929,9 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
         if use_template:
             messages = content if isinstance(content, list) else [
                 {"role": "user", "content": content}]
+            if system_prompt is not None:
+                messages = [{"role": "system", "content": system_prompt}] + [
+                    m for m in messages if m.get("role") != "system"]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]

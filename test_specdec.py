@@ -3366,6 +3366,28 @@ def test_truncated_prompt_count_in_the_report(llama, llama2, tok_plain):
     assert any(n.startswith("3 prompt(s) longer than --max-length") for n in r.notes)
 
 
+@pytest.mark.parametrize("system", ["Answer in one word.", ""])
+def test_system_prompt_changes_the_prompt_ids_as_the_chat_template_says(system, tok, tok_plain):
+    """--system-prompt TEXT (and none, an empty system message): the ids are the chat
+    template's rendering of [system, user], replacing a system message the data has; without
+    the option they are the template's rendering of the user message alone; a tokenizer
+    without a template refuses it."""
+    prompts = ["hello there", sd.Prompt([{"role": "system", "content": "old"},
+                                         {"role": "user", "content": "abc"}])]
+    got = sd.build_sequences(prompts, tok, system_prompt=system)
+    for q, user in zip(got, ["hello there", "abc"]):
+        text = tok.apply_chat_template([{"role": "system", "content": system},
+                                        {"role": "user", "content": user}],
+                                       add_generation_prompt=True, tokenize=False)
+        assert q.ids == tok(text, add_special_tokens=False)["input_ids"]
+    plain = sd.build_sequences(["hello there"], tok)[0].ids
+    assert plain == tok(tok.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                                add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)["input_ids"] != got[0].ids
+    with pytest.raises(ValueError, match="chat template"):
+        sd.build_sequences(["hi"], tok_plain, system_prompt=system)
+
+
 def test_build_sequences_chat_template_on_off_and_max_samples(tok, tok_plain):
     prompts = [sd.Prompt("hi there", "chat"), "second", "third"]
     on = sd.build_sequences(prompts, tok)
