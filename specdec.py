@@ -43,7 +43,8 @@ The file reads top to bottom:
                        measure_acceptance, run_key and resuming
   training             TrainingMeter, AcceptanceCallback (a transformers TrainerCallback)
   loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
-  many processes       join_processes (torchrun, srun), deal, gather_results
+  many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop
+                       the ranks tell each other through the store), gather_results
   command line         build_parser (by topic), cli_reports, main
 """
 from __future__ import annotations
@@ -59,6 +60,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -2992,7 +2994,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                    progress: bool = False, target_name: str = "target",
                    costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
                    done: Sequence[dict[int, PromptResult]] | None = None,
-                   **options: Any) -> list[AcceptanceReport]:
+                   stop: Stop | None = None, **options: Any) -> list[AcceptanceReport]:
     """Measure each (name, draft) against one set of target continuations and target passes.
 
     A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
@@ -3011,6 +3013,9 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     measures its deal of the batches, rank 0 gathers them and alone returns the reports (the
     others return []); the numbers are those of one process. done: per draft, the per-prompt
     results of an interrupted run with the same run_key (see resume_results), not measured again.
+    stop: what ends the run early (see Stop): a signal, or another rank's; every rank stops at
+    its next batch and the reports cover what all ranks finished. stop.ended says afterwards,
+    on every rank alike, whether to measure any further.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
     sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
@@ -3020,14 +3025,17 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     eos = run_eos(target, settings)
     drafters = [d.for_run(eos, settings.gammas) for d in drafters]
     costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
+    stop = stop if stop is not None else Stop()
     results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
-                                   progress and share[0] == 0, share, done)
+                                   progress and share[0] == 0, share, done, stop)
     if share[1] > 1:
         with step(f"gathering the results of {share[1]} processes"):
-            gathered = gather_results(results, interrupted)
+            gathered = gather_results(results, interrupted, stop, share)
         if gathered is None:
             return []  # not rank 0: it alone reports
         results, interrupted = gathered
+    else:
+        stop.ended = interrupted or stop.cause is not None
     reports = []
     for d, res, cost in zip(drafters, results, costs):
         v = shared_vocab(target, d)
@@ -3060,13 +3068,14 @@ def check_measurable(target: nn.Module, drafters: Sequence[Drafter],
 def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
             sampling: SamplingParams, settings: Settings, eos: frozenset[int],
             device: torch.device, progress: bool, share: tuple[int, int] = (0, 1),
-            done: Sequence[dict[int, PromptResult]] | None = None
+            done: Sequence[dict[int, PromptResult]] | None = None, stop: Stop | None = None
             ) -> tuple[list[dict[int, PromptResult]], bool]:
     """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short.
     share = (rank, world): this process measures its deal of the batches (see deal).
     done[k]: results of an earlier, interrupted run (--resume); batches they complete are
     skipped (a batch is measured whole or not at all, so it is the batch of an uninterrupted
-    run, with the same numbers)."""
+    run, with the same numbers). stop: looked at before each batch (see Stop); a stop this
+    process is the first to know of is announced to the other ranks at once."""
     results: list[dict[int, PromptResult]] = [dict(d) for d in done] if done else \
         [{} for _ in drafters]
     mine = [b for b in deal(length_batches(sequences, settings.batch_size), *share)
@@ -3078,13 +3087,23 @@ def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[
                     * (groups + settings.simulate * len(drafters)), "measuring", progress)
     with step("the target's first forward"):
         route_p = head_route(target, _probe([s.ids for s in sequences], device))
+    stop = stop if stop is not None else Stop()
+    store = rank_store() if share[1] > 1 else None
     try:
         for batch in mine:
+            stop.raising = True  # a signal from here on cuts the batch short
+            if stop_requested(stop, store):
+                return results, True
             measure_batch(target, route_p, drafters, batch, sequences, sampling, settings, eos,
                           device, results, bar)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
+            stop.signals.append("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
+        if store is not None:
+            announce_stop(store, stop.cause)
         return results, True
     finally:
+        stop.raising = False
         bar.close()
     return results, False
 
@@ -4016,19 +4035,147 @@ def deal(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
             if (k % world if (k // world) % 2 == 0 else world - 1 - k % world) == rank]
 
 
-def gather_results(results: list[dict[int, PromptResult]], interrupted: bool
-                   ) -> tuple[list[dict[int, PromptResult]], bool] | None:
-    """Every rank's results, merged on rank 0 (None elsewhere); interrupted if any rank was."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a time limit, a preemption, `timeout`): treated as Ctrl-C."""
+
+
+@dataclass
+class Stop:
+    """How a run ends early, as this process knows it, and how long the ranks wait for each
+    other. main's handler for SIGINT and SIGTERM appends the signal's name to `signals` and
+    raises KeyboardInterrupt only while `raising` (start-up, and a batch being measured), and
+    only once: anywhere else (a gather, a report being written) the run stops at its next look
+    and what is in hand is never lost to a second signal, such as the SIGTERM torchrun sends
+    every other rank as soon as one exits."""
+
+    signals: list[str] = field(default_factory=list)  # received here: "SIGINT", "SIGTERM"
+    raising: bool = True
+    other: str | None = None  # what stopped another rank: a signal's name, or "failed"
+    ended: bool = False  # measure no further: the ranks agreed (rank 0's word at a gather)
+    left_behind: dict[int, float] = field(default_factory=dict)  # rank -> seconds waited
+    timeout_s: float = 1800  # the longest wait for another rank (--dist-timeout)
+    grace_s: float = 20  # the wait once a stop is known (--stop-timeout)
+
+    @property
+    def cause(self) -> str | None:
+        """What stops the run: this process's first signal, else another rank's word."""
+        return self.signals[0] if self.signals else self.other
+
+
+def stop_status(stop: Stop) -> int | None:
+    """The exit status a stop gives: 130 Ctrl-C, 143 SIGTERM (this process's own signal first,
+    else the one another rank received); 3 when a rank failed or did not answer; None if the
+    run was not stopped."""
+    if stop.cause in ("SIGINT", "SIGTERM"):
+        return 130 if stop.cause == "SIGINT" else 143
+    return 3 if stop.cause or stop.left_behind else None
+
+
+def rank_store() -> Any:
+    """The process group's key-value store (torchrun's agent's, or rank 0's TCPStore under
+    srun) under a prefix of our own. Stop flags and results go through it rather than through
+    collectives, which hang or fail when a peer is gone."""
     import torch.distributed as dist
-    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((results, interrupted), parts, dst=0)
-    if parts is None:
+    return dist.PrefixStore("specdec/", dist.distributed_c10d._get_default_store())
+
+
+def _look(store: Any, key: str) -> bytes | None:
+    """The value of `key`, or None while it is not set: a look that does not wait."""
+    return store.get(key) if store.check([key]) else None
+
+
+def announce_stop(store: Any, cause: str) -> None:
+    """Tell every rank to stop measuring (they look before each batch and while they wait)."""
+    if not store.check(["stop"]):
+        store.set("stop", cause)
+
+
+def stop_requested(stop: Stop, store: Any | None) -> bool:
+    """Whether to measure no further: this process got a signal, or (store: several processes)
+    another rank announced a stop, which is then kept in stop.other."""
+    if stop.cause is None and store is not None:
+        word = _look(store, "stop")
+        stop.other = word.decode() if word else None
+    return stop.cause is not None
+
+
+def wait_for(store: Any, keys: Sequence[str], stop: Stop, grace_s: float
+             ) -> tuple[dict[str, bytes], float]:
+    """The values of `keys` as they are set, and the seconds waited: at most stop.timeout_s,
+    and at most grace_s from the moment a stop is known (a signal to this process, announced
+    to the others at once, or another rank's word)."""
+    start = time.monotonic()
+    deadline, known, values = start + stop.timeout_s, False, {}
+    while True:
+        for k in keys:
+            if k not in values and store.check([k]):
+                values[k] = store.get(k)
+        now = time.monotonic()
+        if len(values) == len(keys) or now >= deadline:
+            return values, now - start
+        if not known and stop_requested(stop, store):
+            known = True
+            if stop.signals:
+                announce_stop(store, stop.cause)
+            deadline = min(deadline, now + grace_s)
+        time.sleep(0.05)
+
+
+def gather_results(results: list[dict[int, PromptResult]], interrupted: bool, stop: Stop,
+                   share: tuple[int, int], store: Any | None = None
+                   ) -> tuple[list[dict[int, PromptResult]], bool] | None:
+    """What every rank finished, merged on rank 0 (None elsewhere), and whether anything is
+    missing: a rank cut short, or one that did not answer in time (rank 0 leaves it behind,
+    in stop.left_behind, and goes on with the rest). Each rank hands its part to the store,
+    then waits for rank 0's word, which sets stop.ended on every rank alike: a stop known to
+    rank 0 by then ends the run everywhere, and no rank starts another temperature alone."""
+    rank, world = share
+    store = store if store is not None else rank_store()
+    n = store.add(f"gathers/{rank}", 1)  # the n-th gather of the run, the same on every rank
+    if interrupted and stop.signals:
+        announce_stop(store, stop.cause)
+    if rank != 0:
+        store.set(f"part/{n}/{rank}", pickle.dumps((results, interrupted)))
+        # rank 0 may wait grace_s for another rank after it learns of a stop: outlast that
+        word, waited = wait_for(store, [f"verdict/{n}"], stop, 2 * stop.grace_s)
+        if not word:
+            stop.left_behind[0], stop.ended = waited, True
+            return None
+        verdict = json.loads(word[f"verdict/{n}"])
+        stop.ended, stop.other = verdict["ended"], stop.other or verdict["cause"]
         return None
+    keys = {f"part/{n}/{r}": r for r in range(1, world)}
+    parts, waited = wait_for(store, list(keys), stop, stop.grace_s)
+    stop.left_behind.update({r: waited for k, r in keys.items() if k not in parts})
     merged: list[dict[int, PromptResult]] = [{} for _ in results]
-    for part, _ in parts:
-        for mine, theirs in zip(merged, part):
+    cut = interrupted or bool(stop.left_behind)
+    for part in [(results, interrupted)] + [pickle.loads(v) for v in parts.values()]:
+        if part is None:  # a rank that stopped before it had results (see hand_over_nothing)
+            cut = True
+            continue
+        for mine, theirs in zip(merged, part[0]):
             mine.update(theirs)
-    return merged, any(cut for _, cut in parts)
+        cut = cut or part[1]
+    stop_requested(stop, store)
+    cause = stop.cause or ("failed" if stop.left_behind else None)
+    if cause:
+        announce_stop(store, cause)  # a rank left behind stops at its next batch
+    stop.ended = cut or cause is not None
+    store.set(f"verdict/{n}", json.dumps({"ended": stop.ended, "cause": cause}))
+    return merged, cut
+
+
+def hand_over_nothing(stop: Stop, rank: int, store: Any | None = None) -> None:
+    """A rank that stops before it has results (a signal during start-up, a failure): tell the
+    others to stop, and spare them the wait at the gather they join next: rank 0 gives that
+    gather up (it has no models to report with), any other rank hands in an empty part."""
+    store = store if store is not None else rank_store()
+    announce_stop(store, stop.cause or "failed")
+    n = store.add(f"gathers/{rank}", 1)
+    if rank == 0:
+        store.set(f"verdict/{n}", json.dumps({"ended": True, "cause": stop.cause or "failed"}))
+    else:
+        store.set(f"part/{n}/{rank}", pickle.dumps(None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4058,7 +4205,9 @@ def build_parser() -> argparse.ArgumentParser:
                  epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
                  "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
                  "torch or transformers (one line naming the step; --traceback for more), "
-                 "130 interrupted (the partial report is printed).")
+                 "130 interrupted, 143 terminated (SIGTERM): the partial report is printed "
+                 "and the JSON written (under torchrun or srun: by rank 0, of what every rank "
+                 "finished).")
     _models_options(ap.add_argument_group("models", "what to measure"))
     _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
     _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
@@ -4197,8 +4346,14 @@ def _scale_out_options(ap: Any) -> None:
     ap.add_argument("--offload-folder", default=None, metavar="DIR",
                     help="with --device-map: where weights that fit nowhere else go (disk)")
     ap.add_argument("--dist-timeout", type=float, default=1800, metavar="SECONDS",
-                    help="under torchrun or srun: how long a rank waits for the others at the "
-                    "final gather before giving up (default 1800)")
+                    help="under torchrun or srun: how long a rank waits for the others at a "
+                    "gather; a rank that has not answered by then is left out of the report "
+                    "(default 1800)")
+    ap.add_argument("--stop-timeout", type=float, default=20, metavar="SECONDS",
+                    help="under torchrun or srun, after Ctrl-C, SIGTERM or a failed rank: how "
+                    "long rank 0 waits for each rank's finished batches before it writes the "
+                    "report without them (default 20: inside the 30 s torchrun and SLURM "
+                    "allow before SIGKILL)")
 
 
 def _check_plot_target(path: str | None) -> None:
@@ -4238,10 +4393,14 @@ def _number_list(text: str, what: str, kind: type) -> list:
 
 
 def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
-                where: tuple[Launch, str] | None = None) -> list[AcceptanceReport]:
+                where: tuple[Launch, str] | None = None, stop: Stop | None = None
+                ) -> list[AcceptanceReport]:
     """The CLI's work between parsing and printing: one report per (temperature, draft).
     status(line) is told what is about to be measured; where: this process's place in a
-    multi-process launch (launch_from_env; read from the environment when not given)."""
+    multi-process launch (launch_from_env; read from the environment when not given);
+    stop: main's (see Stop), which a signal fills in."""
+    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
+                                              grace_s=args.stop_timeout)
     samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal)
                  for t in _number_list(args.temperature, "--temperature", float)]
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
@@ -4273,6 +4432,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
     earlier = _earlier_results(args)
     reports: list[AcceptanceReport] = []
+    stop.raising = False  # started: from here a signal stops the run at its next look
     for sampling in samplings:
         done = [earlier.get(run_key(args.target, d.name, sampling, settings, seqs), {})
                 for d in drafts]
@@ -4281,11 +4441,12 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
                              f"models, data or settings); drop --resume or pick another path")
         batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
                                settings=settings, progress=progress, target_name=args.target,
-                               costs=costs, share=(launch.rank, launch.world), done=done)
+                               costs=costs, share=(launch.rank, launch.world), done=done,
+                               stop=stop)
         for r in batch:
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
-        if any(r.partial for r in batch):
+        if stop.ended:
             break  # interrupted: report what finished, measure no further temperature
     return reports
 
@@ -4409,55 +4570,60 @@ def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list
     return lines
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a time limit, a preemption, `timeout`): treated as Ctrl-C."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI; the only place that prints. Exit status: 0 ok, 1 --min-alpha gate failed,
     2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted (Ctrl-C),
-    143 terminated (SIGTERM): both of those print the partial report and write the JSON."""
+    143 terminated (SIGTERM): both of those print the partial report and write the JSON,
+    under torchrun or srun on every rank (rank 0 writes what all ranks finished)."""
     import signal
+    import threading
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["measure"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     say = (lambda line: None) if args.quiet else (
         lambda line: print(line, file=sys.stderr, flush=True))
-    terminated: list[bool] = []  # set when SIGTERM arrives, read after the run
-    import threading
-    catch_term = (threading.current_thread() is threading.main_thread()
-                  and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
-    if catch_term:
-        signal.signal(signal.SIGTERM, lambda *a: terminated.append(True) or _raise_terminated(*a))
+    stop = Stop(timeout_s=args.dist_timeout, grace_s=args.stop_timeout)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.signals.append(signal.Signals(signum).name)
+        if stop.raising:
+            stop.raising = False  # once: what follows (a gather, the report) must finish
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    caught = [n for n, d in defaults.items() if signal.getsignal(n) is d
+              and threading.current_thread() is threading.main_thread()]
+    for n in caught:
+        signal.signal(n, on_signal)
     try:
-        return _run_and_print(args, say, terminated)
+        return _run_and_print(args, say, stop)
     finally:
-        if catch_term:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for n in caught:
+            signal.signal(n, defaults[n])
         if "torch.distributed" in sys.modules and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
-                   terminated: list[bool]) -> int:
+def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: Stop) -> int:
     """main's body: run, print the reports (rank 0 only), write the JSON, the exit status."""
     launch, address = launch_from_env(dict(os.environ))
     tag = f" (rank {launch.rank})" if launch.rank else ""
     try:
-        reports = cli_reports(args, say, (launch, address))
+        reports = cli_reports(args, say, (launch, address), stop)
     except (UsageError, FloatingPointError) as e:
+        _hand_over_nothing(stop, launch)
         print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        how = "terminated (SIGTERM)" if terminated else "interrupted"
-        print(f"specdec{tag}: {how} before any measurement finished", file=sys.stderr)
-        return 143 if terminated else 130
+        if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
+            stop.signals.append("SIGINT")
+        _hand_over_nothing(stop, launch)
+        print(f"specdec{tag}: {_stopped(stop)} before any measurement finished",
+              file=sys.stderr)
+        return stop_status(stop)
     except Exception as e:  # unforeseen: one line, the traceback only when asked
+        _hand_over_nothing(stop, launch)
         if args.traceback:
             import traceback
             traceback.print_exc()
@@ -4465,8 +4631,12 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
         print(f"specdec: error{tag}: {what}" + ("" if args.traceback else
                                                 " (--traceback shows where)"), file=sys.stderr)
         return 3
+    for r, waited in stop.left_behind.items():
+        print(f"specdec{tag}: rank {r} did not answer within {waited:.0f} s: " +
+              ("its batches are left out of the report" if launch.rank == 0 else
+               "this rank's batches may be missing from the report"), file=sys.stderr)
     if not reports:
-        return 0  # a rank other than 0: rank 0 reports for all
+        return stop_status(stop) or 0  # a rank other than 0: rank 0 reports for all
     out = sys.stderr if args.json == "-" else sys.stdout
     print("\n\n".join(format_report(r) for r in reports), file=out)
     if len(reports) > 1:
@@ -4478,12 +4648,33 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None],
         write_json_atomic(args.json, data)
     if args.plot:
         plot_reports(reports, args.plot)
-    if any(r.partial for r in reports):
-        return 143 if terminated else 130
+    temperatures = _number_list(args.temperature, "--temperature", float)
+    measured = len({r.temperature for r in reports})
+    if stop.ended and measured < len(temperatures):
+        rest = ", ".join(f"{t:g}" for t in temperatures[measured:])
+        print(f"specdec: {_stopped(stop)}: temperature {rest} not measured", file=sys.stderr)
+    status = stop_status(stop)
+    if status is not None:
+        return status
     failures = [] if args.min_alpha is None else gate_failures(reports, args.min_alpha)
     for line in failures:
         print(line, file=sys.stderr)
     return 1 if failures else 0
+
+
+def _stopped(stop: Stop) -> str:
+    """What stopped the run, in a few words."""
+    return {"SIGTERM": "terminated (SIGTERM)", "SIGINT": "interrupted"}.get(
+        stop.cause, "stopped (a rank failed or did not answer)")
+
+
+def _hand_over_nothing(stop: Stop, launch: Launch) -> None:
+    """Under torchrun or srun, a rank that ends without results tells the others (see
+    hand_over_nothing), if the process group is up and its store still answers."""
+    if launch.world > 1 and "torch.distributed" in sys.modules \
+            and torch.distributed.is_initialized():
+        with contextlib.suppress(Exception):
+            hand_over_nothing(stop, launch.rank)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import copy  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -2834,7 +2835,7 @@ def gate_report(alpha, alpha_ci, empirical=None, empirical_ci=None):
 def test_min_alpha_gate_known_outcomes(report, threshold, fails, capsys, monkeypatch):
     lines = sd.gate_failures([report], threshold)
     assert bool(lines) == fails
-    monkeypatch.setattr(sd, "cli_reports", lambda args, status, where: [report])
+    monkeypatch.setattr(sd, "cli_reports", lambda args, status, where, stop: [report])
     rc = sd.main(["--target", "t", "--draft", "d", "--min-alpha", str(threshold), "--quiet"])
     out, err = capsys.readouterr()
     assert rc == (1 if fails else 0) and "speculative-decoding acceptance" in out
@@ -3502,6 +3503,137 @@ def test_deal_gives_every_batch_once_and_balances_lengths():
         assert max(totals) - min(totals) <= world
 
 
+def gather_in_threads(store, parts, stops):
+    """gather_results on every rank of len(parts), each in a thread, through one store:
+    what each rank's call returns."""
+    import threading
+    out = {}
+
+    def rank(r):
+        results, cut = parts[r]
+        out[r] = sd.gather_results(results, cut, stops[r], (r, len(parts)), store)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return out
+
+
+def test_the_store_gather_merges_every_rank_and_tells_them_all_it_was_cut():
+    import torch.distributed as dist
+    store = dist.HashStore()
+    # a whole gather (the first temperature): every part, nothing cut, nobody stops
+    parts = {r: ([{r: r}], False) for r in range(3)}
+    stops = {r: sd.Stop(timeout_s=20, grace_s=5) for r in parts}
+    out = gather_in_threads(store, parts, stops)
+    assert out == {0: ([{0: 0, 1: 1, 2: 2}], False), 1: None, 2: None}
+    assert not any(s.ended or s.cause or s.left_behind for s in stops.values())
+    assert all(sd.stop_status(s) is None for s in stops.values())
+    # the next one, under its own keys: per drafter (2), per prompt index, any picklable
+    # value stands in for a PromptResult; rank 2 was cut short by its Ctrl-C
+    parts = {0: ([{0: "a0", 1: "a1"}, {0: "b0"}], False), 1: ([{2: "a2"}, {2: "b2"}], False),
+             2: ([{4: "a4"}, {}], True)}
+    stops = {r: sd.Stop(timeout_s=20, grace_s=5) for r in parts}
+    stops[2].signals.append("SIGINT")
+    out = gather_in_threads(store, parts, stops)
+    merged = [{}, {}]
+    for results, _ in parts.values():
+        for m, p in zip(merged, results):
+            m.update(p)
+    assert out == {0: (merged, True), 1: None, 2: None}
+    assert all(s.ended and s.cause == "SIGINT" and sd.stop_status(s) == 130
+               for s in stops.values())
+
+
+@pytest.mark.parametrize("signalled", [True, False])
+def test_a_rank_that_does_not_answer_is_left_behind_in_bounded_time(signalled):
+    """After a stop, rank 0 waits grace_s for a silent rank (it is known to be stopping);
+    without one, timeout_s (--dist-timeout); then it goes on with what it has, and says
+    which rank it left behind."""
+    import time
+    import torch.distributed as dist
+    store = dist.HashStore()
+    stop = sd.Stop(timeout_s=0.2 if not signalled else 60, grace_s=0.2)
+    if signalled:
+        stop.signals.append("SIGTERM")
+    start = time.monotonic()
+    merged, cut = sd.gather_results([{0: "mine"}], signalled, stop, (0, 3), store)
+    assert time.monotonic() - start < 2
+    assert merged == [{0: "mine"}] and cut and stop.ended
+    assert sorted(stop.left_behind) == [1, 2] and all(0.2 <= w < 2
+                                                      for w in stop.left_behind.values())
+    assert sd.stop_status(stop) == (143 if signalled else 3)
+    # the ranks that come late learn it all the same, and never wait for rank 0
+    late = sd.Stop(timeout_s=60, grace_s=60)
+    assert sd.gather_results([{1: "late"}], False, late, (1, 3), store) is None
+    assert late.ended and late.cause == ("SIGTERM" if signalled else "failed")
+    assert store.get("stop") == (b"SIGTERM" if signalled else b"failed")  # others stop too
+
+
+def test_a_rank_stopped_before_it_had_results_spares_the_others_the_wait():
+    """Rank 1 interrupted while it loads its models hands in nothing at once; rank 0, which
+    had measured, reports what it has without waiting for it."""
+    import time
+    import torch.distributed as dist
+    store = dist.HashStore()
+    early = sd.Stop(signals=["SIGTERM"])
+    sd.hand_over_nothing(early, 1, store)
+    stop = sd.Stop(timeout_s=60, grace_s=60)
+    start = time.monotonic()
+    assert sd.gather_results([{0: "mine"}], False, stop, (0, 2), store) == ([{0: "mine"}],
+                                                                           True)
+    assert time.monotonic() - start < 2 and stop.cause == "SIGTERM" and not stop.left_behind
+    # rank 0 interrupted during start-up: it gives its first gather up, and a rank that
+    # gets there is told so at once
+    store = dist.HashStore()
+    sd.hand_over_nothing(sd.Stop(signals=["SIGINT"]), 0, store)
+    other = sd.Stop(timeout_s=60, grace_s=60)
+    assert sd.gather_results([{1: "x"}], False, other, (1, 2), store) is None
+    assert other.ended and sd.stop_status(other) == 130
+
+
+def test_collect_looks_for_a_stop_before_each_batch(monkeypatch, llama, llama2, seqs):
+    """Another rank's stop, announced while this one measures its first batch: no second batch
+    is started, and what the first measured is kept."""
+    import torch.distributed as dist
+    store = dist.HashStore()
+    monkeypatch.setattr(sd, "rank_store", lambda: store)
+    orig, started = sd.measure_batch, []
+
+    def batch(*args, **kwargs):
+        started.append(args[3])
+        orig(*args, **kwargs)
+        store.set("stop", "SIGTERM")  # another rank got a SIGTERM meanwhile
+    monkeypatch.setattr(sd, "measure_batch", batch)
+    settings = sd.Settings(gamma=2, continuation_tokens=3, batch_size=2)
+    stop = sd.Stop()
+    drafter = sd.as_drafter("d", llama2)
+    results, cut = sd.collect(llama, [drafter], seqs, sd.SamplingParams(0.7), settings,
+                              frozenset(), CPU, False, (0, 2), stop=stop)
+    assert cut and stop.other == "SIGTERM" and not stop.signals and not stop.raising
+    assert started == sd.deal(sd.length_batches(seqs, 2), 0, 2)[:1]
+    assert sorted(results[0]) == sorted(started[0])
+
+
+def test_a_signal_while_the_report_is_written_is_noted_not_raised(capsys, monkeypatch):
+    """Outside start-up and the batches (a gather, the report, the JSON), SIGTERM does not cut
+    the work short: it is noted, and the exit status says so."""
+    import signal
+    import time
+
+    def reports(args, status, where, stop):
+        stop.raising = False  # as cli_reports has it once the models are loaded
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs here
+        return [gate_report(0.8, (0.7, 0.9))]
+    monkeypatch.setattr(sd, "cli_reports", reports)
+    rc = sd.main(["--target", "t", "--draft", "d", "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 143 and "speculative-decoding acceptance" in out and err == ""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main put it back
+
+
 def torchrun(nproc, script_argv, tmp_path, timeout=240):
     import subprocess
     import sys
@@ -3555,6 +3687,256 @@ sys.exit(specdec.main())
     assert "specdec: error (rank 1): the teacher-forced pass of draft" in lines[0]
     assert "rank 1 broke" in lines[0] and "Traceback" not in lines[0]
     assert len(lines) <= 2  # rank 0: at most one line of its own (terminated, or the gather)
+
+
+# Interrupts across ranks. Each test runs 2 gloo ranks through this script: specdec.main()
+# with hooks that make the nth call of a chosen function write a marker (the rank's pid) and,
+# for a pause, wait there until a signal comes (or a file go<rank> appears), so a signal
+# lands at a chosen moment and never by luck. Every batch a rank starts is logged with its
+# temperature, and main's exit status goes to rc<rank> (no file: the rank was killed).
+RANK_SCRIPT = """import os, sys, time
+sys.path.insert(0, {root!r})
+import specdec
+rank = os.environ["RANK"]
+plan = {plan!r}.get(rank, {{}})
+def hooked(name, orig, nth, pause):
+    calls = []
+    def hook(*args, **kwargs):
+        calls.append(1)
+        if name == "measure_batch":
+            with open("batches" + rank, "a") as f:
+                f.write(str(args[5].temperature) + "\\n")
+        if len(calls) == nth:
+            with open("mark.tmp" + rank, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace("mark.tmp" + rank, name + "." + rank)
+            while pause and not os.path.exists("go" + rank):
+                time.sleep(0.02)
+        return orig(*args, **kwargs)
+    return hook
+for name, (nth, pause) in dict({{"measure_batch": (0, False)}}, **plan).items():
+    setattr(specdec, name, hooked(name, getattr(specdec, name), nth, pause))
+rc = specdec.main()
+with open("rc" + rank, "w") as f:
+    f.write(str(rc))
+sys.exit(rc)
+"""
+
+
+class RankRun(NamedTuple):
+    status: dict[int, int | None]  # main's exit status per rank; None: the rank was killed
+    stdout: str
+    lines: list[str]  # specdec's own lines on stderr, both ranks
+    stderr: str
+    report: Any  # the JSON written, or None
+    batches: dict[int, list[float]]  # the temperature of every batch each rank started
+    after_s: float  # seconds from the last action to the end of the job
+
+
+def ranks_interrupted(tmp_path, argv, plan, act, timeout=150):
+    """2 gloo ranks of specdec with `plan`'s hooks ({rank: {function: (nth call, pause)}});
+    act(mark) is called once they run, where mark(name) waits for the marker file `name`
+    (function.rank) and gives the pid in it; then the job is waited for."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT.format(root=os.path.dirname(SPECDEC),
+                                                         plan=plan))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                             "2", "rank.py"] + argv + ["--json", "run.json"], cwd=tmp_path,
+                            env=env, stdout=out, stderr=err, start_new_session=True)
+    start = time.monotonic()
+
+    def mark(name):
+        while not (tmp_path / name).exists():
+            assert proc.poll() is None, f"the job ended before {name}: " + \
+                (tmp_path / "err").read_text()[-3000:]
+            assert time.monotonic() - start < timeout, f"no {name} in {timeout} s"
+            time.sleep(0.05)
+        return int((tmp_path / name).read_text())
+    try:
+        act(mark)
+        acted = time.monotonic()
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the job's own session: torchrun, its ranks
+            proc.wait()
+    ended = time.monotonic()
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    read = lambda name: (tmp_path / name).read_text() if (tmp_path / name).exists() else None
+    return RankRun({r: None if read(f"rc{r}") is None else int(read(f"rc{r}")) for r in (0, 1)},
+                   stdout, [x for x in stderr.splitlines() if x.startswith("specdec")], stderr,
+                   None if read("run.json") is None else json.loads(read("run.json")),
+                   {r: [float(t) for t in (read(f"batches{r}") or "").split()] for r in (0, 1)},
+                   ended - acted)
+
+
+@pytest.fixture(scope="session")
+def one_process_rows(dist_argv, tmp_path_factory, tok):
+    """The uninterrupted run of dist_argv at temperature 0.7 in one process: its per-prompt
+    rows by index (the numbers 2 ranks give, bit for bit: see the test above), and the prompt
+    indices of rank r's first k batches, finished(k0, k1), dealt as 2 ranks deal them."""
+    path = tmp_path_factory.mktemp("one") / "one.json"
+    assert sd.main(dist_argv + ["--temperature", "0.7", "--json", str(path)]) == 0
+    rows = {r["index"]: r for r in json.loads(path.read_text())["per_prompt"]}
+    seqs = sd.build_sequences(sd.load_texts(dist_argv[dist_argv.index("--data") + 1]), tok,
+                              max_samples=32, max_length=512, chat_template="auto")
+    shares = [sd.deal(sd.length_batches(seqs, 2), r, 2) for r in (0, 1)]
+    assert [len(s) for s in shares] == [3, 3] and len(rows) == len(seqs) == 11
+
+    def finished(k0, k1):
+        return sorted(i for share, k in zip(shares, (k0, k1)) for b in share[:k] for i in b)
+    return rows, finished
+
+
+def check_partial(report, one_process_rows, k0, k1):
+    """The JSON of a stopped run: marked partial, holding exactly rank 0's first k0 batches and
+    rank 1's first k1, each row the one an uninterrupted run gives, and numbers from them."""
+    rows, finished = one_process_rows
+    want = finished(k0, k1)
+    assert report is not None, "no JSON written"
+    assert report["partial"] is True and report["temperature"] == 0.7
+    assert sorted(r["index"] for r in report["per_prompt"]) == want
+    assert all(r == rows[r["index"]] for r in report["per_prompt"])
+    assert report["n_sequences"] == report["simulated_prompts"] == len(want)
+    assert f"{len(want)} of 11 sequences scored" in report["progress_note"]
+    assert report["alpha"] == pytest.approx(sum(rows[i]["alpha_sum"] for i in want)
+                                            / sum(rows[i]["scored"] for i in want))
+
+
+def signal_both(name):
+    """act: when rank 0 has written marker `name[0]` and rank 1 `name[1]`, SIGTERM to both."""
+    import signal
+
+    def act(mark):
+        pids = [mark(name[0]), mark(name[1])]
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+    return act
+
+
+def no_noise(run):
+    """No traceback from a rank (torchrun prints its own for any rank that ends non-zero), no
+    gloo error."""
+    assert 'specdec.py", line' not in run.stderr and 'rank.py", line' not in run.stderr
+    assert "Connection closed" not in run.stderr and "gloo" not in run.stderr.lower()
+
+
+ONE_T = ["--temperature", "0.7"]
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_sigterm_while_rank_0_waits_in_the_gather_loses_nothing(dist_argv, tmp_path,
+                                                                  one_process_rows):
+    """Rank 0 has measured its share and waits for rank 1, which is in its second batch. Before:
+    rank 0 exited 143 'before any measurement finished', rank 1 died in gloo (3), no JSON."""
+    run = ranks_interrupted(tmp_path, dist_argv + ONE_T,
+                            {"0": {"gather_results": (1, False)},
+                             "1": {"measure_batch": (2, True)}},
+                            signal_both(["gather_results.0", "measure_batch.1"]))
+    assert run.status == {0: 143, 1: 143}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == []
+    assert "PARTIAL RESULT — interrupted: 8 of 11 sequences scored" in run.stdout
+    check_partial(run.report, one_process_rows, 3, 1)
+    assert run.after_s < 25  # within torchrun's 30 s before SIGKILL
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_sigterm_to_both_ranks_mid_measurement_stops_both(dist_argv, tmp_path,
+                                                            one_process_rows):
+    """Both ranks in their second batch. Before: rank 1 exited 0 (it never saw the run cut)."""
+    run = ranks_interrupted(tmp_path, dist_argv + ONE_T,
+                            {r: {"measure_batch": (2, True)} for r in "01"},
+                            signal_both(["measure_batch.0", "measure_batch.1"]))
+    assert run.status == {0: 143, 1: 143}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == []
+    check_partial(run.report, one_process_rows, 1, 1)
+    assert run.batches == {0: [0.7, 0.7], 1: [0.7, 0.7]}
+    assert run.after_s < 25
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_sigterm_mid_sweep_starts_no_further_temperature_on_any_rank(dist_argv, tmp_path,
+                                                                        one_process_rows):
+    """--temperature 0.7,0, both ranks in their second batch at 0.7. Before: rank 1 went on to
+    temperature 0 and died in the gather (3)."""
+    run = ranks_interrupted(tmp_path, dist_argv, {r: {"measure_batch": (2, True)} for r in "01"},
+                            signal_both(["measure_batch.0", "measure_batch.1"]))
+    assert run.status == {0: 143, 1: 143}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == ["specdec: terminated (SIGTERM): temperature 0 not measured"]
+    check_partial(run.report, one_process_rows, 1, 1)  # one report: the one at 0.7
+    assert run.batches == {0: [0.7, 0.7], 1: [0.7, 0.7]}  # no batch at temperature 0
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_rank_that_learns_of_a_sigterm_stops_after_its_batch(dist_argv, tmp_path,
+                                                               one_process_rows):
+    """SIGTERM to rank 0 alone, in its second batch at 0.7 of --temperature 0.7,0; rank 1 is
+    held in its second batch until rank 0 is in the gather, then let go: it finishes that
+    batch, starts no other (nor temperature 0), hands both to rank 0 and exits 143 too.
+    Before: rank 1 measured its whole share, went on to temperature 0 and died there (3)."""
+    import signal
+
+    def act(mark):
+        pid = mark("measure_batch.0")
+        mark("measure_batch.1")
+        os.kill(pid, signal.SIGTERM)
+        mark("gather_results.0")  # rank 0 has announced the stop
+        (tmp_path / "go1").write_text("")
+    run = ranks_interrupted(tmp_path, dist_argv, {"0": {"measure_batch": (2, True),
+                                                        "gather_results": (1, False)},
+                                                  "1": {"measure_batch": (2, True)}}, act)
+    assert run.status == {0: 143, 1: 143}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == ["specdec: terminated (SIGTERM): temperature 0 not measured"]
+    check_partial(run.report, one_process_rows, 1, 2)
+    assert run.batches == {0: [0.7, 0.7], 1: [0.7, 0.7]}
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_sigterm_during_start_up_of_one_rank_keeps_the_other_ranks_batches(
+        dist_argv, tmp_path, one_process_rows):
+    """Rank 1 still loading its models, rank 0 in its second batch. Before: rank 1 exited
+    before the gather, rank 0 failed in it (3, 'gathering ... failed'), no JSON."""
+    run = ranks_interrupted(tmp_path, dist_argv + ONE_T,
+                            {"0": {"measure_batch": (2, True)}, "1": {"cli_models": (1, True)}},
+                            signal_both(["measure_batch.0", "cli_models.1"]))
+    assert run.status == {0: 143, 1: 143}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == ["specdec (rank 1): terminated (SIGTERM) before any measurement "
+                         "finished"]
+    check_partial(run.report, one_process_rows, 1, 0)
+    assert run.batches[1] == []
+    assert run.after_s < 25
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_a_killed_rank_is_left_behind_and_rank_0_writes_the_rest(dist_argv, tmp_path,
+                                                                 one_process_rows):
+    """SIGKILL to rank 1 in its second batch: torchrun sends SIGTERM to rank 0, which waits
+    --stop-timeout for rank 1's results, says it left rank 1 behind, and writes its own.
+    Before: rank 0 failed in the gather (gloo: the peer is gone), no JSON."""
+    import signal
+
+    def act(mark):
+        mark("measure_batch.0")
+        os.kill(mark("measure_batch.1"), signal.SIGKILL)
+    run = ranks_interrupted(tmp_path, dist_argv + ONE_T + ["--stop-timeout", "3"],
+                            {r: {"measure_batch": (2, True)} for r in "01"}, act)
+    assert run.status == {0: 143, 1: None}, run.stderr[-3000:]
+    no_noise(run)
+    assert run.lines == ["specdec: rank 1 did not answer within 3 s: its batches are left out "
+                         "of the report"]
+    check_partial(run.report, one_process_rows, 1, 0)
+    assert run.after_s < 25
 
 
 # ----------------------------------------------------------------------------------------------
