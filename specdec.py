@@ -397,6 +397,8 @@ class RunInfo:
     # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
     # with p(x))
     drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
+    system_prompt: str | None = None  # the system message the prompts carried (None: the
+    # chat template's own choice)
     vocab: int = 0
     truncated_prompts: int = 0
     partial: bool = False
@@ -2619,6 +2621,8 @@ def format_report(r: AcceptanceReport) -> str:
     lines = [f"  speculative-decoding acceptance  —  {run.draft}  ⇒  {run.target}",
              f"  sampling: {sampling}    gamma (draft block): {run.gamma}    "
              f"vocabulary: first {run.vocab:,} ids{rule}"]
+    if run.system_prompt is not None:
+        lines.append(f"  system prompt: {run.system_prompt!r}")
     if run.partial:
         lines.append(f"  PARTIAL RESULT — {run.progress_note}")
     lines += [RULE] + _teacher_forced_lines(t, run, cost)
@@ -4252,6 +4256,12 @@ def _data_options(ap: Any) -> None:
                     help="tokens the target writes after each prompt and that are scored; also "
                     "the simulation's budget per prompt. 0 scores the prompt tokens instead "
                     "(default 64)")
+    ap.add_argument("--system-prompt", action="append", default=None, metavar="TEXT|none",
+                    help="the system message of every prompt (with the chat template): TEXT, "
+                    "or none for an empty one; repeat to measure under each, one report per "
+                    "system prompt like a temperature sweep (default: whatever the chat "
+                    "template does by itself). Drafts are trained under one: measure under "
+                    "it and under the one you serve")
     ap.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                     help="wrap prompts in the tokenizer's chat template; auto = when it has one")
 
@@ -4401,8 +4411,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     stop: main's (see Stop), which a signal fills in."""
     stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
                                               grace_s=args.stop_timeout)
-    samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal)
-                 for t in _number_list(args.temperature, "--temperature", float)]
+    sweep = _sweep(args)  # (system prompt, temperature), one report per drafter each
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
@@ -4421,22 +4430,27 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(args, layers, progress, launch)
-    seqs = build_sequences(prompts, tok, max_samples=args.max_samples,
-                           max_length=args.max_length, chat_template=args.chat_template)
+    by_system = {sp: build_sequences(prompts, tok, max_samples=args.max_samples,
+                                     max_length=args.max_length,
+                                     chat_template=args.chat_template, system_prompt=sp)
+                 for sp in dict.fromkeys(sp for sp, _ in sweep)}
+    seqs = next(iter(by_system.values()))
     if launch.rank == 0:
         ranks = f" by {launch.world} processes" if launch.world > 1 else ""
         status(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
-               f"{len(samplings)} temperature(s) on {device}{ranks}")
+               f"{len(sweep)} setting(s) of system prompt and temperature on {device}{ranks}")
     settings = replace(settings, eos=eos_ids(target, tok))
     costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
     earlier = _earlier_results(args)
     reports: list[AcceptanceReport] = []
     stop.raising = False  # started: from here a signal stops the run at its next look
-    for sampling in samplings:
+    for system, t in sweep:
+        sampling, seqs = SamplingParams(t, args.top_k, args.top_p, args.proposal), \
+            by_system[system]
         done = [earlier.get(run_key(args.target, d.name, sampling, settings, seqs), {})
                 for d in drafts]
-        if earlier and not any(done) and sampling == samplings[0]:
+        if earlier and not any(done) and (system, t) == sweep[0]:
             raise UsageError(f"--resume: {args.json} was written by another run (other "
                              f"models, data or settings); drop --resume or pick another path")
         batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
@@ -4444,11 +4458,23 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
                                costs=costs, share=(launch.rank, launch.world), done=done,
                                stop=stop)
         for r in batch:
+            r.run.system_prompt = system
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
         if stop.ended:
             break  # interrupted: report what finished, measure no further temperature
     return reports
+
+
+def _sweep(args: argparse.Namespace) -> list[tuple[str | None, float]]:
+    """The CLI's (system prompt, temperature) settings, in the order they are measured:
+    --system-prompt none is an empty system message; None leaves it to the template."""
+    temperatures = _number_list(args.temperature, "--temperature", float)
+    systems = [None] if not args.system_prompt else [
+        "" if text.strip().lower() == "none" else text for text in args.system_prompt]
+    for t in temperatures:
+        SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
+    return [(sp, t) for sp in systems for t in temperatures]
 
 
 def _earlier_results(args: argparse.Namespace) -> dict[str, dict[int, PromptResult]]:
@@ -4648,10 +4674,11 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
         write_json_atomic(args.json, data)
     if args.plot:
         plot_reports(reports, args.plot)
-    temperatures = _number_list(args.temperature, "--temperature", float)
-    measured = len({r.temperature for r in reports})
-    if stop.ended and measured < len(temperatures):
-        rest = ", ".join(f"{t:g}" for t in temperatures[measured:])
+    sweep = _sweep(args)
+    measured = len({(r.system_prompt, r.temperature) for r in reports})
+    if stop.ended and measured < len(sweep):
+        rest = ", ".join(f"{t:g}" + ("" if sp is None else f" (system prompt {sp!r})")
+                         for sp, t in sweep[measured:])
         print(f"specdec: {_stopped(stop)}: temperature {rest} not measured", file=sys.stderr)
     status = stop_status(stop)
     if status is not None:

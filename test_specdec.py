@@ -4031,6 +4031,26 @@ def test_cli_several_drafts_and_temperatures(capsys, tmp_path, model_dirs, data_
     assert "ranking" in out and out.count("speculative-decoding acceptance") == 4
 
 
+def test_cli_system_prompt_sweep_gives_one_report_each(capsys, tmp_path, model_dirs, data_txt,
+                                                         tok):
+    """--system-prompt twice (one of them none): one report per system prompt, each stating
+    it, measured on prompts whose ids are the chat template's rendering with it."""
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                     model_dirs["draft"], "--data", data_txt, "--quiet",
+                                     "--continuation-tokens", "0", "--system-prompt",
+                                     "Answer briefly.", "--system-prompt", "none",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    brief, empty = json.loads(out.read_text())
+    assert brief["system_prompt"] == "Answer briefly." and empty["system_prompt"] == ""
+    assert "system prompt: 'Answer briefly.'" in text
+    # scored on the prompt tokens (K = 0): the longer system message adds positions
+    extra = len(tok("Answer briefly.", add_special_tokens=False)["input_ids"])
+    assert brief["scored_positions"] == empty["scored_positions"] + extra * len(
+        brief["per_prompt"])
+
+
 def test_cli_draft_layers_list(capsys, tmp_path, model_dirs, data_txt):
     path = tmp_path / "layers.json"
     rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft-layers", "1,2",
