@@ -2900,15 +2900,14 @@ def _acceptance_callback_class() -> type:
         frozen target, through the Trainer's own logging (console, TensorBoard, W&B ...):
         specdec/alpha, specdec/tokens_per_cycle, specdec/est_speedup, specdec/alpha/<category>
         (and specdec/sim_* with simulate=True), at every evaluation and, with every=N, at the
-        start and every N optimiser steps.
+        start and every N optimiser steps; once per step where the two meet.
 
             callback = AcceptanceCallback(target, prompts, tokenizer=tok, temperature=0.7)
             callback.attach(trainer)   # adds it, and lets it log through trainer.log
             trainer.train()
 
         prompts: token sequences (build_sequences), or texts with tokenizer=. The target's
-        side is computed once; each measurement costs about one forward of the draft.
-        """
+        side is computed once; each measurement costs about one forward of the draft."""
 
         def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
                      temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
@@ -2920,11 +2919,9 @@ def _acceptance_callback_class() -> type:
             elif not all(isinstance(p, TokenSequence) for p in prompts):
                 raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
                                  "or texts with tokenizer=")
-            self.meter = TrainingMeter(target, prompts,
-                                       SamplingParams(temperature, top_k, top_p, proposal),
-                                       Settings(gamma=gamma,
-                                                continuation_tokens=continuation_tokens,
-                                                **options))
+            sampling = SamplingParams(temperature, top_k, top_p, proposal)
+            settings = Settings(gamma=gamma, continuation_tokens=continuation_tokens, **options)
+            self.meter = TrainingMeter(target, prompts, sampling, settings)
             self.every, self.prefix, self.trainer = every, prefix, None
             self.history: list[tuple[int, AcceptanceReport]] = []  # (global step, report)
 
@@ -2934,6 +2931,8 @@ def _acceptance_callback_class() -> type:
             return self
 
         def log_now(self, state: Any, control: Any, model: nn.Module) -> None:
+            if self.history and self.history[-1][0] == state.global_step:
+                return  # an evaluation on an every-N step: one measurement per step
             report = self.meter.measure(model)
             self.history.append((state.global_step, report))
             if self.trainer is not None:

@@ -2971,6 +2971,29 @@ def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(
     assert logged[-1]["specdec/est_speedup"] == again.est_speedup
 
 
+def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_meet(tok_plain,
+                                                                                tmp_path):
+    """every=4 (from the start) and an evaluation every 2 steps, 8 steps: the callback measures
+    and logs once at each step either asks for, never twice at one."""
+    from transformers import Trainer, TrainingArguments
+    draft = make_llama(7).train().requires_grad_(True)
+    rows = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)}
+            for r in ([3 + (i + j) % 20 for j in range(8)] for i in range(16))]
+    callback = sd.AcceptanceCallback(make_llama(0), ["hello there", "ok"], tokenizer=tok_plain,
+                                     gamma=2, continuation_tokens=3, every=4)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                             max_steps=8, eval_strategy="steps", eval_steps=2, logging_steps=4,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=draft, args=args, train_dataset=rows, eval_dataset=rows[:4])
+    callback.attach(trainer)
+    trainer.train()
+    wanted = sorted({0, 4, 8} | {2, 4, 6, 8})  # every=4 from step 0, the evaluations
+    assert [step for step, _ in callback.history] == wanted
+    logged = [h["step"] for h in trainer.state.log_history if "specdec/alpha" in h]
+    assert logged == wanted
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 4  # they all ran
+
+
 # ----------------------------------------------------------------------------------------------
 # loading models and data
 
