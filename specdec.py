@@ -1058,16 +1058,21 @@ class ModelDrafter(Drafter):
 
 class ModelSession(Session):
     """A draft model's cache: it has seen every committed token but the pending one, and, when
-    the last block was accepted whole, not its last draft d_G either (fed with the next)."""
+    the last block was accepted whole, not its last draft d_G either (fed with the next).
+    The draft may sit on another device than the target (a draft in training on the GPU, its
+    frozen target elsewhere): its cache and inputs live on its own device, the proposal is
+    handed back on the loop's (config.device, the target's)."""
 
     def __init__(self, model: nn.Module, prompts: list[list[int]], config: LoopConfig):
         self.model, self.config = model, config
-        self.slots, _ = prefill(model, [r[:-1] for r in prompts], config.device)
-        self.last = torch.zeros(len(prompts), dtype=torch.long, device=config.device)  # d_G
+        self.device = model_device(model) or config.device
+        self.slots, _ = prefill(model, [r[:-1] for r in prompts], self.device)
+        self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
 
     def propose(self, pending, npos, u):
         c = self.config
+        pending, npos, u = pending.to(self.device), npos.to(self.device), u.to(self.device)
         if any(self.full):  # feed last cycle's d_G too (a dead slot where not accepted)
             x = torch.stack([self.last, pending], 1)  # (B, 2)
             pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
@@ -1086,15 +1091,17 @@ class ModelSession(Session):
             if i < c.gamma - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
         self.last = ds[-1]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
+        back = c.device  # the target's: where the acceptance test runs
+        return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back))
 
     def advance(self, n_acc, committed, view):
         gamma, n_host = self.config.gamma, [len(c) - 1 for c in committed]
         if gamma > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(self.slots, n_acc, max(n_host), gamma - 1)
+            settle_slots(self.slots, n_acc.to(self.device), max(n_host), gamma - 1)
         self.full = [n == gamma for n in n_host]
 
     def keep(self, rows):
+        rows = rows.to(self.device)
         select_slots(self.slots, rows)
         self.last = self.last[rows]
         self.full = [self.full[r] for r in rows.tolist()]
@@ -2828,7 +2835,9 @@ class TrainingMeter:
     measurement is one batched forward of the draft (plus, with simulate, the real loop).
 
     The numbers are those of measure_acceptance(target, draft, sequences, ...) with the same
-    settings: the same batches, the same continuations, the same sums."""
+    settings: the same batches, the same continuations, the same sums. The draft may sit on
+    another device than the target (a Trainer moves it to its GPU): each model's forwards
+    take their inputs on its own device, the acceptance maths runs on the target's."""
 
     def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
                  sampling: SamplingParams, settings: Settings, device: torch.device | None = None):

@@ -2994,6 +2994,50 @@ def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_mee
     assert sum("eval_loss" in h for h in trainer.state.log_history) == 4  # they all ran
 
 
+def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
+    """Target on the CPU, the draft on another device: torch's lazy (TorchScript) backend, a
+    real second device on a machine without a GPU, where an input on the wrong device fails as
+    it would on a GPU. TrainingMeter with simulate=True gives the numbers of the same run with
+    both on the CPU, and forward pre-hooks see every tensor each model's forward is given on
+    that model's own device (the draft's cache, tokens and masks on the draft's)."""
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    lazy.init()
+    target = make_llama(0)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():  # a draft close to its target: whole blocks are accepted too
+        draft.lm_head.weight.add_(0.1 * torch.randn(draft.lm_head.weight.shape,
+                                                    generator=torch.Generator().manual_seed(5)))
+    seqs = [sd.TokenSequence([3, 4, 5, 6, 7]), sd.TokenSequence([8, 9, 10])]
+    settings = sd.Settings(gamma=2, continuation_tokens=4, simulate=True, seed=2, batch_size=2)
+
+    def measure(model):
+        return sd.TrainingMeter(target, seqs, SAMPLINGS["t1"], settings).measure(model)
+    on_cpu = measure(draft)
+    elsewhere = draft.to("lazy")
+    inputs = []  # (which model, the tensor's device, the model's device)
+
+    def record(module, args, kwargs):
+        given = list(args) + list(kwargs.values())
+        given += [v for x in given if isinstance(x, dict) for v in x.values()]
+        inputs.extend((module is elsewhere, x.device, sd.model_device(module))
+                      for x in given if isinstance(x, torch.Tensor))
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in (target, elsewhere)]
+    try:
+        mixed = measure(elsewhere)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {(is_draft, str(at)) for is_draft, at, _ in inputs} == {(True, "lazy:0"),
+                                                                   (False, "cpu")}
+    assert all(at == home for _, at, home in inputs)
+    assert mixed.alpha == pytest.approx(on_cpu.alpha, abs=1e-5)
+    # rejections, and whole blocks accepted (the next cycle then feeds the draft d_G too)
+    assert mixed.accepted_tokens < mixed.examined_tokens and mixed.accepted_by_draft_offset[-1]
+    assert (mixed.accepted_tokens, mixed.examined_tokens, mixed.cycles) == \
+        (on_cpu.accepted_tokens, on_cpu.examined_tokens, on_cpu.cycles)
+    assert mixed.alpha_by_draft_offset == pytest.approx(on_cpu.alpha_by_draft_offset)
+
+
 # ----------------------------------------------------------------------------------------------
 # loading models and data
 
