@@ -406,7 +406,10 @@ class RunInfo:
     costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
     # per prompt, for analyses of one's own and to resume: the sums of PromptResult
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    run_key: str | None = None  # what --resume matches: target, draft, sampling, settings, prompts
+    run_key: str | None = None  # what --resume matches: the hash of run_key_parts
+    run_key_parts: dict[str, Any] | None = None  # what the numbers depend on, by name: models
+    # (config, weights files), dtype, device kind, sampling (the whole temperature sweep),
+    # settings, prompts (see run_key_parts)
     notes: list[str] = field(default_factory=list)
 
 
@@ -1121,16 +1124,21 @@ class ModelDrafter(Drafter):
 
 class ModelSession(Session):
     """A draft model's cache: it has seen every committed token but the pending one, and, when
-    the last block was accepted whole, not its last draft d_G either (fed with the next)."""
+    the last block was accepted whole, not its last draft d_G either (fed with the next).
+    The draft may sit on another device than the target (a draft in training on the GPU, its
+    frozen target elsewhere): its cache and inputs live on its own device, the proposal is
+    handed back on the loop's (config.device, the target's)."""
 
     def __init__(self, model: nn.Module, prompts: list[list[int]], config: LoopConfig):
         self.model, self.config = model, config
-        self.slots, _ = prefill(model, [r[:-1] for r in prompts], config.device)
-        self.last = torch.zeros(len(prompts), dtype=torch.long, device=config.device)  # d_G
+        self.device = model_device(model) or config.device
+        self.slots, _ = prefill(model, [r[:-1] for r in prompts], self.device)
+        self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
 
     def propose(self, pending, npos, u):
         c = self.config
+        pending, npos, u = pending.to(self.device), npos.to(self.device), u.to(self.device)
         if any(self.full):  # feed last cycle's d_G too (a dead slot where not accepted)
             x = torch.stack([self.last, pending], 1)  # (B, 2)
             pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
@@ -1149,15 +1157,17 @@ class ModelSession(Session):
             if i < c.gamma - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
         self.last = ds[-1]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite)
+        back = c.device  # the target's: where the acceptance test runs
+        return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back))
 
     def advance(self, n_acc, committed, view):
         gamma, n_host = self.config.gamma, [len(c) - 1 for c in committed]
         if gamma > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(self.slots, n_acc, max(n_host), gamma - 1)
+            settle_slots(self.slots, n_acc.to(self.device), max(n_host), gamma - 1)
         self.full = [n == gamma for n in n_host]
 
     def keep(self, rows):
+        rows = rows.to(self.device)
         select_slots(self.slots, rows)
         self.last = self.last[rows]
         self.full = [self.full[r] for r in rows.tolist()]
@@ -2998,7 +3008,8 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                    progress: bool = False, target_name: str = "target",
                    costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
                    done: Sequence[dict[int, PromptResult]] | None = None,
-                   stop: Stop | None = None, **options: Any) -> list[AcceptanceReport]:
+                   stop: Stop | None = None, temperatures: Sequence[float] | None = None,
+                   **options: Any) -> list[AcceptanceReport]:
     """Measure each (name, draft) against one set of target continuations and target passes.
 
     A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
@@ -3020,6 +3031,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     stop: what ends the run early (see Stop): a signal, or another rank's; every rank stops at
     its next batch and the reports cover what all ranks finished. stop.ended says afterwards,
     on every rank alike, whether to measure any further.
+    temperatures: the sweep this call is one temperature of, recorded in the run key.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
     sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
@@ -3046,7 +3058,9 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         r = summarise(list(res.values()), target_name=target_name, drafter=d,
                       sampling=sampling, settings=settings, cost=cost, vocab=v,
                       sequences=sequences, interrupted=interrupted)
-        r.run.run_key = run_key(target_name, d.name, sampling, settings, sequences)
+        parts = run_key_parts(target, target_name, d, sampling, settings, sequences, device,
+                              temperatures)
+        r.run.run_key, r.run.run_key_parts = run_key(parts), parts
         if d.width is not None and d.width != vocab_width(target):
             r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
                               f"{d.width}): both cut to the first {v} ids before sampling; "
@@ -3126,15 +3140,81 @@ def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
                           target_name=target_name, **options)[0]
 
 
-def run_key(target_name: str, draft_name: str, sampling: SamplingParams, settings: Settings,
-            sequences: Sequence[TokenSequence]) -> str:
-    """A fingerprint of everything a report's per-prompt numbers depend on (how the costs are
-    found aside): a resumed run reuses only results with the same key."""
+def _sha256(what: Any) -> str:
+    """The sha256 of a JSON value (sets sorted, anything else JSON lacks as its str)."""
     import hashlib
-    what = [target_name, draft_name, asdict(sampling),
-            {k: v for k, v in asdict(settings).items() if k != "cost_ratio"},
-            [list(s.ids) for s in sequences]]
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=sorted).encode()).hexdigest()
+    text = json.dumps(what, sort_keys=True, default=lambda x: sorted(x) if isinstance(
+        x, (set, frozenset)) else str(x))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's dict without what does not change the network: private keys (_name_or_path,
+    _attn_implementation, ...), the dtype (a key part of its own), the transformers version."""
+    dropped = ("dtype", "torch_dtype", "transformers_version")
+    return {k: _architecture(v) if isinstance(v, dict) else v for k, v in config.items()
+            if not str(k).startswith("_") and k not in dropped}
+
+
+def model_identity(model: nn.Module) -> str:
+    """A model as a run key records it: a hash of its config, and the fingerprint of the files
+    it was loaded from (files_fingerprint, which load_model_and_tokenizer leaves on it as
+    `specdec_files`). A model made in memory has its config alone."""
+    config = getattr(model, "config", None)
+    arch = _sha256(_architecture(config.to_dict()))[:16] if config is not None else \
+        type(model).__name__
+    files = getattr(model, "specdec_files", None)
+    return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
+
+
+def _dtype_name(model: nn.Module) -> str:
+    weights = next(model.parameters(), None)
+    return "none" if weights is None else str(weights.dtype).removeprefix("torch.")
+
+
+def run_key_parts(target: nn.Module, target_name: str, drafter: Drafter,
+                  sampling: SamplingParams, settings: Settings,
+                  sequences: Sequence[TokenSequence], device: torch.device,
+                  temperatures: Sequence[float] | None = None) -> dict[str, Any]:
+    """Everything a report's per-prompt numbers depend on (how the costs are found aside), by
+    name, as its JSON holds them: a resumed run reuses only results whose parts are all equal
+    (see key_difference). temperatures: the whole sweep the report is one of (the CLI's
+    --temperature list; default the report's own)."""
+    models = [m for k, m in vars(drafter).items() if isinstance(m, nn.Module) and k != "target"]
+    dtypes = [_dtype_name(m) for m in [target, *models]]
+    parts = {"target": target_name, "target model": model_identity(target),
+             "draft": drafter.name,
+             "draft model": "; ".join(map(model_identity, models)) or "none (no network)",
+             "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
+             "device": device.type,
+             "temperatures": list(temperatures or [sampling.temperature]), **asdict(sampling),
+             **{k: v for k, v in asdict(settings).items() if k != "cost_ratio"},
+             "prompts": f"sha256 {_sha256([s.ids for s in sequences])[:16]} "
+                        f"({len(sequences)} prompts)"}
+    return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
+
+
+def run_key(parts: dict[str, Any]) -> str:
+    """The hash of a report's run_key_parts."""
+    return _sha256(parts)
+
+
+def key_difference(old: dict[str, Any], candidates: Sequence[dict[str, Any]]) -> str | None:
+    """None when an earlier report's key parts equal those of one of this run's reports;
+    else "<part> <old value>, this run uses <new value>", for the first part that differs from
+    the nearest candidate (the one that differs in fewest parts)."""
+    def differing(new: dict[str, Any]) -> list[str]:
+        return [k for k in {**new, **old} if old.get(k) != new.get(k)]
+    nearest = min(candidates, key=lambda new: len(differing(new)))
+    first = next(iter(differing(nearest)), None)
+    if first is None:
+        return None
+
+    def text(v: Any) -> str:
+        if isinstance(v, list):
+            return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return "(none)" if v is None else str(v)
+    return f"{first} {text(old.get(first))}, this run uses {text(nearest.get(first))}"
 
 
 def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, PromptResult]]:
@@ -3171,7 +3251,10 @@ class TrainingMeter:
 
     The numbers are those of measure_acceptance(target, draft, sequences, ...) with the same
     settings: the same batches, the same continuations, the same sums (with simulate, those of
-    separate_continuation=True: the continuations are sampled before any draft is seen)."""
+    separate_continuation=True: the continuations are sampled before any draft is seen). The
+    draft may sit on another device than the target (a Trainer moves it to its GPU): each
+    model's forwards take their inputs on its own device, the acceptance maths runs on the
+    target's."""
 
     def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
                  sampling: SamplingParams, settings: Settings, device: torch.device | None = None):
@@ -3244,15 +3327,14 @@ def _acceptance_callback_class() -> type:
         frozen target, through the Trainer's own logging (console, TensorBoard, W&B ...):
         specdec/alpha, specdec/tokens_per_cycle, specdec/est_speedup, specdec/alpha/<category>
         (and specdec/sim_* with simulate=True), at every evaluation and, with every=N, at the
-        start and every N optimiser steps.
+        start and every N optimiser steps; once per step where the two meet.
 
             callback = AcceptanceCallback(target, prompts, tokenizer=tok, temperature=0.7)
             callback.attach(trainer)   # adds it, and lets it log through trainer.log
             trainer.train()
 
         prompts: token sequences (build_sequences), or texts with tokenizer=. The target's
-        side is computed once; each measurement costs about one forward of the draft.
-        """
+        side is computed once; each measurement costs about one forward of the draft."""
 
         def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
                      temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
@@ -3264,11 +3346,9 @@ def _acceptance_callback_class() -> type:
             elif not all(isinstance(p, TokenSequence) for p in prompts):
                 raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
                                  "or texts with tokenizer=")
-            self.meter = TrainingMeter(target, prompts,
-                                       SamplingParams(temperature, top_k, top_p, proposal),
-                                       Settings(gamma=gamma,
-                                                continuation_tokens=continuation_tokens,
-                                                **options))
+            sampling = SamplingParams(temperature, top_k, top_p, proposal)
+            settings = Settings(gamma=gamma, continuation_tokens=continuation_tokens, **options)
+            self.meter = TrainingMeter(target, prompts, sampling, settings)
             self.every, self.prefix, self.trainer = every, prefix, None
             self.history: list[tuple[int, AcceptanceReport]] = []  # (global step, report)
 
@@ -3278,6 +3358,8 @@ def _acceptance_callback_class() -> type:
             return self
 
         def log_now(self, state: Any, control: Any, model: nn.Module) -> None:
+            if self.history and self.history[-1][0] == state.global_step:
+                return  # an evaluation on an every-N step: one measurement per step
             report = self.meter.measure(model)
             self.history.append((state.global_step, report))
             if self.trainer is not None:
@@ -3459,6 +3541,7 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
         model.to(device)
     else:
         device = _input_device(model)
+    model.specdec_files = files_fingerprint(name)  # for the run key (model_identity)
     return model.eval().requires_grad_(False), tok, device
 
 
@@ -3480,6 +3563,41 @@ def _model_source(name: str) -> tuple[str, dict[str, Any]]:
             name.startswith((".", "~", os.path.sep)) or name.count("/") > 1):
         raise UsageError(f"model folder not found: {name!r}; check the path")  # not a hub id
     return name, {}
+
+
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def files_fingerprint(name: str) -> str | None:
+    """A cheap fingerprint of the weights a model name loads, for the run key: of a .gguf file
+    its size and the sha256 of its first MiB (the header and the first tensors); of a folder (a
+    hub id: its snapshot in the hub cache) the names and sizes of its weights files and the
+    sha256 of each index json. Never a hash of the whole weights, so same-sized weights
+    rewritten in place go unseen. None when the name is no file, folder or cached hub id."""
+    import hashlib
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            head = hashlib.sha256(f.read(1 << 20)).hexdigest()
+        return _sha256([os.path.getsize(path), head])[:16]
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            config = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id the cache knows
+            return None
+        if not isinstance(config, str):
+            return None
+        path = os.path.dirname(config)  # the snapshot: links to the cached files
+    seen = []
+    for f in sorted(os.listdir(path)):
+        full = os.path.join(path, f)
+        if f.endswith(".index.json"):
+            with open(full, "rb") as index:
+                seen.append([f, hashlib.sha256(index.read()).hexdigest()])
+        elif f.endswith(WEIGHTS_SUFFIXES) and os.path.isfile(full):
+            seen.append([f, os.path.getsize(full)])
+    return _sha256(seen)[:16]
 
 
 def _input_device(model: nn.Module) -> torch.device:
@@ -3525,6 +3643,7 @@ def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
                          "or drop the flag") from None
     model, tok = FastLanguageModel.from_pretrained(name, dtype=dtype, load_in_4bit=False)
     FastLanguageModel.for_inference(model)
+    model.specdec_files = files_fingerprint(name)
     return model.eval(), tok, device
 
 
@@ -4328,7 +4447,13 @@ def _output_options(ap: Any) -> None:
                     "then goes to stderr); several drafts or temperatures give a list")
     ap.add_argument("--resume", action="store_true",
                     help="with --json PATH: reuse the per-prompt results an interrupted run "
-                    "wrote there (same models, data and settings) and measure only the rest")
+                    "wrote there (same models and weights files, dtype, device kind, data, "
+                    "temperatures and settings; else refused, naming what differs) and "
+                    "measure only the rest")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="with --resume: when the --json file holds nothing that can be "
+                    "resumed (not a specdec report, or a report without a run key, as an "
+                    "earlier version wrote), measure afresh and replace it instead of refusing")
     ap.add_argument("--plot", metavar="PATH.png",
                     help="also draw the run to a PNG: alpha by draft offset with cohort sizes "
                     "and intervals, tokens per cycle and speedup against gamma, alpha by "
@@ -4419,6 +4544,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
                         separate_continuation=args.separate_continuation)
     _check_json_target(args.json)
     _check_plot_target(args.plot)
+    earlier = _earlier_reports(args)
     if not args.draft and not layers:
         raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
                          "first N decoder layers")
@@ -4442,21 +4568,22 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     settings = replace(settings, eos=eos_ids(target, tok))
     costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
-    earlier = _earlier_results(args)
+    temperatures = _number_list(args.temperature, "--temperature", float)
+    runs = [(system, SamplingParams(t, args.top_k, args.top_p, args.proposal))
+            for system, t in sweep]
+    keys = {(system, s, d.name): run_key_parts(target, args.target, d, s, settings,
+                                               by_system[system], device, temperatures)
+            for system, s in runs for d in drafts}
+    done_by_key = _resumable(earlier, list(keys.values()), args.json)
     reports: list[AcceptanceReport] = []
     stop.raising = False  # started: from here a signal stops the run at its next look
-    for system, t in sweep:
-        sampling, seqs = SamplingParams(t, args.top_k, args.top_p, args.proposal), \
-            by_system[system]
-        done = [earlier.get(run_key(args.target, d.name, sampling, settings, seqs), {})
-                for d in drafts]
-        if earlier and not any(done) and (system, t) == sweep[0]:
-            raise UsageError(f"--resume: {args.json} was written by another run (other "
-                             f"models, data or settings); drop --resume or pick another path")
-        batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
-                               settings=settings, progress=progress, target_name=args.target,
-                               costs=costs, share=(launch.rank, launch.world), done=done,
-                               stop=stop)
+    for system, sampling in runs:
+        done = [done_by_key.get(run_key(keys[system, sampling, d.name]), {}) for d in drafts]
+        batch = measure_drafts(target, drafts, by_system[system], sampling=sampling,
+                               device=device, settings=settings, progress=progress,
+                               target_name=args.target, costs=costs,
+                               share=(launch.rank, launch.world), done=done, stop=stop,
+                               temperatures=temperatures)
         for r in batch:
             r.run.system_prompt = system
             r.notes.append(f"device {device}, weights {weights}")
@@ -4477,20 +4604,54 @@ def _sweep(args: argparse.Namespace) -> list[tuple[str | None, float]]:
     return [(sp, t) for sp in systems for t in temperatures]
 
 
-def _earlier_results(args: argparse.Namespace) -> dict[str, dict[int, PromptResult]]:
-    """--resume: the per-prompt results in the --json file of an earlier run ({} if none)."""
+def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """--resume: the reports (their JSON) in the --json file of an earlier run, read before any
+    model is loaded ([] if there is no file yet). A file that holds no specdec reports, or
+    reports without run key parts (an earlier version's), is refused: nothing in it can be
+    matched to this run; with --overwrite the run starts afresh and replaces it."""
     if not args.resume:
-        return {}
+        return []
     if not args.json or args.json == "-":
         raise UsageError("--resume needs --json PATH: the file the interrupted run wrote")
     if not os.path.exists(args.json):
-        return {}  # nothing measured yet: a fresh start
+        return []  # nothing measured yet: a fresh start
     try:
         with open(args.json, encoding="utf-8") as f:
             data = json.load(f)
-        return resume_results(data if isinstance(data, list) else [data])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--resume: cannot read the results in {args.json} "
+    except OSError as e:
+        raise UsageError(f"--resume: cannot read {args.json} ({_one_line(e)[:120]})") from None
+    except ValueError as e:
+        data, problem = None, f"is not valid JSON ({_one_line(e)[:80]})"
+    else:
+        reports = data if isinstance(data, list) else [data]
+        if not reports or not all(isinstance(r, dict) and "alpha" in r for r in reports):
+            shown = _one_line(json.dumps(data))[:40]
+            problem = f"holds JSON that is not a specdec report ({shown})"
+        elif not all(isinstance(r.get("run_key_parts"), dict) for r in reports):
+            problem = ("holds a report without a run key (an earlier specdec version's, or not "
+                       "specdec's), so its results cannot be matched to this run")
+        else:
+            return reports
+    if args.overwrite:
+        return []
+    raise UsageError(f"--resume: {args.json} {problem}; pass --overwrite to measure afresh and "
+                     f"replace it, or pick another --json path")
+
+
+def _resumable(earlier: Sequence[dict[str, Any]], keys: Sequence[dict[str, Any]], path: str
+               ) -> dict[str, dict[int, PromptResult]]:
+    """--resume: the earlier reports' per-prompt results by run_key, once every report is
+    found to be one of this run's (keys: this run's key parts, one per temperature and draft);
+    a report of another run is refused, naming the part that differs: never mixed."""
+    for r in earlier:
+        differs = key_difference(r["run_key_parts"], keys)
+        if differs:
+            raise UsageError(f"--resume: {path} was written by another run: measured with "
+                             f"{differs}; drop --resume or pick another --json path")
+    try:
+        return resume_results(earlier)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"--resume: cannot read the results in {path} "
                          f"({type(e).__name__}: {_one_line(e)[:120]})") from None
 
 

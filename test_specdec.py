@@ -864,15 +864,18 @@ LEGACY_REPORT_JSON = (
 
 def test_report_json_keeps_the_flat_keys_of_earlier_versions(llama, llama2, tok_plain):
     """The same run today writes that version's JSON, key for key and number for number (top
-    level, per-prompt rows, gamma table; keys may be added, none dropped); and the old file
-    reads back into a report that prints the same text and resumes."""
+    level, per-prompt rows, gamma table; keys may be added, none dropped), but for the run
+    key, which covers more (its parts are a new key); and the old file reads back into a
+    report that prints the same text (--resume refuses it without --overwrite: it has no key
+    parts)."""
     old = json.loads(LEGACY_REPORT_JSON)
     seqs = sd.build_sequences(["hello there", "abc"], tok_plain)
     r = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.9), device=CPU,
                               gamma=2, continuation_tokens=3, simulate=True, seed=1,
                               target_name="t", draft_name="d", separate_continuation=True)
     new = json.loads(json.dumps(r.to_dict()))  # (later versions may add keys, never drop)
-    skip = ("per_prompt", "run_key")  # (the key grows as what it must cover grows)
+    assert new.pop("run_key_parts")["draft"] == "d" and new["run_key"] != old["run_key"]
+    skip = ("per_prompt", "run_key")
     assert {k: new[k] for k in old if k not in skip} == \
         {k: v for k, v in old.items() if k not in skip}
     assert [{k: row[k] for k in was} for row, was in zip(new["per_prompt"],
@@ -1589,8 +1592,9 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
     alone = sd.measure_acceptance(llama, sd.NgramDrafter(3, 1), seqs,
                                   sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
                                   continuation_tokens=12, draft_name="ngram (n=1..3)")
-    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", "run_key")} \
-        == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k != "run_key"}
+    keys = ("run_key", "run_key_parts")  # each records the models it was given
+    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", *keys)} \
+        == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k not in keys}
     rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
                                      "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
     assert rc == 2 and err.count("\n") == 1 and "--ngram-min" in err
@@ -3149,6 +3153,116 @@ def asdict_equal(a, b) -> bool:
     return json.dumps(asdict(a), sort_keys=True) == json.dumps(asdict(b), sort_keys=True)
 
 
+def short_run(model_dirs, data_txt, path, *more, draft=None):
+    """The CLI's argv for a quick run of the stand-in pair (2 prompts, 3 tokens) into --json."""
+    return ["--target", model_dirs["target"], "--draft", draft or model_dirs["draft"], "--data",
+            data_txt, "--max-samples", "2", "--continuation-tokens", "3", "--quiet", "--json",
+            str(path), *more]
+
+
+def count_measured(monkeypatch) -> list:
+    """The batches measure_batch is asked to measure from now on."""
+    measured, real = [], sd.measure_batch
+    monkeypatch.setattr(sd, "measure_batch", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
+    return measured
+
+
+def test_resume_refuses_a_file_of_another_dtype_device_kind_or_temperature_sweep(
+        monkeypatch, capsys, tmp_path, model_dirs, data_txt):
+    """A file measured in float32 at T 0.7 on the CPU, resumed in bfloat16, or from a GPU (a
+    copy whose key says device cuda), or by a sweep that adds T 0 after or before T 0.7: each
+    is refused with one line naming the part that differs, nothing is measured and the file is
+    left as it was. The same command resumes it: nothing measured, the same JSON."""
+    path = tmp_path / "run.json"
+    rc, _, err = run_cli(capsys, short_run(model_dirs, data_txt, path, "--dtype", "float32"))
+    assert rc == 0, err
+    written = path.read_text()
+    gpu = json.loads(written)
+    gpu["run_key_parts"] = {**gpu.get("run_key_parts", {}), "device": "cuda"}
+    (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    measured = count_measured(monkeypatch)
+    for where, more, says in [
+            (path, ["--dtype", "bfloat16"], "dtype float32, this run uses bfloat16"),
+            (tmp_path / "gpu.json", [], "device cuda, this run uses cpu"),
+            (path, ["--temperature", "0.7,0"], "temperatures 0.7, this run uses 0.7,0"),
+            (path, ["--temperature", "0,0.7"], "temperatures 0.7, this run uses 0,0.7")]:
+        before = where.read_text()
+        rc, _, err = run_cli(capsys, short_run(model_dirs, data_txt, where, "--dtype",
+                                               "float32", *more, "--resume"))
+        assert rc == 2 and err.count("\n") == 1 and says in err, (more, err)
+        assert where.read_text() == before
+    assert measured == []
+    rc, _, err = run_cli(capsys, short_run(model_dirs, data_txt, path, "--dtype", "float32",
+                                           "--resume"))
+    assert rc == 0 and measured == [] and json.loads(path.read_text()) == json.loads(written)
+
+
+def test_resume_refuses_a_file_of_other_weights_files_or_another_config(
+        capsys, tmp_path, model_dirs, data_txt, llama2):
+    """The draft folder changes under the same path between a run and its resume: the same
+    weights saved in shards (other files, an index json), then one file again but another
+    config: each is refused, naming the draft model's part that changed. Files touched (a new
+    mtime) are no change."""
+    import shutil
+    draft = tmp_path / "draft"
+    shutil.copytree(model_dirs["draft"], draft)
+    path = tmp_path / "run.json"
+
+    def run(*more):
+        return run_cli(capsys, short_run(model_dirs, data_txt, path, *more, draft=str(draft)))
+    rc, _, err = run()
+    assert rc == 0, err
+    for f in draft.iterdir():
+        os.utime(f, (1, 1))
+    rc, _, err = run("--resume")
+    assert rc == 0, err
+    written = path.read_text()
+    which = re.compile(r"draft model config (\w+), files (\w+), this run uses config (\w+), "
+                       r"files (\w+)")
+    (draft / "model.safetensors").unlink()
+    llama2.save_pretrained(draft, max_shard_size="40KB")
+    capsys.readouterr()  # its progress bar
+    assert len(list(draft.glob("model-*.safetensors"))) > 1
+    rc, _, err = run("--resume")
+    m = which.search(err)
+    assert rc == 2 and err.count("\n") == 1 and m, err
+    assert m[1] == m[3] and m[2] != m[4]  # the files differ, the config does not
+    for f in draft.glob("model*.safetensors*"):
+        f.unlink()
+    other = copy.deepcopy(llama2)
+    other.config.rms_norm_eps = 1e-3
+    other.save_pretrained(draft)
+    capsys.readouterr()
+    rc, _, err = run("--resume")
+    m = which.search(err)
+    assert rc == 2 and err.count("\n") == 1 and m, err
+    assert m[1] != m[3] and m[2] == m[4]  # the config differs, the files (sizes) do not
+    assert path.read_text() == written
+
+
+@pytest.mark.parametrize("content, says", [
+    ("5", "not a specdec report (5)"), ("null", "not a specdec report (null)"),
+    ("[1, 2]", "not a specdec report ([1, 2])"), ('{"a": 1}', "not a specdec report"),
+    ("[]", "not a specdec report"), ("{oops", "not valid JSON"),
+    ('{"alpha": 0.5}', "without a run key"), (LEGACY_REPORT_JSON, "without a run key")])
+def test_resume_refuses_a_file_it_cannot_match_unless_told_to_overwrite(
+        capsys, tmp_path, model_dirs, data_txt, content, says):
+    """A --json file that holds no report (valid JSON or not), or reports without a run key (a
+    hand-made one, an earlier version's): --resume refuses it with one line naming --overwrite
+    and leaves it as it was; with --overwrite it measures afresh and writes what a run without
+    --resume writes."""
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    rc, _, err = run_cli(capsys, short_run(model_dirs, data_txt, path, "--resume"))
+    assert rc == 2 and err.count("\n") == 1 and says in err and "--overwrite" in err, err
+    assert path.read_text() == content
+    rc, _, err = run_cli(capsys, short_run(model_dirs, data_txt, path, "--resume",
+                                           "--overwrite"))
+    assert rc == 0, err
+    rc, _, _ = run_cli(capsys, short_run(model_dirs, data_txt, tmp_path / "fresh.json"))
+    assert json.loads(path.read_text()) == json.loads((tmp_path / "fresh.json").read_text())
+
+
 def test_interrupt_in_the_first_batch_gives_an_empty_partial_report(monkeypatch, llama, seqs):
     interrupt_after(monkeypatch, 1)
     r = sd.measure_acceptance(llama, llama, seqs, device=CPU, continuation_tokens=4,
@@ -3218,8 +3332,129 @@ def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(
     assert logged[-1]["specdec/est_speedup"] == again.est_speedup
 
 
+def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_meet(tok_plain,
+                                                                                tmp_path):
+    """every=4 (from the start) and an evaluation every 2 steps, 8 steps: the callback measures
+    and logs once at each step either asks for, never twice at one."""
+    from transformers import Trainer, TrainingArguments
+    draft = make_llama(7).train().requires_grad_(True)
+    rows = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)}
+            for r in ([3 + (i + j) % 20 for j in range(8)] for i in range(16))]
+    callback = sd.AcceptanceCallback(make_llama(0), ["hello there", "ok"], tokenizer=tok_plain,
+                                     gamma=2, continuation_tokens=3, every=4)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                             max_steps=8, eval_strategy="steps", eval_steps=2, logging_steps=4,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=draft, args=args, train_dataset=rows, eval_dataset=rows[:4])
+    callback.attach(trainer)
+    trainer.train()
+    wanted = sorted({0, 4, 8} | {2, 4, 6, 8})  # every=4 from step 0, the evaluations
+    assert [step for step, _ in callback.history] == wanted
+    logged = [h["step"] for h in trainer.state.log_history if "specdec/alpha" in h]
+    assert logged == wanted
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 4  # they all ran
+
+
+def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
+    """Target on the CPU, the draft on another device: torch's lazy (TorchScript) backend, a
+    real second device on a machine without a GPU, where an input on the wrong device fails as
+    it would on a GPU. TrainingMeter with simulate=True gives the numbers of the same run with
+    both on the CPU, and forward pre-hooks see every tensor each model's forward is given on
+    that model's own device (the draft's cache, tokens and masks on the draft's)."""
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    lazy.init()
+    target = make_llama(0)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():  # a draft close to its target: whole blocks are accepted too
+        draft.lm_head.weight.add_(0.1 * torch.randn(draft.lm_head.weight.shape,
+                                                    generator=torch.Generator().manual_seed(5)))
+    seqs = [sd.TokenSequence([3, 4, 5, 6, 7]), sd.TokenSequence([8, 9, 10])]
+    settings = sd.Settings(gamma=2, continuation_tokens=4, simulate=True, seed=2, batch_size=2)
+
+    def measure(model):
+        return sd.TrainingMeter(target, seqs, SAMPLINGS["t1"], settings).measure(model)
+    on_cpu = measure(draft)
+    elsewhere = draft.to("lazy")
+    inputs = []  # (which model, the tensor's device, the model's device)
+
+    def record(module, args, kwargs):
+        given = list(args) + list(kwargs.values())
+        given += [v for x in given if isinstance(x, dict) for v in x.values()]
+        inputs.extend((module is elsewhere, x.device, sd.model_device(module))
+                      for x in given if isinstance(x, torch.Tensor))
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in (target, elsewhere)]
+    try:
+        mixed = measure(elsewhere)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {(is_draft, str(at)) for is_draft, at, _ in inputs} == {(True, "lazy:0"),
+                                                                   (False, "cpu")}
+    assert all(at == home for _, at, home in inputs)
+    assert mixed.alpha == pytest.approx(on_cpu.alpha, abs=1e-5)
+    # rejections, and whole blocks accepted (the next cycle then feeds the draft d_G too)
+    assert mixed.accepted_tokens < mixed.examined_tokens and mixed.accepted_by_draft_offset[-1]
+    assert (mixed.accepted_tokens, mixed.examined_tokens, mixed.cycles) == \
+        (on_cpu.accepted_tokens, on_cpu.examined_tokens, on_cpu.cycles)
+    assert mixed.alpha_by_draft_offset == pytest.approx(on_cpu.alpha_by_draft_offset)
+
+
 # ----------------------------------------------------------------------------------------------
 # loading models and data
+
+
+def test_files_fingerprint_reads_names_sizes_and_headers_never_the_whole_weights(
+        tmp_path, monkeypatch, model_dirs):
+    """What the run key records of a model's files. A .gguf file: its size and its first MiB
+    (a byte changed there, or one appended, is seen; one changed past the first MiB, or a new
+    mtime, is not: cheap by design). A folder: its weights files' names and sizes and its
+    index json's bytes. A hub id: its snapshot folder in the hub cache. Nothing on disk: None.
+    A model made in memory is known by its config alone."""
+    data = bytearray(torch.randint(0, 256, ((1 << 21) + 10,), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(0)).tolist())
+    gguf = tmp_path / "m.gguf"
+
+    def print_of(content: bytes) -> str:
+        gguf.write_bytes(content)
+        return sd.files_fingerprint(str(gguf))
+    first = print_of(bytes(data))
+    os.utime(gguf, (1, 1))
+    assert sd.files_fingerprint(str(gguf)) == first
+    late, early = bytearray(data), bytearray(data)
+    late[(1 << 20) + 5] ^= 1
+    early[100] ^= 1
+    assert print_of(bytes(late)) == first
+    assert print_of(bytes(early)) != first and print_of(bytes(data) + b"x") != first
+    # a folder: names and sizes of weights files, the index json's bytes; other files ignored
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model-1.safetensors").write_bytes(b"a" * 10)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}')
+    (folder / "README.md").write_text("hi")
+    before = sd.files_fingerprint(str(folder))
+    (folder / "README.md").write_text("a longer readme")
+    (folder / "model-1.safetensors").write_bytes(b"b" * 10)
+    assert sd.files_fingerprint(str(folder)) == before
+    for change in [lambda: (folder / "model-1.safetensors").write_bytes(b"b" * 11),
+                   lambda: (folder / "model.safetensors.index.json").write_text('{"b": 1}'),
+                   lambda: (folder / "model-2.safetensors").write_bytes(b"")]:
+        change()
+        assert sd.files_fingerprint(str(folder)) != before
+        before = sd.files_fingerprint(str(folder))
+    # a hub id: the snapshot the hub cache holds for it
+    import huggingface_hub
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    import shutil
+    shutil.copytree(model_dirs["target"], repo / "snapshots" / "abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert sd.files_fingerprint("someone/tiny") == sd.files_fingerprint(model_dirs["target"])
+    assert sd.files_fingerprint("someone/absent") is None
+    # in memory: the config alone (the same config, other weights: the same identity)
+    assert sd.model_identity(make_llama(0)) == sd.model_identity(make_llama(1))
+    assert sd.model_identity(make_llama(0)) != sd.model_identity(make_llama(0, layers=3))
+    assert "no files" in sd.model_identity(make_llama(0))
 
 
 def test_builtin_prompts_cover_the_categories():
@@ -4022,7 +4257,8 @@ def test_cli_several_drafts_and_temperatures(capsys, tmp_path, model_dirs, data_
         want += sd.measure_drafts(target, [(d, draft), (t, target)], seqs,
                                   sampling=sd.SamplingParams(temp), device=dev, gamma=2,
                                   cost_ratio=0.3, continuation_tokens=5, simulate=True, seed=4,
-                                  eos=sd.eos_ids(target, tok), target_name=t)
+                                  eos=sd.eos_ids(target, tok), target_name=t,
+                                  temperatures=[0.0, 1.0])  # the sweep, in the run key
     for g, w in zip(got, want):
         w = json.loads(json.dumps(w.to_dict()))
         assert g.pop("notes")[:-1] == w.pop("notes")
