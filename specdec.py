@@ -430,7 +430,8 @@ class TeacherForced:
     est_speedup_by_rule: dict[str, float] | None = None
     proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
     # always; an n-gram lookup proposes only after a match); alpha is over those positions
-    scored_on: str = "continuation"  # "continuation" or "prompt"
+    scored_on: str = "continuation"  # "continuation" (sampled apart), "simulation" (the text
+    # the simulation emitted) or "prompt"
     estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
     expected_accepted: float | None = None
     expected_accepted_iid: float | None = None
@@ -2485,7 +2486,9 @@ def summarise(results: Sequence[PromptResult], *, target_name: str, drafter: Dra
         raise UsageError("nothing to score: no scored position in any sequence; use longer "
                          "prompts or --continuation-tokens > 0")
     tf = tf or TeacherForced()
-    tf.scored_on = "continuation" if settings.continuation_tokens > 0 else "prompt"
+    tf.scored_on = ("prompt" if settings.continuation_tokens == 0 else "simulation"
+                    if settings.simulate and not settings.separate_continuation
+                    else "continuation")
     done = [r.sim for r in results if r.sim is not None]
     sim = None
     if settings.simulate and done:
@@ -2531,11 +2534,15 @@ def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
 RULE = "  " + "─" * 66
 
 
+SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt tokens",
+             "simulation": "the text the simulation emitted"}
+
+
 def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str]:
     std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
     est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
     return [
-        f"  teacher-forced (on the target's {t.scored_on})",
+        f"  teacher-forced (on {SCORED_ON[t.scored_on]})",
         f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
         f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
         *([] if t.proposal_rate in (None, 1) else [
@@ -3052,21 +3059,29 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
         results, interrupted = gathered
     else:
         stop.ended = interrupted or stop.cause is not None
-    reports = []
-    for d, res, cost in zip(drafters, results, costs):
-        v = shared_vocab(target, d)
-        r = summarise(list(res.values()), target_name=target_name, drafter=d,
-                      sampling=sampling, settings=settings, cost=cost, vocab=v,
-                      sequences=sequences, interrupted=interrupted)
-        parts = run_key_parts(target, target_name, d, sampling, settings, sequences, device,
-                              temperatures)
-        r.run.run_key, r.run.run_key_parts = run_key(parts), parts
-        if d.width is not None and d.width != vocab_width(target):
-            r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
-                              f"{d.width}): both cut to the first {v} ids before sampling; "
-                              f"exact only if the surplus rows are padding")
-        reports.append(r)
-    return reports
+    return [drafter_report(target, d, res, cost, sequences, sampling, settings, target_name,
+                           device, temperatures, interrupted)
+            for d, res, cost in zip(drafters, results, costs)]
+
+
+def drafter_report(target: nn.Module, drafter: Drafter, results: dict[int, PromptResult],
+                   cost: Cost, sequences: Sequence[TokenSequence], sampling: SamplingParams,
+                   settings: Settings, target_name: str, device: torch.device,
+                   temperatures: Sequence[float] | None, interrupted: bool
+                   ) -> AcceptanceReport:
+    """One drafter's report from its per-prompt results, with its run key and notes."""
+    v = shared_vocab(target, drafter)
+    r = summarise(list(results.values()), target_name=target_name, drafter=drafter,
+                  sampling=sampling, settings=settings, cost=cost, vocab=v,
+                  sequences=sequences, interrupted=interrupted)
+    parts = run_key_parts(target, target_name, drafter, sampling, settings, sequences, device,
+                          temperatures)
+    r.run.run_key, r.run.run_key_parts = run_key(parts), parts
+    if drafter.width is not None and drafter.width != vocab_width(target):
+        r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
+                          f"{drafter.width}): both cut to the first {v} ids before sampling; "
+                          f"exact only if the surplus rows are padding")
+    return r
 
 
 def check_measurable(target: nn.Module, drafters: Sequence[Drafter],
@@ -4545,13 +4560,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     _check_json_target(args.json)
     _check_plot_target(args.plot)
     earlier = _earlier_reports(args)
-    if not args.draft and not layers:
-        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
-                         "first N decoder layers")
-    if args.mtp_steps is not None and "mtp" not in args.draft:
-        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
-    if args.mtp_steps is not None and args.mtp_steps < 1:
-        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
+    _check_drafters(args, layers)
     prompts = load_texts(args.data)
     launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
@@ -4591,6 +4600,17 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
         if stop.ended:
             break  # interrupted: report what finished, measure no further temperature
     return reports
+
+
+def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
+    """Refuse, before any model loads, drafter options that cannot work together."""
+    if not args.draft and not layers:
+        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
+                         "first N decoder layers")
+    if args.mtp_steps is not None and "mtp" not in args.draft:
+        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
+    if args.mtp_steps is not None and args.mtp_steps < 1:
+        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
 
 
 def _sweep(args: argparse.Namespace) -> list[tuple[str | None, float]]:

@@ -3142,7 +3142,9 @@ def test_one_continuation_serves_both_routes(key, llama, llama2, seqs, monkeypat
     one = sd.measure_acceptance(llama, llama2, seqs, **kw)
     assert not calls
     assert asdict_equal(one.simulated, apart.simulated)
+    assert (one.scored_on, apart.scored_on) == ("simulation", "continuation")
     if key == "greedy":
+        apart.teacher_forced.scored_on = "simulation"
         assert asdict_equal(one.teacher_forced, apart.teacher_forced)
     else:
         assert one.alpha != apart.alpha  # another sample of the target's text

@@ -34,7 +34,8 @@ def load(path: str, name: str):
     return module
 
 
-def run(sd, target, seqs, dev, temperature: float):
+def run(sd, target, texts, tok, dev, temperature: float):
+    seqs = sd.build_sequences(texts, tok, max_samples=16)  # each version its own types
     draft = sd.early_exit_draft(target, 24)
     start = time.perf_counter()
     with contextlib.redirect_stderr(io.StringIO()):
@@ -60,19 +61,19 @@ def main() -> int:
     old = load(os.path.join(folder, "specdec_before.py"), "specdec_before")
     new = load(os.path.join(HERE, "..", "specdec.py"), "specdec_now")
     target, tok, dev = new.load_model_and_tokenizer(GGUF, progress=False)
-    seqs = new.build_sequences(new.load_texts("builtin"), tok, max_samples=16)
+    texts = new.load_texts("builtin")
     times = {"before": [], "now": []}
     reports = {}
     for _ in range(args.rounds):
         for name, sd in (("before", old), ("now", new)):
-            t, reports[name, 0.7] = run(sd, target, seqs, dev, 0.7)
+            t, reports[name, 0.7] = run(sd, target, texts, tok, dev, 0.7)
             times[name].append(t)
             print(f"{name}: {t:.1f} s", flush=True)
     best = {k: min(v) for k, v in times.items()}
     print(f"time now / before (best of {args.rounds}): {best['now'] / best['before']:.2f} "
           f"({best['now']:.1f} s / {best['before']:.1f} s)")
     for name, sd in (("before", old), ("now", new)):
-        reports[name, 0.0] = run(sd, target, seqs, dev, 0.0)[1]
+        reports[name, 0.0] = run(sd, target, texts, tok, dev, 0.0)[1]
     for t in (0.0, 0.7):
         a, b = reports["before", t], reports["now", t]
         sim_same = all(getattr(a, k) == getattr(b, k) for k in (

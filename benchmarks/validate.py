@@ -85,6 +85,7 @@ def main() -> int:
         reports = specdec.measure_drafts(
             target, drafts, seqs, sampling=specdec.SamplingParams(temperature), device=dev,
             gamma=args.gamma, continuation_tokens=args.continuation_tokens, simulate=True,
+            separate_continuation=True,  # the two routes on texts of their own: they share nothing
             eos=specdec.eos_ids(target, tok), target_name="SmolLM2-135M-Instruct")
         for r in reports:
             gap = r.alpha - r.empirical_alpha
