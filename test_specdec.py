@@ -4603,8 +4603,9 @@ def test_greedy_simulation_emits_the_targets_own_greedy_generate_output(smol):
     target, tok, dev, seqs = smol
     draft = sd.early_exit_draft(target, 24)
     eos = sd.eos_ids(target, tok)
-    rows = simulate(target, draft, seqs[:3], sd.SamplingParams(0.0), 4, 24,
-                                  device=dev, vocab=49152, eos=eos, batch_size=3)
+    rows = simulate(target, draft, seqs[:3], sd.SamplingParams(0.0), 4, 24, vocab=49152,
+                    eos=eos, batch_size=3)
+    assert dev == CPU  # (simulate runs on the CPU)
     for i, s in enumerate(seqs[:3]):
         ids = torch.tensor([s.ids])
         out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
