@@ -1398,18 +1398,45 @@ class MtpDrafter(Drafter):
                 "(every MoE expert counted: prefer measure for MoE models)")
 
 
-class MtpSession(Session):
-    """Per row, the committed tokens (the pending one last) and the target's final hidden
-    states of all but the pending one; the layers run over them every cycle."""
+class CommittedStates(Session):
+    """A session that keeps, per row, the committed tokens (the pending one last) and the
+    target's states at all but the pending one, taken from every pass it is shown
+    (states_of), and runs over them each cycle: the MTP layers, EAGLE-3."""
+
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
+        self.config, self.seqs = config, [list(p) for p in prompts]
+        fed = self.states_of(view) if view is not None else None  # (B, t, ...)
+        width = fed.shape[1] if fed is not None else 0
+        self.states: list[torch.Tensor | None] = [
+            fed[b, width - len(p) + 1:] if len(p) > 1 else None for b, p in enumerate(prompts)]
+
+    def states_of(self, view: TargetView) -> torch.Tensor:
+        """What the session keeps of a target pass, at its positions (B, t, ...)."""
+        raise NotImplementedError
+
+    def advance(self, n_acc, committed, view):
+        fed = self.states_of(view)  # the pending token and the accepted drafts, each row
+        for b, new in enumerate(committed):
+            self.seqs[b] += new
+            fresh = fed[b, :len(new)]
+            self.states[b] = fresh if self.states[b] is None else torch.cat(
+                [self.states[b].to(fresh), fresh])
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.states = [self.seqs[r] for r in keep], [self.states[r] for r in keep]
+
+
+class MtpSession(CommittedStates):
+    """The MTP layers over the committed tokens and the target's final hidden states."""
 
     def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
                  config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        hidden = view.hidden if view is not None else None
-        width = hidden.shape[1] if hidden is not None else 0
-        self.seqs = [list(p) for p in prompts]
-        self.hidden = [hidden[b, width - len(p) + 1:] if len(p) > 1 else
-                       torch.zeros(0, 1, device=config.device) for b, p in enumerate(prompts)]
+        self.drafter = drafter
+        super().__init__(prompts, view, config)
+
+    def states_of(self, view):
+        return view.hidden
 
     def propose(self, pending, npos, u):
         c, d = self.config, self.drafter
@@ -1417,7 +1444,7 @@ class MtpSession(Session):
         ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
         if not ids.shape[1]:  # no target state yet (one-token prompts): no proposal
             return Proposal.none(len(pending), c)
-        hidden = left_pad_states(self.hidden, ids.shape[1], d.mtp.config.hidden_size,
+        hidden = left_pad_states(self.states, ids.shape[1], d.mtp.config.hidden_size,
                                  c.device)  # (B, T, H), left-padded like ids
         count = live[:, -1] * steps  # a row with no target state yet proposes nothing
         head, qs, ds, current = d.head(c.sampling, c.vocab, propose=True), [], [], [ids]
@@ -1435,17 +1462,6 @@ class MtpSession(Session):
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(q, (0, 0, 0, pad)),
                         torch.ones_like(pending, dtype=torch.bool), count)
-
-    def advance(self, n_acc, committed, view):
-        for b, new in enumerate(committed):
-            self.seqs[b] += new
-            fresh = view.hidden[b, :len(new)]  # the pending token and the accepted drafts
-            self.hidden[b] = torch.cat([self.hidden[b].to(fresh), fresh]) \
-                if len(self.hidden[b]) else fresh
-
-    def keep(self, rows):
-        keep = rows.tolist()
-        self.seqs, self.hidden = [self.seqs[r] for r in keep], [self.hidden[r] for r in keep]
 
 
 class AssistantDrafter(Drafter):
@@ -1532,24 +1548,47 @@ class AssistantDrafter(Drafter):
                 "parameters per token, assistant/target")
 
 
-class AssistantSession(Session):
-    """Per row, the target's final hidden state at the last position it processed (None before
-    it has processed any), and the target's cache, which the assistant reads."""
+class LastState(Session):
+    """A session that keeps, per row, the target's final hidden state at the last committed
+    position before the pending token (None before the target has processed any): the
+    Gemma-4 assistant, Medusa heads."""
+
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
+        self.config = config
+        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """((B,) rows that have a state, their states (B, H), zeros where none; None when no
+        row has one)."""
+        device = self.config.device
+        ready = torch.tensor([h is not None for h in self.hidden], device=device)
+        if not ready.any():
+            return ready, None
+        size = next(h for h in self.hidden if h is not None).shape[-1]
+        return ready, torch.stack([h if h is not None else torch.zeros(size, device=device)
+                                   for h in self.hidden])
+
+    def advance(self, n_acc, committed, view):
+        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+
+    def keep(self, rows):
+        self.hidden = [self.hidden[r] for r in rows.tolist()]
+
+
+class AssistantSession(LastState):
+    """The last state, and the target's cache, which the assistant reads."""
 
     def __init__(self, drafter: AssistantDrafter, prompts: list[list[int]],
                  view: TargetView | None, config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
-        self.slots = view.slots if view is not None else None
+        super().__init__(prompts, view, config)
+        self.drafter, self.slots = drafter, view.slots if view is not None else None
 
     def propose(self, pending, npos, u):
         c, d = self.config, self.drafter
-        ready = torch.tensor([h is not None for h in self.hidden], device=pending.device)
-        if self.slots is None or not ready.any():  # nothing processed yet: no proposal
+        ready, hidden = self.stacked()
+        if self.slots is None or hidden is None:  # nothing processed yet: no proposal
             return Proposal.none(len(pending), c)
-        size = next(h for h in self.hidden if h is not None).shape[-1]
-        hidden = torch.stack([h if h is not None else torch.zeros(size, device=pending.device)
-                              for h in self.hidden])[:, None]  # (B, 1, H)
+        hidden = hidden[:, None]  # (B, 1, H)
         token, qs, ds = pending[:, None], [], []
         finite = torch.ones_like(ready)
         for i in range(c.gamma):  # every step at the pending token's position
@@ -1562,11 +1601,8 @@ class AssistantSession(Session):
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.gamma)
 
     def advance(self, n_acc, committed, view):
-        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+        super().advance(n_acc, committed, view)
         self.slots = view.slots
-
-    def keep(self, rows):
-        self.hidden = [self.hidden[r] for r in rows.tolist()]
 
 
 class Eagle3Net(nn.Module):
@@ -1718,19 +1754,18 @@ class Eagle3Drafter(Drafter):
                 "against the target")
 
 
-class Eagle3Session(Session):
-    """Per row, the committed tokens (the pending one last) and the target's hidden states at
-    the drafter's layers for all but the pending one; the committed slots are run again every
-    cycle, and the cycle's steps after them (exact, like MtpSession)."""
+class Eagle3Session(CommittedStates):
+    """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
+    drafter's layers (joined: (len - 1, 3 H_t) a row); the committed slots are run again every
+    cycle, then the cycle's steps after them (exact, like MtpSession)."""
 
     def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
                  view: TargetView | None, config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        self.seqs = [list(p) for p in prompts]
-        width = view.hidden.shape[1] if view is not None else 0
-        self.states = [torch.cat([view.layers[i][b, width - len(p) + 1:]
-                                  for i in drafter.layers], -1) if len(p) > 1 else None
-                       for b, p in enumerate(prompts)]  # row b: (len - 1, 3 H_t)
+        self.drafter = drafter
+        super().__init__(prompts, view, config)
+
+    def states_of(self, view):
+        return torch.cat([view.layers[i] for i in self.drafter.layers], -1)
 
     def propose(self, pending, npos, u):
         c, d = self.config, self.drafter
@@ -1752,17 +1787,6 @@ class Eagle3Session(Session):
         draw(c.gamma - 1, d.net.later(out, cache, seen, pos, last, c.gamma, draw)[-1])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
                         torch.ones_like(ready), ready.long() * c.gamma)
-
-    def advance(self, n_acc, committed, view):
-        for b, new in enumerate(committed):
-            self.seqs[b] += new
-            fresh = torch.cat([view.layers[i][b, :len(new)] for i in self.drafter.layers], -1)
-            self.states[b] = fresh if self.states[b] is None else torch.cat(
-                [self.states[b].to(fresh), fresh])
-
-    def keep(self, rows):
-        keep = rows.tolist()
-        self.seqs, self.states = [self.seqs[r] for r in keep], [self.states[r] for r in keep]
 
 
 class MedusaNet(nn.Module):
@@ -1821,23 +1845,20 @@ class MedusaDrafter(Drafter):
         return head / params_per_token(target), "parameters per token: one Medusa head"
 
 
-class MedusaSession(Session):
-    """Per row, the target's final hidden state at the last committed position before the
-    pending token (None before the target has processed any)."""
+class MedusaSession(LastState):
+    """The last state, which every head reads."""
 
     def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
                  view: TargetView | None, config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+        super().__init__(prompts, view, config)
+        self.drafter = drafter
 
     def propose(self, pending, npos, u):
         c, d = self.config, self.drafter
-        ready = torch.tensor([h is not None for h in self.hidden], device=c.device)
-        if not ready.any():
+        ready, hidden = self.stacked()
+        if hidden is None:
             return Proposal.none(len(pending), c)
-        size = next(h for h in self.hidden if h is not None).shape[-1]
-        hidden = torch.stack([h if h is not None else torch.zeros(size, device=c.device)
-                              for h in self.hidden]).to(d.net.lm_heads[0].weight)  # (B, H)
+        hidden = hidden.to(d.net.lm_heads[0].weight)  # (B, H)
         steps, qs, ds = min(c.gamma, d.steps), [], []
         for k in range(steps):
             qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
@@ -1847,12 +1868,6 @@ class MedusaSession(Session):
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
                         torch.ones_like(ready), ready.long() * steps)
-
-    def advance(self, n_acc, committed, view):
-        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
-
-    def keep(self, rows):
-        self.hidden = [self.hidden[r] for r in rows.tolist()]
 
 
 def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
