@@ -42,7 +42,8 @@ The file reads top to bottom:
   measurement          costs, measure_side (one batch, every drafter), collect, measure_drafts,
                        measure_acceptance, run_key and resuming
   training             TrainingMeter, AcceptanceCallback (a transformers TrainerCallback)
-  loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
+  loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences,
+                       at_context_lengths (documents cut at --context-lengths)
   many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop
                        the ranks tell each other through the store), gather_results
   command line         build_parser (by topic), cli_reports, main
@@ -81,7 +82,7 @@ __all__ = [
     "plot_reports",
     # models and data
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
-    "TokenSequence",
+    "TokenSequence", "build_documents", "at_context_lengths",
     # drafters: the interface, and the kinds here
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "ModelDrafter", "NgramDrafter",
     "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter", "head_drafter",
@@ -399,6 +400,10 @@ class RunInfo:
     drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
     system_prompt: str | None = None  # the system message the prompts carried (None: the
     # chat template's own choice)
+    context: dict[str, Any] | None = None  # --context-lengths: "length" L (each prompt is the
+    # first L tokens of a document), "documents" (prompt i is document documents[i] of the
+    # data), "shorter" (documents with fewer than L tokens, left out), "longest" (tokens of
+    # the longest document)
     vocab: int = 0
     truncated_prompts: int = 0
     partial: bool = False
@@ -1026,11 +1031,27 @@ def target_pass(target: nn.Module, route_p: bool, batch: list[int],
                                           vocab=vocab, eos=eos, seed=settings.seed,
                                           batch_size=len(sub), indices=batch, bar=bar)
                      if n_tokens else [[] for _ in sub])
-    rows = [s.ids + c for s, c in zip(sub, conts)]
-    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
-             for s, c in zip(sub, conts)]
+    rows, spans = scored_rows(sub, conts)
     with step("the target's teacher-forced pass"):
         return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p))
+
+
+def scored_rows(prompts: Sequence[TokenSequence], conts: Sequence[list[int]]
+                ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Each prompt with its continuation, and the span of positions that predict the
+    continuation's tokens (no continuation: the prompt's own tokens are scored)."""
+    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
+             for s, c in zip(prompts, conts)]
+    return [s.ids + c for s, c in zip(prompts, conts)], spans
+
+
+def emitted_pass(batch: list[int], sequences: Sequence[TokenSequence],
+                 conts: list[list[int]], states: dict[int, torch.Tensor]) -> TargetPass:
+    """The target's side of a batch from what its simulation's verify passes computed: the
+    final hidden states that predict each emitted token (run_simulation's states), compact:
+    what a teacher-forced pass over prompt + emitted text gives at the scored positions."""
+    rows, spans = scored_rows([sequences[i] for i in batch], conts)
+    return TargetPass(batch, rows, spans, torch.cat([states[i] for i in batch]), compact=True)
 
 
 def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
@@ -2021,9 +2042,13 @@ def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Te
 @torch.no_grad()
 def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
                    gens: list[torch.Generator], config: LoopConfig, names: list[str],
-                   bar: Any) -> list[RowStats]:
+                   bar: Any, states: list[list[torch.Tensor]] | None = None
+                   ) -> list[RowStats]:
     """Speculative sampling from every prompt of one batch until each has config.budget
-    tokens or ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors."""
+    tokens or ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors.
+    states: when given, states[b] collects the target's final hidden states at the positions
+    each verify pass committed for prompt b ((n_acc + 1, H) a cycle): those that predict the
+    emitted tokens, as a teacher-forced pass over the emitted text computes them."""
     c = config
     stats = [RowStats.empty(c.gamma) for _ in prompts]
     # The target's cache holds every emitted token but the newest ("pending") one, at position
@@ -2042,13 +2067,16 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
         proposal = session.propose(pending, npos, u[:, :c.gamma])
         # 2. verify: one target forward scores the pending token and all G proposals
-        with final_states(target, drafter.reads_target) as seen, \
+        with final_states(target, drafter.reads_target or states is not None) as seen, \
                 layer_inputs(target, drafter.layers) as got:
             p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c.sampling,
                                  c.vocab)
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, c.gamma:])
         cycles = Cycle.read(n_acc, new, proposal, finite_p)
+        if states is not None:
+            for r, (b, cyc) in enumerate(zip(live, cycles)):
+                states[b].append(seen[-1][r, :cyc.n_acc + 1])
         still = []
         for r, (b, cyc) in enumerate(zip(live, cycles)):
             for name, ok in (("target", cyc.finite_p), ("draft", cyc.finite_q)):
@@ -2062,7 +2090,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 4. advance: rejected slots die; the new token is pending
         settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), c.gamma)
         session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
-                        view_of(seen, slots, got))
+                        view_of(seen if drafter.reads_target else [], slots, got))
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -2077,19 +2105,23 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
 
 def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
-                   indices: Sequence[int] | None = None, bar: Any = None
-                   ) -> dict[int, RowStats]:
+                   indices: Sequence[int] | None = None, bar: Any = None,
+                   states: dict[int, torch.Tensor] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
-    by indices[i] (default i), which also names prompt i's random stream."""
+    by indices[i] (default i), which also names prompt i's random stream. states: when given,
+    filled with each prompt's target hidden states that predict its emitted tokens (E, H)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         keys = [indices[i] for i in batch]
+        kept: list[list[torch.Tensor]] | None = None if states is None else [[] for _ in batch]
         stats = simulate_batch(target, drafter, [list(seqs[i].ids) for i in batch],
                                row_generators(config.seed, keys, phase=2), config,
-                               [f"prompt {k}" for k in keys], bar or _NoBar())
+                               [f"prompt {k}" for k in keys], bar or _NoBar(), kept)
         rows.update(zip(keys, stats))
+        for k, row, fed in zip(keys, stats, kept or []):  # the last cycle may pass the budget
+            states[k] = torch.cat(fed)[:len(row.tokens)]
     return rows
 
 
@@ -2546,6 +2578,10 @@ def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
     return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
 
 
+def _interval(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
 RULE = "  " + "─" * 66
 
 
@@ -2655,6 +2691,11 @@ def format_report(r: AcceptanceReport) -> str:
              f"vocabulary: first {run.vocab:,} ids{rule}"]
     if run.system_prompt is not None:
         lines.append(f"  system prompt: {run.system_prompt!r}")
+    if run.context is not None:
+        c = run.context
+        lines.append(f"  context: the first {c['length']:,} tokens of {len(c['documents'])} "
+                     f"documents" + (f" ({c['shorter']} shorter ones left out)"
+                                     if c["shorter"] else ""))
     if run.partial:
         lines.append(f"  PARTIAL RESULT — {run.progress_note}")
     lines += [RULE] + _teacher_forced_lines(t, run, cost)
@@ -2689,12 +2730,52 @@ def format_summary(reports: Sequence[AcceptanceReport]) -> str:
              f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
              f"{'best gamma':>10} {'speedup':>8}"]
     for r in sorted(reports, key=speed, reverse=True):
-        ci = "" if r.alpha_ci is None else f"[{r.alpha_ci[0]:.3f}, {r.alpha_ci[1]:.3f}]"
+        ci = _interval(r.alpha_ci)
         name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
         lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
                      f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
                      f"{_num(r.best_gamma, 'd'):>10} "
                      f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
+    return "\n".join(lines)
+
+
+def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
+    """--context-lengths: per (draft, system prompt, temperature), a row per context length:
+    prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
+    the engines'-rule alpha, tokens per cycle and speedup (teacher-forced, i.i.d.)."""
+    groups: dict[tuple, list[AcceptanceReport]] = {}
+    for r in reports:
+        groups.setdefault((r.draft, r.system_prompt, r.temperature), []).append(r)
+    sim = any(r.simulated is not None for r in reports)
+    lines = []
+    for (draft, system, t), rs in groups.items():
+        by_length = {r.run.context["length"]: r for r in rs}
+        longest = rs[0].run.context["longest"]
+        lines += [f"  acceptance by context length — {draft}, T={t:g}"
+                  + ("" if system is None else f", system prompt {system!r}")
+                  + " (95% CI over prompts)",
+                  f"    {'context':>8} {'prompts':>7} {'shorter':>7} {'alpha':>6} "
+                  f"{'95% CI':>15} {'engines':>7} {'tok/cyc':>7} {'speedup':>7}"
+                  + (f" {'sim alpha':>9} {'95% CI':>15} {'sim tok/cyc':>11}" if sim else "")]
+        for n in sorted(set(lengths)):
+            r = by_length.get(n)
+            if r is None:
+                why = (f"no document has {n:,} tokens (the longest has {longest:,})"
+                       if n > longest else "not measured (the run stopped first)")
+                lines.append(f"    {n:>8,} {0:>7} {'-':>7}   {why}")
+                continue
+            tf, s, c = r.teacher_forced, r.simulated, r.run.context
+            lines.append(
+                f"    {n:>8,} {len(c['documents']):>7} {c['shorter']:>7} "
+                f"{_num(tf.alpha, '.3f'):>6} {_interval(tf.alpha_ci):>15} "
+                f"{_num((tf.alpha_by_rule or {}).get('argmax'), '.3f'):>7} "
+                f"{_num(tf.tokens_per_cycle, '.2f'):>7} "
+                f"{_num(tf.est_speedup, '.2f') + 'x':>7}"
+                + ("" if not sim else
+                   f" {_num(s and s.alpha, '.3f'):>9} {_interval(s and s.alpha_ci):>15} "
+                   f"{_num(s and s.tokens_per_cycle, '.2f'):>11}"))
+    lines.append("    (engines = alpha under the engines' rule, argmax proposal accepted with "
+                 "p(x); tok/cyc and speedup: teacher-forced, at the run's gamma)")
     return "\n".join(lines)
 
 
@@ -2713,13 +2794,16 @@ def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
-    """Draw the run to a PNG: one report's offsets, gamma curves and categories, or, for
-    several drafts or temperatures, one comparison. Written whole or not at all."""
+    """Draw the run to a PNG: one report's offsets, gamma curves and categories; for several
+    context lengths, alpha and tokens per cycle against the length; for several drafts or
+    temperatures, one comparison. Written whole or not at all."""
     import matplotlib
     matplotlib.use("Agg")  # no screen needed
     from matplotlib import pyplot as plt
     fig, axes = plt.subplots(2, 2, figsize=PLOT_SIZE, dpi=100)
-    if len(reports) == 1:
+    if len({r.run.context["length"] for r in reports if r.run.context}) > 1:
+        _plot_context(axes, reports)
+    elif len(reports) == 1:
         _plot_offsets(axes[0][0], reports[0])
         _plot_gammas(axes[0][1], axes[1][0], reports[0])
         _plot_categories(axes[1][1], reports[0])
@@ -2824,6 +2908,52 @@ def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
         ax.set_xlabel("temperature")
         ax.legend(fontsize=7)
     axes[1][1].axhline(1.0, color="black", linewidth=0.8)
+
+
+def _plot_context(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
+    """--context-lengths: both routes' alpha, the engines'-rule alpha and tokens per cycle
+    against the context length (one line per draft and temperature), and the prompts each
+    length had."""
+    groups: dict[str, list[AcceptanceReport]] = {}
+    for r in reports:
+        if r.run.context is not None:
+            groups.setdefault(f"{r.draft[-24:]}, T={r.temperature:g}", []).append(r)
+    for label, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.run.context["length"])
+        ls = [r.run.context["length"] for r in rs]
+        for ax, route, key in ((axes[0][0], "teacher_forced", "alpha"),
+                               (axes[0][1], "simulated", "alpha"),
+                               (axes[1][0], "teacher_forced", "tokens_per_cycle")):
+            parts = [getattr(r, route) for r in rs]
+            if all(p is None for p in parts):
+                continue
+            ys = [getattr(p, key) if p is not None and getattr(p, key) is not None
+                  else float("nan") for p in parts]
+            cis = [getattr(p, key + "_ci", None) if p is not None else None for p in parts]
+            errs = [[y - ci[0] if ci else 0 for y, ci in zip(ys, cis)],
+                    [ci[1] - y if ci else 0 for y, ci in zip(ys, cis)]]
+            ax.errorbar(ls, ys, yerr=errs, fmt="o-", capsize=3, label=label)
+        axes[0][0].plot(ls, [(r.teacher_forced.alpha_by_rule or {}).get("argmax", float("nan"))
+                             for r in rs], "x:", label=f"{label}, engines' rule")
+    lengths = sorted({r.run.context["length"] for r in reports if r.run.context})
+    counts = {r.run.context["length"]: len(r.run.context["documents"]) for r in reports
+              if r.run.context}
+    axes[1][1].bar([str(n) for n in lengths], [counts[n] for n in lengths], color="tab:grey")
+    for ax, title in ((axes[0][0], "alpha (teacher-forced, 95% interval) against context"),
+                      (axes[0][1], "alpha (simulated, 95% interval) against context"),
+                      (axes[1][0], "tokens per cycle (teacher-forced) against context")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.set_xlabel("context length (prompt tokens)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if all(r.simulated is None for r in reports):
+        axes[0][1].text(0.5, 0.5, "no simulation (run with --simulate)", ha="center",
+                        va="center", transform=axes[0][1].transAxes)
+        axes[0][1].set_axis_off()
+    axes[1][1].set_title("prompts measured at each length (documents that long)", fontsize=10)
+    axes[1][1].set_xlabel("context length (prompt tokens)")
 
 
 def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
@@ -2978,8 +3108,10 @@ def measure_side(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
 def simulate_side(target: nn.Module, drafters: Sequence[Drafter], batch: list[int],
                   sequences: Sequence[TokenSequence], sampling: SamplingParams,
                   settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                  bar: Any) -> list[dict[int, RowStats]]:
-    """The simulation of one batch with each drafter (its budget: continuation_tokens)."""
+                  bar: Any, states: dict[int, torch.Tensor] | None = None
+                  ) -> list[dict[int, RowStats]]:
+    """The simulation of one batch with each drafter (its budget: continuation_tokens);
+    states: see run_simulation (one drafter)."""
     bar.set_description("simulation")
     config = LoopConfig(sampling, settings.gamma, settings.continuation_tokens, vocab, eos,
                         device, settings.seed)
@@ -2987,7 +3119,8 @@ def simulate_side(target: nn.Module, drafters: Sequence[Drafter], batch: list[in
     for d in drafters:
         with step(f"the simulation with draft {d.name}"):
             out.append(run_simulation(target, d, [sequences[i] for i in batch], config,
-                                      batch_size=len(batch), indices=batch, bar=bar))
+                                      batch_size=len(batch), indices=batch, bar=bar,
+                                      states=states))
     return out
 
 
@@ -3001,16 +3134,23 @@ def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
     simulation runs first and its output is that drafter's continuation: speculative sampling
     is lossless, so what it emits is an exact sample from the target, and the two routes
     score the same text (a target pass per drafter, the continuation's own pass saved);
-    separate_continuation samples one continuation apart, shared by every drafter."""
+    separate_continuation samples one continuation apart, shared by every drafter. A drafter
+    that needs the target's outputs only where they predict the text (one drafting step, no
+    reading of the target's states) takes them from its simulation's verify passes, which
+    computed them (emitted_pass): no target pass of its own."""
     for vocab, members in vocab_groups(target, drafters).items():
         if settings.simulate and not settings.separate_continuation:
-            for k in members:  # each drafter's own text, and a target pass over it
-                sims = simulate_side(target, [drafters[k]], batch, sequences, sampling,
-                                     settings, eos, device, vocab, bar)
-                side = target_pass(target, route_p, batch, sequences, sampling, settings, eos,
-                                   device, vocab, bar, [sims[0][i].tokens for i in batch])
-                measure_side(target, route_p, [drafters[k]], side, sequences, sampling,
-                             settings, eos, device, vocab, [results[k]], bar, sims)
+            for k in members:  # each drafter's own text, and the target's outputs over it
+                d = drafters[k]
+                kept = {} if route_p and d.steps is None and not d.reads_target else None
+                sims = simulate_side(target, [d], batch, sequences, sampling, settings, eos,
+                                     device, vocab, bar, kept)
+                conts = [sims[0][i].tokens for i in batch]
+                side = (emitted_pass(batch, sequences, conts, kept) if kept is not None else
+                        target_pass(target, route_p, batch, sequences, sampling, settings,
+                                    eos, device, vocab, bar, conts))
+                measure_side(target, route_p, [d], side, sequences, sampling, settings, eos,
+                             device, vocab, [results[k]], bar, sims)
             continue
         side = target_pass(target, route_p, batch, sequences, sampling, settings, eos, device,
                            vocab, bar)
@@ -3031,6 +3171,7 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
                    costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
                    done: Sequence[dict[int, PromptResult]] | None = None,
                    stop: Stop | None = None, temperatures: Sequence[float] | None = None,
+                   context_lengths: Sequence[int] | None = None,
                    **options: Any) -> list[AcceptanceReport]:
     """Measure each (name, draft) against one set of target continuations and target passes.
 
@@ -3053,7 +3194,8 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     stop: what ends the run early (see Stop): a signal, or another rank's; every rank stops at
     its next batch and the reports cover what all ranks finished. stop.ended says afterwards,
     on every rank alike, whether to measure any further.
-    temperatures: the sweep this call is one temperature of, recorded in the run key.
+    temperatures, context_lengths: the sweep this call is one setting of (the CLI's
+    --temperature and --context-lengths lists), recorded in the run key.
     """
     settings = replace(settings, **options) if settings else Settings(**options)
     sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
@@ -3075,14 +3217,15 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     else:
         stop.ended = interrupted or stop.cause is not None
     return [drafter_report(target, d, res, cost, sequences, sampling, settings, target_name,
-                           device, temperatures, interrupted)
+                           device, (temperatures, context_lengths), interrupted)
             for d, res, cost in zip(drafters, results, costs)]
 
 
 def drafter_report(target: nn.Module, drafter: Drafter, results: dict[int, PromptResult],
                    cost: Cost, sequences: Sequence[TokenSequence], sampling: SamplingParams,
                    settings: Settings, target_name: str, device: torch.device,
-                   temperatures: Sequence[float] | None, interrupted: bool
+                   sweep: tuple[Sequence[float] | None, Sequence[int] | None],
+                   interrupted: bool
                    ) -> AcceptanceReport:
     """One drafter's report from its per-prompt results, with its run key and notes."""
     v = shared_vocab(target, drafter)
@@ -3090,7 +3233,7 @@ def drafter_report(target: nn.Module, drafter: Drafter, results: dict[int, Promp
                   sampling=sampling, settings=settings, cost=cost, vocab=v,
                   sequences=sequences, interrupted=interrupted)
     parts = run_key_parts(target, target_name, drafter, sampling, settings, sequences, device,
-                          temperatures)
+                          *sweep)
     r.run.run_key, r.run.run_key_parts = run_key(parts), parts
     if drafter.width is not None and drafter.width != vocab_width(target):
         r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
@@ -3205,11 +3348,13 @@ def _dtype_name(model: nn.Module) -> str:
 def run_key_parts(target: nn.Module, target_name: str, drafter: Drafter,
                   sampling: SamplingParams, settings: Settings,
                   sequences: Sequence[TokenSequence], device: torch.device,
-                  temperatures: Sequence[float] | None = None) -> dict[str, Any]:
+                  temperatures: Sequence[float] | None = None,
+                  context_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """Everything a report's per-prompt numbers depend on (how the costs are found aside), by
     name, as its JSON holds them: a resumed run reuses only results whose parts are all equal
     (see key_difference). temperatures: the whole sweep the report is one of (the CLI's
-    --temperature list; default the report's own)."""
+    --temperature list; default the report's own); context_lengths: --context-lengths' list,
+    a part only when given (so the keys of runs without it stay as they were)."""
     models = [m for k, m in vars(drafter).items() if isinstance(m, nn.Module) and k != "target"]
     dtypes = [_dtype_name(m) for m in [target, *models]]
     parts = {"target": target_name, "target model": model_identity(target),
@@ -3221,6 +3366,8 @@ def run_key_parts(target: nn.Module, target_name: str, drafter: Drafter,
              **{k: v for k, v in asdict(settings).items() if k != "cost_ratio"},
              "prompts": f"sha256 {_sha256([s.ids for s in sequences])[:16]} "
                         f"({len(sequences)} prompts)"}
+    if context_lengths is not None:
+        parts["context lengths"] = list(context_lengths)
     return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
 
 
@@ -3975,9 +4122,16 @@ def _pick_field(record: dict, where: str) -> Prompt:
                      f"expected one of prompt, instruction, question, input, text, messages")
 
 
-def load_texts(source: str = "builtin") -> list[Prompt]:
-    """Prompts from `builtin`, a .txt file (one per line), a .jsonl/.json file, or
-    hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME a hub data set or a local dataset folder)."""
+TEXT_SUFFIXES = (".txt", ".md", ".rst")  # the files a folder of documents is read from
+
+
+def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]:
+    """Prompts from `builtin`, a .txt file (one per line), a .jsonl/.json file, a folder (each
+    .txt, .md or .rst file in it one prompt, whole), or hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME
+    a hub data set or a local dataset folder). documents: long documents are wanted
+    (--context-lengths): a plain-text file is then one document, not a prompt per line."""
+    if os.path.isdir(source):
+        return _load_folder(source)
     if source == "builtin":
         # interleave the categories, so that --max-samples N still spans all of them
         by_cat: dict[str, list[str]] = {}
@@ -4019,11 +4173,32 @@ def load_texts(source: str = "builtin") -> list[Prompt]:
                 raise UsageError(f"{source}: expected a JSON list of prompts or records")
             prompts = [Prompt(x) if isinstance(x, str) else _pick_field(x, f"{source}[{i}]")
                        for i, x in enumerate(data) if isinstance(x, (str, dict))]
+        elif documents:
+            prompts = [Prompt(raw)]
         else:
             prompts = [Prompt(line) for line in raw.splitlines() if line.strip()]
     prompts = [p for p in prompts if p.content]
     if not prompts:
         raise UsageError(f"data source {source!r} holds no prompts")
+    return prompts
+
+
+def _load_folder(folder: str) -> list[Prompt]:
+    """Each text file of a folder, whole, in name order."""
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(TEXT_SUFFIXES)
+                   and os.path.isfile(os.path.join(folder, n)))
+    texts = []
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                texts.append(f.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read {os.path.join(folder, name)!r}: "
+                             f"{_one_line(e)}") from None
+    prompts = [Prompt(t) for t in texts if t.strip()]
+    if not prompts:
+        raise UsageError(f"data folder {folder!r} holds no text file with text in it (read: "
+                         f"{', '.join(TEXT_SUFFIXES)})")
     return prompts
 
 
@@ -4046,8 +4221,9 @@ def _load_hf(spec: str) -> list[Prompt]:
                       or os.path.exists(os.path.join(name, "dataset_dict.json"))):
             ds = datasets.load_from_disk(name)
         else:
-            with _quiet_loggers("datasets", "huggingface_hub"):
-                ds = datasets.load_dataset(name, config or None)
+            with _quiet_loggers("datasets", "huggingface_hub"):  # a split named: only it
+                ds = datasets.load_dataset(name, config or None, **(
+                    {"split": split} if split else {}))
         if isinstance(ds, datasets.DatasetDict):
             split = split or next((x for x in ("test", "train") if x in ds), next(iter(ds)))
             if split not in ds:
@@ -4117,6 +4293,79 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
     if not out:
         raise UsageError("no prompt produced any tokens; check the data source")
     return out
+
+
+def build_documents(prompts: Sequence[Prompt | str], tokenizer: Any,
+                    max_samples: int | None = None) -> list[TokenSequence]:
+    """Long documents for --context-lengths, tokenised whole as plain text (no chat template:
+    the target continues the document itself)."""
+    with _quiet_loggers("transformers"):  # (a document longer than the model's window warns)
+        return build_sequences(prompts, tokenizer, max_samples=max_samples,
+                               max_length=sys.maxsize, chat_template="off")
+
+
+class AtLength(NamedTuple):
+    """The prompts of one context length L: the first L tokens of every document that has at
+    least L (never padded), which documents those are, and how many were shorter."""
+
+    length: int
+    sequences: list[TokenSequence]
+    documents: list[int]  # prompt i is document documents[i]
+    shorter: int  # documents with fewer than `length` tokens: left out at this length
+    longest: int  # tokens in the longest document
+
+    def describe(self) -> dict[str, Any]:
+        """What a report records of it (RunInfo.context)."""
+        return {"length": self.length, "documents": self.documents, "shorter": self.shorter,
+                "longest": self.longest}
+
+
+def at_context_lengths(documents: Sequence[TokenSequence], lengths: Sequence[int]
+                       ) -> list[AtLength]:
+    """Per context length (ascending), the prompts cut from `documents` at a token boundary:
+    document k's first L token ids, for each document that has at least L."""
+    longest = max(len(d.ids) for d in documents)
+    out = []
+    for n in sorted(set(lengths)):
+        if n < 1:
+            raise UsageError(f"--context-lengths must be >= 1, got {n}")
+        kept = [k for k, d in enumerate(documents) if len(d.ids) >= n]
+        out.append(AtLength(n, [TokenSequence(documents[k].ids[:n], documents[k].category)
+                                for k in kept], kept, len(documents) - len(kept), longest))
+    return out
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The positions a model's config says it holds (max_position_embeddings), if it says."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_room(target: nn.Module, drafters: Sequence[Drafter], length: int,
+                       settings: Settings) -> None:
+    """Refuse a context length that, with its continuation (and a simulation's last drafts),
+    is past the target's or a draft model's maximum context. Heads that read the target
+    (EAGLE-3, Medusa, MTP) run at the target's positions: how they fare past their training
+    window is what such a run is there to show."""
+    n_tokens = settings.continuation_tokens + settings.gamma * settings.simulate
+    models = [("the target", target)] + [
+        (f"draft {d.name}", m) for d in drafters for k, m in vars(d).items()
+        if isinstance(m, nn.Module) and k != "target" and hasattr(m, "config")
+        and not d.reads_target]
+    for who, model in models:
+        room = max_positions(model)
+        if room is not None and length + n_tokens > room:
+            raise UsageError(f"--context-lengths {length}: {who} holds at most {room:,} "
+                             f"positions (max_position_embeddings); a {length:,}-token prompt "
+                             f"and what follows it need {length + n_tokens:,}; use lengths up "
+                             f"to {max(room - n_tokens, 0):,}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4395,12 +4644,19 @@ def _models_options(ap: Any) -> None:
 def _data_options(ap: Any) -> None:
     ap.add_argument("--data", default="builtin",
                     help="prompts: builtin (default, 38 prompts in 7 categories), a .txt file "
-                    "(one per line), .jsonl/.json file, or hf:NAME[:CONFIG][:SPLIT][:FIELD] "
-                    "(NAME may be a local dataset folder)")
+                    "(one per line; with --context-lengths the whole file), .jsonl/.json "
+                    "file, a folder (each .txt/.md/.rst file in it one prompt), or "
+                    "hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME may be a local dataset folder)")
     ap.add_argument("--max-samples", type=_at_least_one, default=32, metavar="N",
                     help="prompts used, at most (default 32)")
-    ap.add_argument("--max-length", type=_at_least_one, default=512, metavar="TOKENS",
+    ap.add_argument("--max-length", type=_at_least_one, default=None, metavar="TOKENS",
                     help="prompt tokens kept, from the end (default 512)")
+    ap.add_argument("--context-lengths", default=None, metavar="L[,L...]",
+                    help="measure at each context length: every document of --data with at "
+                    "least L tokens gives a prompt of its first L tokens (plain text, no chat "
+                    "template; shorter documents are counted and left out, never padded); "
+                    "a .txt or .md file is one document, a folder one per text file. One "
+                    "report per length, like a temperature sweep, and a table by length")
     ap.add_argument("--continuation-tokens", type=int, default=64, metavar="K",
                     help="tokens the target writes after each prompt and that are scored; also "
                     "the simulation's budget per prompt. 0 scores the prompt tokens instead "
@@ -4560,13 +4816,13 @@ def _number_list(text: str, what: str, kind: type) -> list:
 def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
                 where: tuple[Launch, str] | None = None, stop: Stop | None = None
                 ) -> list[AcceptanceReport]:
-    """The CLI's work between parsing and printing: one report per (temperature, draft).
-    status(line) is told what is about to be measured; where: this process's place in a
-    multi-process launch (launch_from_env; read from the environment when not given);
+    """The CLI's work between parsing and printing: one report per (setting of the sweep,
+    draft). status(line) is told what is about to be measured; where: this process's place in
+    a multi-process launch (launch_from_env; read from the environment when not given);
     stop: main's (see Stop), which a signal fills in."""
     stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
                                               grace_s=args.stop_timeout)
-    sweep = _sweep(args)  # (system prompt, temperature), one report per drafter each
+    sweep = _sweep(args)
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
@@ -4576,44 +4832,89 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     _check_plot_target(args.plot)
     earlier = _earlier_reports(args)
     _check_drafters(args, layers)
-    prompts = load_texts(args.data)
+    prompts = load_texts(args.data, documents=args.context_lengths is not None)
     launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(args, layers, progress, launch)
-    by_system = {sp: build_sequences(prompts, tok, max_samples=args.max_samples,
-                                     max_length=args.max_length,
-                                     chat_template=args.chat_template, system_prompt=sp)
-                 for sp in dict.fromkeys(sp for sp, _ in sweep)}
-    seqs = next(iter(by_system.values()))
-    if launch.rank == 0:
-        ranks = f" by {launch.world} processes" if launch.world > 1 else ""
-        status(f"specdec: measuring {len(seqs)} prompts, {len(drafts)} draft(s), "
-               f"{len(sweep)} setting(s) of system prompt and temperature on {device}{ranks}")
+    inputs = _cli_prompts(args, prompts, tok, sweep)
     settings = replace(settings, eos=eos_ids(target, tok))
-    costs = [cost_model(target, d, settings, seqs, device) for d in drafts]  # timed once
+    for length, _ in inputs:
+        if length is not None:
+            check_context_room(target, drafts, length, settings)
+    left_out = sorted({p.length for p in sweep if (p.length, p.system) not in inputs})
+    sweep = [p for p in sweep if (p.length, p.system) in inputs]
+    if launch.rank == 0:
+        longest = next(iter(inputs.values()))[1]
+        for n in left_out:
+            status(f"specdec: context length {n:,} left out: no document has that many "
+                   f"tokens (the longest has {longest['longest']:,})")
+        ranks = f" by {launch.world} processes" if launch.world > 1 else ""
+        status(f"specdec: measuring {max(len(v[0]) for v in inputs.values())} prompts, "
+               f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
+               f"{'context length, ' if args.context_lengths else ''}system prompt and "
+               f"temperature on {device}{ranks}")
+    return _measure_sweep(args, target, drafts, device, settings, sweep, inputs, earlier,
+                          launch, progress, stop)
+
+
+def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
+                 sweep: Sequence[SweepPoint]
+                 ) -> dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]:
+    """The tokenised prompts of each (context length, system prompt) of the sweep, and what a
+    report records of how they were cut (RunInfo.context; None without --context-lengths).
+    A context length no document reaches is left out; if none is reached, refused."""
+    if args.context_lengths is None:
+        return {(None, sp): (build_sequences(
+                    prompts, tok, max_samples=args.max_samples, max_length=args.max_length or 512,
+                    chat_template=args.chat_template, system_prompt=sp), None)
+                for sp in dict.fromkeys(p.system for p in sweep)}
+    documents = build_documents(prompts, tok, args.max_samples)
+    at = at_context_lengths(documents, [p.length for p in sweep])
+    inputs = {(a.length, None): (a.sequences, a.describe()) for a in at if a.sequences}
+    if not inputs:
+        raise UsageError(f"--context-lengths: no document has {at[0].length:,} tokens (the "
+                         f"longest of {len(documents)} has {at[0].longest:,}); use shorter "
+                         f"lengths or longer documents")
+    return inputs
+
+
+def _measure_sweep(args: argparse.Namespace, target: nn.Module, drafts: list[Drafter],
+                   device: torch.device, settings: Settings, sweep: Sequence[SweepPoint],
+                   inputs: dict, earlier: list[dict[str, Any]], launch: Launch, progress: bool,
+                   stop: Stop) -> list[AcceptanceReport]:
+    """Measure the sweep's settings in turn, every draft at each, resuming what `earlier`
+    reports finished; a stop ends the sweep after the setting it cut short. Costs are found
+    once per context length (a measured one is timed at that length)."""
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
     temperatures = _number_list(args.temperature, "--temperature", float)
-    runs = [(system, SamplingParams(t, args.top_k, args.top_p, args.proposal))
-            for system, t in sweep]
-    keys = {(system, s, d.name): run_key_parts(target, args.target, d, s, settings,
-                                               by_system[system], device, temperatures)
-            for system, s in runs for d in drafts}
+    lengths = (None if args.context_lengths is None
+               else sorted(set(_number_list(args.context_lengths, "--context-lengths", int))))
+    runs = [(p, SamplingParams(p.temperature, args.top_k, args.top_p, args.proposal))
+            for p in sweep]
+    keys = {(p, d.name): run_key_parts(target, args.target, d, s, settings,
+                                       inputs[p.length, p.system][0], device, temperatures,
+                                       lengths)
+            for p, s in runs for d in drafts}
     done_by_key = _resumable(earlier, list(keys.values()), args.json)
+    costs: dict[int | None, list[Cost]] = {}
     reports: list[AcceptanceReport] = []
     stop.raising = False  # started: from here a signal stops the run at its next look
-    for system, sampling in runs:
-        done = [done_by_key.get(run_key(keys[system, sampling, d.name]), {}) for d in drafts]
-        batch = measure_drafts(target, drafts, by_system[system], sampling=sampling,
-                               device=device, settings=settings, progress=progress,
-                               target_name=args.target, costs=costs,
-                               share=(launch.rank, launch.world), done=done, stop=stop,
-                               temperatures=temperatures)
+    for p, sampling in runs:
+        seqs, context = inputs[p.length, p.system]
+        if p.length not in costs:
+            costs[p.length] = [cost_model(target, d, settings, seqs, device) for d in drafts]
+        done = [done_by_key.get(run_key(keys[p, d.name]), {}) for d in drafts]
+        batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
+                               settings=settings, progress=progress, target_name=args.target,
+                               costs=costs[p.length], share=(launch.rank, launch.world),
+                               done=done, stop=stop, temperatures=temperatures,
+                               context_lengths=lengths)
         for r in batch:
-            r.run.system_prompt = system
+            r.run.system_prompt, r.run.context = p.system, context
             r.notes.append(f"device {device}, weights {weights}")
         reports += batch
         if stop.ended:
-            break  # interrupted: report what finished, measure no further temperature
+            break  # interrupted: report what finished, measure no further setting
     return reports
 
 
@@ -4628,15 +4929,45 @@ def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
         raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
 
 
-def _sweep(args: argparse.Namespace) -> list[tuple[str | None, float]]:
-    """The CLI's (system prompt, temperature) settings, in the order they are measured:
-    --system-prompt none is an empty system message; None leaves it to the template."""
+class SweepPoint(NamedTuple):
+    """One setting of the CLI's sweep, measured with every drafter."""
+
+    length: int | None  # --context-lengths' L (None: the prompts as the data has them)
+    system: str | None  # the system prompt (None: the chat template's own; "": empty)
+    temperature: float
+
+    def describe(self) -> str:
+        return (f"temperature {self.temperature:g}"
+                + ("" if self.system is None else f" (system prompt {self.system!r})")
+                + ("" if self.length is None else f" at context length {self.length:,}"))
+
+
+def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
+    """The CLI's settings, in the order they are measured: context length, then system prompt,
+    then temperature. --system-prompt none is an empty system message."""
     temperatures = _number_list(args.temperature, "--temperature", float)
     systems = [None] if not args.system_prompt else [
         "" if text.strip().lower() == "none" else text for text in args.system_prompt]
     for t in temperatures:
         SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
-    return [(sp, t) for sp in systems for t in temperatures]
+    lengths: list[int | None] = [None]
+    if args.context_lengths is not None:
+        lengths = sorted(set(_number_list(args.context_lengths, "--context-lengths", int)))
+        _check_context_options(args, lengths)
+    return [SweepPoint(n, sp, t) for n in lengths for sp in systems for t in temperatures]
+
+
+def _check_context_options(args: argparse.Namespace, lengths: list[int]) -> None:
+    """Refuse options that --context-lengths replaces or cannot honour."""
+    if lengths[0] < 1:
+        raise UsageError(f"--context-lengths must be >= 1, got {lengths[0]}")
+    if args.max_length is not None:
+        raise UsageError("--max-length and --context-lengths: the context lengths set how many "
+                         "tokens each prompt has; drop --max-length")
+    if args.chat_template == "on" or args.system_prompt:
+        raise UsageError("--context-lengths continues documents as plain text (the prompt is "
+                         "a document's first L tokens): drop --chat-template on and "
+                         "--system-prompt")
 
 
 def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -4861,7 +5192,9 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
         return stop_status(stop) or 0  # a rank other than 0: rank 0 reports for all
     out = sys.stderr if args.json == "-" else sys.stdout
     print("\n\n".join(format_report(r) for r in reports), file=out)
-    if len(reports) > 1:
+    if args.context_lengths is not None:
+        print("\n" + format_context_table(reports, [p.length for p in _sweep(args)]), file=out)
+    elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
     data = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
     if args.json == "-":
@@ -4870,12 +5203,10 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
         write_json_atomic(args.json, data)
     if args.plot:
         plot_reports(reports, args.plot)
-    sweep = _sweep(args)
-    measured = len({(r.system_prompt, r.temperature) for r in reports})
-    if stop.ended and measured < len(sweep):
-        rest = ", ".join(f"{t:g}" + ("" if sp is None else f" (system prompt {sp!r})")
-                         for sp, t in sweep[measured:])
-        print(f"specdec: {_stopped(stop)}: temperature {rest} not measured", file=sys.stderr)
+    rest = _unmeasured(args, reports)
+    if stop.ended and rest:
+        print(f"specdec: {_stopped(stop)}: {', '.join(p.describe() for p in rest)} not "
+              f"measured", file=sys.stderr)
     status = stop_status(stop)
     if status is not None:
         return status
@@ -4883,6 +5214,16 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
     for line in failures:
         print(line, file=sys.stderr)
     return 1 if failures else 0
+
+
+def _unmeasured(args: argparse.Namespace, reports: Sequence[AcceptanceReport]
+                ) -> list[SweepPoint]:
+    """The sweep's settings with no report (context lengths no document reaches aside)."""
+    longest = next((r.run.context["longest"] for r in reports if r.run.context), None)
+    measured = {(r.run.context and r.run.context["length"], r.system_prompt, r.temperature)
+                for r in reports}
+    return [p for p in _sweep(args) if (p.length, p.system, p.temperature) not in measured
+            and (p.length is None or longest is None or p.length <= longest)]
 
 
 def _stopped(stop: Stop) -> str:

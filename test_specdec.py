@@ -3066,16 +3066,16 @@ def test_several_drafts_share_one_set_of_target_passes(llama, llama2, gpt2, seqs
 
 
 def interrupt_after(monkeypatch, n_calls):
-    """Make the n-th call of target_pass (once per batch, a drafter) raise KeyboardInterrupt
-    (a Ctrl-C)."""
-    orig, calls = sd.target_pass, []
+    """Make the n-th call of measure_side (once per batch, and with simulate per drafter)
+    raise KeyboardInterrupt (a Ctrl-C)."""
+    orig, calls = sd.measure_side, []
 
     def boom(*args, **kwargs):
         calls.append(1)
         if len(calls) >= n_calls:
             raise KeyboardInterrupt
         return orig(*args, **kwargs)
-    monkeypatch.setattr(sd, "target_pass", boom)
+    monkeypatch.setattr(sd, "measure_side", boom)
 
 
 def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
@@ -3148,6 +3148,33 @@ def test_one_continuation_serves_both_routes(key, llama, llama2, seqs, monkeypat
         assert asdict_equal(one.teacher_forced, apart.teacher_forced)
     else:
         assert one.alpha != apart.alpha  # another sample of the target's text
+
+
+def test_the_simulation_hands_the_teacher_forced_route_the_targets_outputs(
+        eos_model, llama, llama2, seqs, monkeypatch):
+    """The target's hidden states the simulation's verify passes computed where they predict
+    the emitted tokens are those of a plain forward of transformers over prompt + emitted text
+    (rows cut by EOS and by the budget: the last cycle's surplus dropped); with simulate, a
+    model drafter's teacher-forced route takes them, and no teacher-forced target pass runs.
+    (Planted: keeping n_acc states a cycle instead of n_acc + 1, or not cutting at the budget,
+    fails the shape check.)"""
+    config = sd.LoopConfig(SAMPLINGS["t1"], 3, 7, V, frozenset({9}), CPU, seed=2)
+    states: dict = {}
+    rows = sd.run_simulation(eos_model, llama2, seqs, config, batch_size=3, states=states)
+    assert any(len(r.tokens) < 7 for r in rows.values())  # EOS ended some rows early
+    for i, s in enumerate(seqs):
+        emitted = rows[i].tokens
+        full = eos_model.model(input_ids=torch.tensor([s.ids + emitted])).last_hidden_state[0]
+        want = full[len(s.ids) - 1:len(s.ids) - 1 + len(emitted)]  # (E, H)
+        assert states[i].shape == want.shape
+        assert torch.allclose(states[i], want, atol=1e-5)
+    forwards = []
+    real = sd.teacher_forced
+    monkeypatch.setattr(sd, "teacher_forced", lambda model, *a, **k: forwards.append(model)
+                        or real(model, *a, **k))
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=3, continuation_tokens=6, simulate=True, batch_size=3)
+    assert forwards and all(m is llama2 for m in forwards) and r.scored_on == "simulation"
 
 
 def asdict_equal(a, b) -> bool:
@@ -3566,6 +3593,53 @@ def test_load_texts_missing_unreadable_and_malformed_hf(tmp_path):
     for spec in ["hf:", "hf:a:b:c:d:e"]:
         with pytest.raises(ValueError, match="malformed"):
             sd.load_texts(spec)
+
+
+def doc_text(n_chars: int, seed: int) -> str:
+    """A document of exactly n_chars characters, each one token of the char tokenizer."""
+    g = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz      "  # about one space in six
+    return "".join(letters[int(i)] for i in torch.randint(0, len(letters), (n_chars,),
+                                                           generator=g))
+
+
+def test_load_texts_documents_whole_files_and_folders(tmp_path):
+    """--context-lengths reads long documents: a plain-text file whole (not a prompt per line),
+    a folder as one document per .txt/.md/.rst file, in name order, other files ignored."""
+    f = tmp_path / "book.txt"
+    f.write_text("first line\nsecond line\n", "utf-8")
+    assert [p.content for p in sd.load_texts(str(f), documents=True)] == [
+        "first line\nsecond line\n"]
+    assert [p.content for p in sd.load_texts(str(f))] == ["first line", "second line"]
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, text in [("b.md", "# two\nmore"), ("a.txt", "one"), ("c.json", "[1]"),
+                       ("d.rst", "   ")]:
+        (folder / name).write_text(text, "utf-8")
+    assert [p.content for p in sd.load_texts(str(folder))] == ["one", "# two\nmore"]
+    (folder / "a.txt").unlink()
+    (folder / "b.md").unlink()
+    with pytest.raises(ValueError, match="holds no text file"):
+        sd.load_texts(str(folder))
+
+
+def test_context_lengths_cut_documents_at_exact_token_counts(tok_plain):
+    """The prompt at L is a document's first L tokens, for each document with at least L;
+    shorter ones are counted, never padded. Oracle: the char tokenizer makes a token of each
+    character, so a document's token count is its length, and its first L tokens are the
+    tokenization of its first L characters."""
+    texts = [doc_text(45, 0), doc_text(30, 1), doc_text(14, 2)]
+    docs = sd.build_documents(texts, tok_plain)
+    assert [len(d.ids) for d in docs] == [45, 30, 14]
+    at = sd.at_context_lengths(docs, [24, 12, 45, 60, 24])
+    assert [a.length for a in at] == [12, 24, 45, 60]  # ascending, each once
+    for a in at:
+        want = [k for k, t in enumerate(texts) if len(t) >= a.length]
+        assert a.documents == want and a.shorter == 3 - len(want) and a.longest == 45
+        assert [s.ids for s in a.sequences] == [tok_plain(texts[k][:a.length])["input_ids"]
+                                                for k in want]
+        assert all(len(s.ids) == a.length and not s.truncated for s in a.sequences)
+    assert at[-1].sequences == [] and at[-1].shorter == 3
 
 
 def test_hf_data_without_datasets_installed_is_a_clear_error(monkeypatch, tmp_path):
@@ -4287,6 +4361,110 @@ def test_cli_system_prompt_sweep_gives_one_report_each(capsys, tmp_path, model_d
     extra = len(tok("Answer briefly.", add_special_tokens=False)["input_ids"])
     assert brief["scored_positions"] == empty["scored_positions"] + extra * len(
         brief["per_prompt"])
+
+
+CONTEXT_TEXTS = {"a.txt": doc_text(45, 0), "b.md": doc_text(30, 1), "c.txt": doc_text(14, 2)}
+
+
+@pytest.fixture(scope="session")
+def docs_folder(tmp_path_factory):
+    """Three documents of 45, 30 and 14 tokens (characters), one per file."""
+    folder = tmp_path_factory.mktemp("documents")
+    for name, text in CONTEXT_TEXTS.items():
+        (folder / name).write_text(text, "utf-8")
+    return str(folder)
+
+
+CONTEXT_ARGV = ["--continuation-tokens", "5", "--gamma", "2", "--temperature", "0.8", "--seed",
+                "3", "--simulate", "--quiet", "--batch-size", "2"]
+
+
+def test_cli_context_lengths_report_per_length_equals_separate_runs(capsys, tmp_path,
+                                                                    model_dirs, docs_folder):
+    """--context-lengths 12,24,40,60 on documents of 45, 30 and 14 tokens: a report per length
+    that some document reaches, each counting the prompts it had and the shorter documents it
+    left out, and each with the numbers of a separate plain run on those documents cut by hand
+    to their first L characters (= tokens); the table has a row per length, 60 included; the
+    plot is drawn."""
+    models = ["--target", model_dirs["target"], "--draft", model_dirs["draft"]]
+    out, png = tmp_path / "ctx.json", tmp_path / "ctx.png"
+    rc, text, err = run_cli(capsys, models + CONTEXT_ARGV + [
+        "--data", docs_folder, "--context-lengths", "24,12,40,60", "--json", out, "--plot", png])
+    assert rc == 0, err
+    reports = json.loads(out.read_text())
+    texts = list(CONTEXT_TEXTS.values())
+    assert [r["context"]["length"] for r in reports] == [12, 24, 40]
+    assert [r["context"]["documents"] for r in reports] == [[0, 1, 2], [0, 1], [0]]
+    assert [r["context"]["shorter"] for r in reports] == [0, 1, 2]
+    assert "context: the first 24 tokens of 2 documents (1 shorter ones left out)" in text
+    rows = re.findall(r"^ +([\d,]+) +(\d+) +(\S+) ", text.split("acceptance by context")[1],
+                      re.M)
+    assert rows == [("12", "3", "0"), ("24", "2", "1"), ("40", "1", "2"), ("60", "0", "-")]
+    assert "no document has 60 tokens (the longest has 45)" in text
+    from PIL import Image
+    assert Image.open(png).size == (1200, 800)
+    for r in reports:
+        length, cut = r["context"]["length"], tmp_path / f"cut{r['context']['length']}.jsonl"
+        cut.write_text("".join(json.dumps({"text": texts[k][:length]}) + "\n"
+                               for k in r["context"]["documents"]), "utf-8")
+        one = tmp_path / f"plain{length}.json"
+        rc, _, err = run_cli(capsys, models + CONTEXT_ARGV + [
+            "--data", cut, "--chat-template", "off", "--json", one])
+        assert rc == 0, err
+        plain = json.loads(one.read_text())
+        for key in ("alpha", "alpha_ci", "tokens_per_cycle", "est_speedup", "alpha_by_rule",
+                    "empirical_alpha", "empirical_alpha_ci", "empirical_tokens_per_cycle",
+                    "per_prompt", "gamma_table", "scored_positions"):
+            assert r[key] == plain[key], key
+
+
+def test_cli_context_lengths_resume_after_an_interrupt(monkeypatch, capsys, tmp_path,
+                                                       model_dirs, docs_folder):
+    """Ctrl-C at the second length, then --resume: the JSON equals one uninterrupted run's;
+    only the unfinished length is measured again."""
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            docs_folder, "--context-lengths", "12,24"] + CONTEXT_ARGV
+    rc, _, err = run_cli(capsys, argv + ["--json", tmp_path / "whole.json"])
+    assert rc == 0, err
+    path = tmp_path / "run.json"
+    interrupt_after(monkeypatch, 3)  # 12: two batches of 2 and 1; 24: its one batch is cut
+    rc, out, _ = run_cli(capsys, argv + ["--json", path])
+    monkeypatch.undo()
+    assert rc == 130 and [r["context"]["length"] for r in json.loads(path.read_text())] == [
+        12, 24]
+    measured = count_measured(monkeypatch)
+    rc, _, err = run_cli(capsys, argv + ["--json", path, "--resume"])
+    assert rc == 0, err
+    assert len(measured) == 1  # the one batch of length 24 (its 2 prompts)
+    assert json.loads(path.read_text()) == json.loads((tmp_path / "whole.json").read_text())
+
+
+@pytest.mark.parametrize("more,message", [
+    (["--context-lengths", "12", "--max-length", "8"], "drop --max-length"),
+    (["--context-lengths", "12", "--chat-template", "on"], "plain text"),
+    (["--context-lengths", "0"], "must be >= 1"),
+    (["--context-lengths", "12,x"], "comma list"),
+    (["--context-lengths", "50,100"], "no document has 50 tokens (the longest of 3 has 45)"),
+])
+def test_cli_context_lengths_bad_input_is_one_line(more, message, capsys, model_dirs,
+                                                   docs_folder):
+    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                  model_dirs["draft"], "--data", docs_folder, "--quiet"] + more)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_context_length_past_the_models_window_is_one_line(capsys, tmp_path, model_dirs):
+    """The stand-ins hold 256 positions: a 252-token prompt and 5 continuation tokens do not
+    fit (257), a 251-token one does."""
+    (tmp_path / "long.txt").write_text(doc_text(300, 4), "utf-8")
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            tmp_path / "long.txt", "--continuation-tokens", "5", "--quiet", "--max-samples",
+            "1", "--context-lengths"]
+    rc, _, err = run_cli(capsys, argv + ["252"])
+    assert rc == 2 and "the target holds at most 256 positions" in err, err
+    assert len(err.strip().splitlines()) == 1
+    rc, _, err = run_cli(capsys, argv + ["251"])
+    assert rc == 0, err
 
 
 def test_cli_draft_layers_list(capsys, tmp_path, model_dirs, data_txt):
