@@ -154,7 +154,8 @@ class SamplingParams:
 
 
 GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
-SCORE_STARTS = 64  # cycle starts scored at once by a drafter with a cache of its own (EAGLE-3)
+SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
+# forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def param_cost(self, target: nn.Module) -> tuple[float, str]:
         """One drafting step in target steps from parameter counts, and how that was found
-        (`--cost-ratio measure` times the session's propose instead: measure_costs)."""
+        (`--cost-ratio measure` times the session's advance and propose instead: measure_costs)."""
 
     def for_run(self, eos: frozenset[int], gammas: Sequence[int]) -> Drafter:
         """The drafter as a run uses it: told the run's EOS ids (n-gram lookup) and the block
@@ -711,13 +712,31 @@ def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
     window, mixed = sliding_layout(model)
     if window is None:
         return live
-    seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])  # (B, t, S)
-    near = pos[:, None, :] > query_pos[:, :, None] - window
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    near = additive_mask(visible(live, pos, query_pos, window), dtype)
     if mixed:
-        return {"full_attention": additive_mask(seen, dtype),
-                "sliding_attention": additive_mask(seen & near, dtype)}
-    return additive_mask(seen & near, dtype)
+        return {"full_attention": additive_mask(visible(live, pos, query_pos), dtype),
+                "sliding_attention": near}
+    return near
+
+
+def visible(live: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor,
+            window: int | None = None) -> torch.Tensor:
+    """(B, t, S) whether each query at query_pos (B, t) sees each slot of live, pos (B, S):
+    a live slot at its position or before, and within `window` positions (None: any)."""
+    seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])
+    if window:
+        seen &= pos[:, None, :] > query_pos[:, :, None] - window
+    return seen
+
+
+def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
+              window: int | None = None) -> torch.Tensor:
+    """Append slots (B, t) for tokens at positions pos (dead where live is 0), before the
+    forward that fills them -> which slots each new one sees (B, t, S), as in visible."""
+    slots.live = torch.cat([slots.live, live.long()], 1)
+    slots.pos = torch.cat([slots.pos, pos], 1)
+    return visible(slots.live, slots.pos, pos, window)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -746,10 +765,14 @@ def settle_slots(slots: Slots, keep: torch.Tensor, most: int, k: int) -> None:
     """Of the last k slots, row b keeps its first keep[b] (B,) live and the rest die; columns
     dead in every row (beyond `most` = max(keep), known on the host) are cropped off."""
     slots.live[:, -k:] = (torch.arange(k, device=keep.device) < keep[:, None]).long()
-    dead = k - min(most, k)
-    if dead:
-        slots.cache.crop(-dead)  # negative: the number of slots to drop
-        slots.live, slots.pos = slots.live[:, :-dead], slots.pos[:, :-dead]
+    drop_slots(slots, k - min(most, k))
+
+
+def drop_slots(slots: Slots, k: int) -> None:
+    """Crop the last k slots off every row."""
+    if k:
+        slots.cache.crop(-k)  # negative: the number of slots to drop
+        slots.live, slots.pos = slots.live[:, :-k], slots.pos[:, :-k]
 
 
 def select_slots(slots: Slots, rows: torch.Tensor) -> None:
@@ -1316,9 +1339,10 @@ class MtpDrafter(Drafter):
     vLLM's deepseek_mtp model picks it (spec_step_idx % num_mtp_layers): steps = L runs each
     layer once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve
     a one-layer model for several tokens (vLLM num_speculative_tokens, SGLang
-    --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each layer attends its
-    own history over the committed positions, recomputed every cycle (exact: depth 1 is what
-    transformers, vLLM and SGLang cache; see docs/design.md for reused layers)."""
+    --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each step attends its
+    own history over the committed positions (step 1's is what transformers, vLLM and SGLang
+    cache; see docs/design.md for reused layers), cached: a session runs each committed
+    token through every step once (MtpSession), a cycle only the steps' drafted positions."""
 
     reads_target = True
 
@@ -1361,32 +1385,40 @@ class MtpDrafter(Drafter):
         return [f"layer {self.layer_of(k) + 1}" if k < self.steps else "-"
                 for k in range(gamma)]
 
-    def chain(self, ids: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor,
-              pos: torch.Tensor, steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
-              ) -> list[torch.Tensor]:
-        """Steps 1..steps over slots (B, T): ids the token one ahead of each slot (at position
-        pos + 1), hidden the target's final states at the slots. After step k, feed(k, its
-        output) gives step k+1's ids. Returns each step's output (B, T, H)."""
-        mtp = self.mtp
-        seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])  # (B, T, T)
+    def forward_step(self, k: int, slots: Slots, ids: torch.Tensor, hidden: torch.Tensor,
+                     live: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Drafting step k (0-based) over new slots (B, t): ids the tokens at positions pos,
+        hidden what each reads with its token (the output one position before, of step k-1
+        or of the target). Their keys and values join `slots`, step k's own history; each
+        attends the live slots at its position or before (sliding layers: within the window)
+        -> outputs (B, t, H)."""
+        mtp, layer = self.mtp, self.layer_of(k)
+        kind, window = self.layer_types[layer]
+        seen = add_slots(slots, live, pos, window)  # (B, t, S)
+        emb = mtp.embed_tokens(ids).to(hidden.device)
+        rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
+        angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=pos, **rope)
+        out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
+                                attention_mask=additive_mask(seen, hidden.dtype),
+                                position_ids=pos, cache=slots.cache)
+        return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
+
+    def steps_over(self, slots: list[Slots], last: list[torch.Tensor], ids: torch.Tensor,
+                   hidden: torch.Tensor, live: torch.Tensor, pos: torch.Tensor
+                   ) -> list[torch.Tensor]:
+        """Every step over newly committed tokens ids (B, t) at positions pos (live: 1 where a
+        row has one), each step into its own slots[k]. Step 1 reads hidden, the target's final
+        states one position before; step k+1 reads step k's output there: this call's, or, at
+        a row's first new position, last[k], step k's output at the newest position before,
+        which this call moves on. Step k reads positions > k only (one at p reads the target's
+        state at p - 1 - k). -> each step's outputs (B, t, H)."""
         outs = []
-        for k in range(steps):
-            layer = self.layer_of(k)
-            kind, window = self.layer_types[layer]
-            emb = mtp.embed_tokens(ids).to(hidden.device)
-            at = pos + 1 + k  # step k+1 reads the token k+1 ahead of the slot
-            rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
-            angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=at,
-                                                                         **rope)
-            near = pos[:, None, :] > pos[:, :, None] - window if window else True
-            hidden = mtp.layers[layer](emb, hidden, position_embeddings=angles,
-                                       attention_mask=additive_mask(seen & near, hidden.dtype),
-                                       position_ids=at, cache=None)
-            if mtp.use_shared_post_norm:
-                hidden = mtp.shared_post_norm(hidden)
-            outs.append(hidden)
-            if k + 1 < steps:
-                ids = feed(k, hidden)
+        for k, cache in enumerate(slots):
+            on = live.bool() & (pos > k)  # (B, t)
+            outs.append(self.forward_step(k, cache, ids, hidden, on, pos))
+            done = torch.where(on[..., None], outs[-1], last[k][:, None])  # (B, t, H)
+            hidden = torch.cat([last[k][:, None], done[:, :-1]], 1)  # one position on
+            last[k] = done[:, -1]
         return outs
 
     def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
@@ -1398,15 +1430,24 @@ class MtpDrafter(Drafter):
     def score(self, rows, spans, states, sampling, vocab, device):
         if states is None:  # the target's head is not a plain map: get its states here
             states = teacher_forced(self.target, rows, device, True)
-        width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
-        ahead = [torch.tensor([list(r[k:]) + [0] * (width + k - len(r)) for r in rows],
-                              device=device) for k in range(1, self.steps + 1)]  # (B, T-1)
+        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
+        ids = torch.tensor([list(r[1:]) + [0] * (width + 1 - len(r)) for r in rows],
+                           device=device)  # (B, T-1)
         live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
                             device=device)
-        pos = torch.arange(width, device=device).expand(len(rows), width)
-        outs = self.chain(ahead[0], states[:, :width], live, pos, self.steps,
-                          lambda k, h: ahead[k + 1])
-        return step_scores(outs, spans, self.head(sampling, vocab), device)
+        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
+        states = states[:, :width]  # (B, T-1, H) the last has no token after it
+        slots = [new_slots(len(rows), device) for _ in range(self.steps)]
+        last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(self.steps)]
+        outs = [[states[:, :0]] for _ in range(self.steps)]
+        for start in range(0, width, SCORE_STARTS):  # masks (B, 1, n, T), never (B, 1, T, T)
+            at = slice(start, start + SCORE_STARTS)
+            for k, out in enumerate(self.steps_over(slots, last, ids[:, at], states[:, at],
+                                                    live[:, at], pos[:, at])):
+                outs[k].append(out)
+        # step k+1 at slot j (as step_scores takes it) is its output at position j + 1 + k
+        return step_scores([torch.cat(o, 1)[:, k:] for k, o in enumerate(outs)], spans,
+                           self.head(sampling, vocab), device)
 
     def start(self, prompts, view, config):
         return MtpSession(self, prompts, view, config)
@@ -1420,69 +1461,96 @@ class MtpDrafter(Drafter):
 
 
 class CommittedStates(Session):
-    """A session that keeps, per row, the committed tokens (the pending one last) and the
-    target's states at all but the pending one, taken from every pass it is shown
-    (states_of), and runs over them each cycle: the MTP layers, EAGLE-3."""
+    """A session whose network reads each committed token with the target's state one
+    position before it (the MTP layers, EAGLE-3) and caches what it computed there: every pass
+    it is shown (start's prefill, each cycle's verify) runs the newly committed tokens through
+    it once (absorb), so a cycle costs the same at any context length, up to attention.
+    held[b]: the target states row b has had = its pending token's position, T (host)."""
 
     def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
-        self.config, self.seqs = config, [list(p) for p in prompts]
-        fed = self.states_of(view) if view is not None else None  # (B, t, ...)
-        width = fed.shape[1] if fed is not None else 0
-        self.states: list[torch.Tensor | None] = [
-            fed[b, width - len(p) + 1:] if len(p) > 1 else None for b, p in enumerate(prompts)]
+        self.config, self.held = config, [len(p) - 1 for p in prompts]
+        ids, live, pos = left_pad([p[1:] for p in prompts], config.device)  # x_1..x_T
+        if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
+            self.absorb(ids, self.states_of(view), live, pos + 1)
 
     def states_of(self, view: TargetView) -> torch.Tensor:
-        """What the session keeps of a target pass, at its positions (B, t, ...)."""
+        """What the session reads of a target pass, at its positions (B, t, ...)."""
+        raise NotImplementedError
+
+    def absorb(self, ids: torch.Tensor, states: torch.Tensor, live: torch.Tensor,
+               pos: torch.Tensor) -> None:
+        """Run newly committed tokens ids (B, t) at positions pos (live: 1 where a row has
+        one, the padding on the left) into the cache; states (B, t, ...) are the target's one
+        position before each."""
         raise NotImplementedError
 
     def advance(self, n_acc, committed, view):
-        fed = self.states_of(view)  # the pending token and the accepted drafts, each row
-        for b, new in enumerate(committed):
-            self.seqs[b] += new
-            fresh = fed[b, :len(new)]
-            self.states[b] = fresh if self.states[b] is None else torch.cat(
-                [self.states[b].to(fresh), fresh])
+        c = self.config
+        ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
+        fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
+        states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
+                                 ids.shape[1], fed.shape[-1], c.device)  # (B, W, ...)
+        held = torch.tensor(self.held, device=c.device)  # (B,) T
+        self.absorb(ids, states, live, held[:, None] + 1 + pos)
+        self.held = [h + len(new) for h, new in zip(self.held, committed)]
+
+    def ready(self) -> torch.Tensor:
+        """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
+        return torch.tensor([h > 0 for h in self.held], device=self.config.device)
 
     def keep(self, rows):
-        keep = rows.tolist()
-        self.seqs, self.states = [self.seqs[r] for r in keep], [self.states[r] for r in keep]
+        self.held = [self.held[r] for r in rows.tolist()]
 
 
 class MtpSession(CommittedStates):
-    """The MTP layers over the committed tokens and the target's final hidden states."""
+    """The MTP layers over the committed tokens and the target's final hidden states: each
+    drafting step k has a cache of its own history (slots[k], Slots whose positions are those
+    of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
+    runs step 1 nowhere (its draft comes from last[0]) and step k+1 over its k slots that read
+    drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
 
     def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
                  config: LoopConfig):
-        self.drafter = drafter
+        self.drafter, rows = drafter, len(prompts)
+        steps = min(config.gamma, drafter.steps)
+        self.slots = [new_slots(rows, config.device) for _ in range(steps)]
+        weight = next(drafter.mtp.parameters())
+        self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
+                                 device=config.device) for _ in range(steps)]
         super().__init__(prompts, view, config)
 
     def states_of(self, view):
         return view.hidden
 
+    def absorb(self, ids, states, live, pos):
+        self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
+
     def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
-        steps = min(c.gamma, d.steps)
-        ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
-        if not ids.shape[1]:  # no target state yet (one-token prompts): no proposal
+        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
             return Proposal.none(len(pending), c)
-        hidden = left_pad_states(self.states, ids.shape[1], d.mtp.config.hidden_size,
-                                 c.device)  # (B, T, H), left-padded like ids
-        count = live[:, -1] * steps  # a row with no target state yet proposes nothing
-        head, qs, ds, current = d.head(c.sampling, c.vocab, propose=True), [], [], [ids]
-
-        def draw(k: int, out: torch.Tensor) -> torch.Tensor:
-            """Step k+1's token from its output at the last slot; the next step's inputs."""
-            qs.append(head(out[:, -1], lambda r: f"row {r}"))
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+        tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
+        for k, slots in enumerate(self.slots):
+            if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
+                at = npos[:, None] + 1 + torch.arange(k, device=npos.device)  # (B, k)
+                hidden = torch.cat([self.last[k - 1][:, None], tail], 1)  # (B, k, H)
+                tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
+                drop_slots(slots, k)  # they read drafts: never part of the history
+            out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
+            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
             ds.append(sample_from(qs[-1], u[:, k]))
-            current[0] = torch.cat([current[0][:, 1:], ds[-1][:, None]], 1)
-            return current[0]
-
-        draw(steps - 1, d.chain(ids, hidden, live, pos, steps, draw)[-1])
-        q = torch.stack(qs, 1) * (count > 0)[:, None, None]  # (B, steps, V)
-        pad = c.gamma - steps  # offsets past the last step: nothing proposed
+        steps, pad = len(qs), c.gamma - len(qs)  # offsets past the last step: none proposed
+        q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(q, (0, 0, 0, pad)),
-                        torch.ones_like(pending, dtype=torch.bool), count)
+                        torch.ones_like(ready), ready.long() * steps)
+
+    def keep(self, rows):
+        for slots in self.slots:
+            select_slots(slots, rows)
+        self.last = [last[rows] for last in self.last]
+        super().keep(rows)
 
 
 class AssistantDrafter(Drafter):
@@ -1670,31 +1738,27 @@ class Eagle3Net(nn.Module):
         x = residual + attn
         return x + m.mlp(m.post_attention_layernorm(x))
 
-    def committed(self, ids: torch.Tensor, feats: torch.Tensor, live: torch.Tensor,
-                  pos: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """Step 1 over the committed slots (B, T): ids the token one ahead of each, feats its
-        fused target features (B, T, H), at positions pos + 1 -> (outputs (B, T, H), a cache
-        holding their keys and values, which slot sees which (B, T, T))."""
-        from transformers import DynamicCache
-        cache = DynamicCache()
-        seen = live[:, None, :].bool() & (pos[:, None, :] <= pos[:, :, None])
-        return self.layer(ids, feats, pos + 1, seen, cache), cache, seen
+    def committed(self, ids: torch.Tensor, feats: torch.Tensor, slots: Slots,
+                  live: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 over newly committed slots (B, t), added to `slots`: ids the tokens at
+        positions pos, feats the fused target features one position before each (B, t, H) ->
+        (outputs (B, t, H), which slots each new one sees (B, t, S))."""
+        seen = add_slots(slots, live, pos)
+        return self.layer(ids, feats, pos, seen, slots.cache), seen
 
-    def later(self, out: torch.Tensor, cache: Any, seen: torch.Tensor, pos: torch.Tensor,
-              starts: torch.Tensor, steps: int,
-              feed: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-        """Steps 1..steps from cycle starts (B, S) (slot indices), after committed(): step k+1
-        reads feed(k, step k's outputs) (B, S) and step k's output, one position further, and
-        attends the committed slots up to its start and its start's earlier steps (the cache
-        EAGLE keeps). The cache is left as it came. -> each step's outputs (B, S, H)."""
+    def later(self, out: torch.Tensor, seen: torch.Tensor, at: torch.Tensor, cache: Any,
+              steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> list[torch.Tensor]:
+        """Steps 1..steps from cycle starts (B, S), after committed(): out their step-1
+        outputs (B, S, H), seen the cached slots each start sees (B, S, K), at their step-1
+        positions (B, S). Step k+1 reads feed(k, step k's outputs) (B, S) and step k's output,
+        one position further, and attends what its start sees and its start's earlier steps
+        (the cache EAGLE keeps). The cache is left as it came. -> each step's outputs."""
         size = cache.get_seq_length()
-        pick = starts[..., None]
-        outs = [out.gather(1, pick.expand(-1, -1, out.shape[-1]))]  # (B, S, H)
-        committed = seen.gather(1, pick.expand(-1, -1, seen.shape[-1]))  # (B, S, T)
-        own = torch.eye(starts.shape[1], dtype=torch.bool, device=starts.device)
-        at = pos.gather(1, starts) + 1  # (B, S) step 1's positions
+        outs = [out]
+        own = torch.eye(at.shape[1], dtype=torch.bool, device=at.device)
         for k in range(1, steps):
-            allowed = torch.cat([committed] + [own.expand(len(starts), -1, -1)] * k, -1)
+            allowed = torch.cat([seen] + [own.expand(len(at), -1, -1)] * k, -1)
             outs.append(self.layer(feed(k - 1, outs[-1]), outs[-1], at + k, allowed, cache))
         if cache.get_seq_length() > size:
             cache.crop(size - cache.get_seq_length())  # (negative: how many to drop)
@@ -1746,21 +1810,21 @@ class Eagle3Drafter(Drafter):
     def score(self, rows, spans, states, sampling, vocab, device):
         with layer_inputs(self.target, self.layers) as got:
             teacher_forced(self.target, rows, device, True)
-        width = max(map(len, rows)) - 1  # slots j = 0..T-2, each reading token j+1
+        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
         ahead = torch.tensor([list(r[1:]) + [0] * (width + self.steps - len(r) + 1)
-                              for r in rows], device=device)  # (B, T-1+steps): row[j + 1]
+                              for r in rows], device=device)  # (B, T-1+steps): row[p]
         live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
                             device=device)
-        pos = torch.arange(width, device=device).expand(len(rows), width)
-        out, cache, seen = self.net.committed(
-            ahead[:, :width], self.fused({i: got[i][0][:, :width] for i in self.layers}),
-            live, pos)
-        outs: list[list[torch.Tensor]] = [[] for _ in range(self.steps)]
-        for chunk in torch.arange(width, device=device).split(SCORE_STARTS):
-            starts = chunk.expand(len(rows), -1)  # every slot a cycle start; step k+1 reads
-            for k, o in enumerate(self.net.later(  # the continuation's token k ahead
-                    out, cache, seen, pos, starts, self.steps,
-                    lambda k, _: ahead.gather(1, starts + k + 1))):
+        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
+        feats = self.fused({i: got[i][0][:, :width] for i in self.layers})  # (B, T-1, H)
+        slots, outs = new_slots(len(rows), device), [[] for _ in range(self.steps)]
+        for start in range(0, width, SCORE_STARTS):  # every position a cycle start
+            at = slice(start, min(start + SCORE_STARTS, width))
+            out, seen = self.net.committed(ahead[:, at], feats[:, at], slots, live[:, at],
+                                           pos[:, at])
+            for k, o in enumerate(self.net.later(  # step k+1 reads the continuation's token
+                    out, seen, pos[:, at], slots.cache, self.steps,
+                    lambda k, _: ahead[:, at.start + k + 1:at.stop + k + 1])):
                 outs[k].append(o)
         return step_scores([torch.cat(o, 1) for o in outs], spans, self.head(sampling, vocab),
                            device, self.support(vocab))
@@ -1777,26 +1841,31 @@ class Eagle3Drafter(Drafter):
 
 class Eagle3Session(CommittedStates):
     """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
-    drafter's layers (joined: (len - 1, 3 H_t) a row); the committed slots are run again every
-    cycle, then the cycle's steps after them (exact, like MtpSession)."""
+    drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
+    (slots) and its output at the pending token's position (last), where each cycle's steps
+    start (Eagle3Net.later adds and drops their keys)."""
 
     def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
                  view: TargetView | None, config: LoopConfig):
-        self.drafter = drafter
+        self.drafter, fc = drafter, drafter.net.fc.weight
+        self.slots = new_slots(len(prompts), config.device)
+        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=config.device)
         super().__init__(prompts, view, config)
 
     def states_of(self, view):
         return torch.cat([view.layers[i] for i in self.drafter.layers], -1)
 
+    def absorb(self, ids, states, live, pos):
+        net = self.drafter.net
+        out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
+        self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
+
     def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
-        ids, live, pos = left_pad([seq[1:] for seq in self.seqs], c.device)  # slots j: x_{j+1}
-        ready = torch.tensor([s is not None for s in self.states], device=c.device)
-        if not ids.shape[1] or not ready.any():  # no target state yet: no proposal
+        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
             return Proposal.none(len(pending), c)
-        size = next(s for s in self.states if s is not None).shape[-1]
-        feats = left_pad_states(self.states, ids.shape[1], size, c.device)  # (B, T, 3 H_t)
-        out, cache, seen = d.net.committed(ids, d.net.fc(feats.to(d.net.fc.weight)), live, pos)
+        at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
+        seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
         head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
 
         def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
@@ -1804,10 +1873,15 @@ class Eagle3Session(CommittedStates):
             ds.append(sample_from(qs[-1], u[:, k]))
             return ds[-1][:, None]
 
-        last = torch.full((len(pending), 1), ids.shape[1] - 1, device=c.device)
-        draw(c.gamma - 1, d.net.later(out, cache, seen, pos, last, c.gamma, draw)[-1])
+        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.gamma, draw)
+        draw(c.gamma - 1, outs[-1])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
                         torch.ones_like(ready), ready.long() * c.gamma)
+
+    def keep(self, rows):
+        select_slots(self.slots, rows)
+        self.last = self.last[rows]
+        super().keep(rows)
 
 
 class MedusaNet(nn.Module):
@@ -2987,9 +3061,10 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
                   gammas: Sequence[int], device: torch.device, repeats: int = 7
                   ) -> dict[str, Any]:
     """Time one cached decode step of the target, a (gamma+1)-token verify pass of it, and one
-    drafting step: the drafter's own propose of one token, after the target and the drafter
-    have read `ids` (so MTP layers, assistants and n-gram lookups are timed doing what they do
-    in the loop, and nothing that runs a network comes out free).
+    drafting step: the drafter's own advance by one committed token and propose of one token,
+    after the target and the drafter have read `ids` (so MTP layers, EAGLE-3, assistants and
+    n-gram lookups are timed doing what they do in the loop, and nothing that runs a network
+    comes out free).
 
     Batch 1, two warm-up calls, median of `repeats`. Target slots are dropped after every call
     and each draft step starts from a fresh session, so every call sees the same context.
@@ -3026,22 +3101,33 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
                ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
-    """(run, setup) for timing one drafting step from `ids`: setup opens a fresh session (the
-    target's prefill, the drafter's start), run(session) proposes one token."""
+    """(run, setup) for timing one drafting step after `ids`: setup opens a fresh session (the
+    target's prefill, the drafter's start) and makes the target pass that verifies ids[-1];
+    run follows that pass as a cycle's advance does (committing ids[-1] again, one token, which
+    drafters with a cache of their own run through it) and proposes one token."""
     config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
                         device)
-    pending = torch.tensor([ids[-1]], device=device)
-    npos = torch.tensor([len(ids) - 1], device=device)
+    n = len(ids)
+    last = torch.tensor([ids[-1]], device=device)
     u = torch.full((1, 1), 0.5, device=device)
 
-    def setup() -> Session:
+    def setup() -> tuple[Session, TargetView | None]:
         with final_states(target, drafter.reads_target) as seen, \
                 layer_inputs(target, drafter.layers) as got:
             slots, _ = prefill(target, [list(ids[:-1])], device,
                                last_only=not drafter.reads_target)
-        return drafter.start([list(ids)], view_of(seen, slots, got), config)
+        session = drafter.start([list(ids)], view_of(seen, slots, got), config)
+        with final_states(target, drafter.reads_target) as seen, \
+                layer_inputs(target, drafter.layers) as got:
+            extend(target, slots, last[:, None], torch.tensor([[n - 1]], device=device))
+        return session, view_of(seen, slots, got)
 
-    return (lambda session: session.propose(pending, npos, u).q), setup
+    def run(ready: tuple[Session, TargetView | None]) -> torch.Tensor:
+        session, view = ready
+        session.advance(torch.zeros(1, dtype=torch.long, device=device), [[ids[-1]]], view)
+        return session.propose(last, torch.tensor([n], device=device), u).q
+
+    return run, setup
 
 
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,

@@ -1815,6 +1815,191 @@ def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tm
     assert r.tokens_per_cycle <= 1 + min(gamma, K) + 1e-9
 
 
+class Logged(sd.Session):
+    """A session that hands every proposal it makes to `log` too."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def propose(self, pending, npos, u):
+        self.log.append(self.inner.propose(pending, npos, u))
+        return self.log[-1]
+
+    def advance(self, n_acc, committed, view):
+        self.inner.advance(n_acc, committed, view)
+
+    def keep(self, rows):
+        self.inner.keep(rows)
+
+
+def simulated_with(target, drafter, session, seqs, s, gamma, budget, eos=(), seed=0):
+    """run_simulation (the prompts as one batch) with the drafter's sessions made by
+    session(drafter, prompts, view, config) -> (RowStats by prompt, every Proposal in order)."""
+    log = []
+    d = copy.copy(drafter.for_run(frozenset(eos), [gamma]))
+    d.start = lambda prompts, view, config: Logged(session(d, prompts, view, config), log)
+    d.for_run = lambda eos, gammas: d
+    return simulate(target, d, seqs, s, gamma, budget, eos=eos, seed=seed), log
+
+
+def assert_same_runs(target, drafter, reference, seqs, s, gamma, budget, eos, seed):
+    """The drafter's own sessions and `reference` sessions: the same cycles and tokens prompt
+    by prompt, the same drafts and counts cycle by cycle, q within 1e-5. Returns the rows."""
+    rows, got = simulated_with(target, drafter, type(drafter).start, seqs, s, gamma, budget,
+                               eos, seed)
+    ref_rows, want = simulated_with(target, drafter, reference, seqs, s, gamma, budget, eos,
+                                    seed)
+    assert [counts(rows[i]) for i in rows] == [counts(ref_rows[i]) for i in rows]
+    assert len(got) == len(want)
+    for cycle, (a, b) in enumerate(zip(got, want)):
+        made = torch.arange(gamma) < a.count[:, None]  # (B, G) past count: padding
+        assert torch.equal(a.count, b.count) and torch.equal(a.tokens[made], b.tokens[made])
+        assert torch.allclose(a.q, b.q, atol=1e-5), (cycle, (a.q - b.q).abs().max())
+    return rows
+
+
+def recomputed_step(drafter, k, ids, hidden):
+    """MTP step k (0-based, layer k mod L) over one row's whole sequence, no cache, no padding:
+    slot j reads ids[j] at position j + 1 + k and hidden[j], and attends slots j' <= j (a
+    sliding layer: j' > j - window)."""
+    mtp, layer = drafter.mtp, k % drafter.mtp.num_mtp_layers
+    kind, window = drafter.layer_types[layer]
+    n = ids.shape[1]
+    j = torch.arange(n)
+    allowed = (j[None] <= j[:, None]) & ((j[None] > j[:, None] - window) if window else True)
+    mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    emb = mtp.embed_tokens(ids)
+    at = (j + 1 + k)[None]
+    rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
+    angles = mtp.rotary_emb(emb, position_ids=at, **rope)
+    out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
+                            attention_mask=mask[None, None], position_ids=at, cache=None)
+    return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
+
+
+class RecomputedSession(sd.Session):
+    """The sessions before issue 19, one row at a time: every committed token and target state
+    kept, and each cycle the network run again over the whole sequence (draft(b, seq, states,
+    u_b, config) -> (drafts, their q (n, V))). The oracle for the cached sessions."""
+
+    def __init__(self, draft, prompts, view, config, states_of):
+        self.draft, self.config, self.states_of = draft, config, states_of
+        self.seqs = [list(p) for p in prompts]
+        fed = states_of(view) if view is not None else None
+        self.states = [fed[b, fed.shape[1] - len(p) + 1:] if len(p) > 1 else None
+                       for b, p in enumerate(prompts)]
+
+    def propose(self, pending, npos, u):
+        c = self.config
+        tokens = torch.zeros(len(pending), c.gamma, dtype=torch.long)
+        q = torch.zeros(len(pending), c.gamma, c.vocab)
+        count = torch.zeros(len(pending), dtype=torch.long)
+        for b, (seq, states) in enumerate(zip(self.seqs, self.states)):
+            if states is not None:  # no target state yet: nothing proposed
+                drafts, qs = self.draft(seq, states, u[b:b + 1], c)
+                tokens[b, :len(drafts)], q[b, :len(drafts)], count[b] = drafts, qs, len(drafts)
+        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool), count)
+
+    def advance(self, n_acc, committed, view):
+        fed = self.states_of(view)
+        for b, new in enumerate(committed):
+            self.seqs[b] += new
+            old = self.states[b]
+            self.states[b] = torch.cat(([old] if old is not None else []) + [fed[b, :len(new)]])
+
+    def keep(self, rows):
+        self.seqs = [self.seqs[r] for r in rows.tolist()]
+        self.states = [self.states[r] for r in rows.tolist()]
+
+
+def recomputed_mtp(drafter, prompts, view, config):
+    """Before issue 19: every step over the whole sequence each cycle; step k's slot j reads
+    x_{j+1+k}, or a draft where that is past the pending token."""
+    head = drafter.head(config.sampling, config.vocab, propose=True)
+
+    def draft(seq, states, u, c):
+        hidden, drafts, qs = states[None], [], []
+        for k in range(min(c.gamma, drafter.steps)):
+            ids = torch.tensor([(seq[1:] + drafts)[k:]])  # (1, T)
+            hidden = recomputed_step(drafter, k, ids, hidden)
+            qs.append(head(hidden[:, -1], lambda r: "row"))
+            drafts.append(int(sd.sample_from(qs[-1], u[:, k])))
+        return torch.tensor(drafts), torch.cat(qs)
+    return RecomputedSession(draft, prompts, view, config, lambda v: v.hidden)
+
+
+@pytest.fixture(scope="session")
+def mtp_live(tmp_path_factory):
+    """DeepSeek-V3 stand-ins with 1 and 2 MTP layers whose attention matters (weights times
+    10), and a Mellum whose one MTP layer slides over a window of 3."""
+    made = {}
+    for heads in (1, 2):
+        folder = tmp_path_factory.mktemp(f"mtp_live{heads}")
+        make_mtp_checkpoint(folder, heads=heads, noise=0.05, live=True, seed=3)
+        made[heads] = load_mtp_target(folder)
+    made["mellum"] = make_mellum(tmp_path_factory.mktemp("mellum3"), window=3)
+    return made
+
+
+# a one-token prompt (no target state: T = 0), a two-token one (T = 1), ragged lengths, three
+# past Mellum's window; EOS ids that end some rows mid-run while others go on
+CACHE_PROMPTS = ["a", "hi", "the cat sat on the mat", "what is 2+2?", "x y z", "ok then"]
+CACHE_EOS = frozenset({3 + CHARS.index("!"), 3 + CHARS.index("q")})
+
+
+@pytest.mark.parametrize("model,steps,gamma,key", [
+    (1, 1, 2, "t1"), (1, 3, 4, "t1"), (1, 3, 2, "topk_topp"), (2, None, 3, "t1"),
+    ("mellum", 3, 3, "t1"), ("mellum", None, 1, "greedy")])
+def test_mtp_cache_gives_what_recomputing_every_cycle_gave(model, steps, gamma, key, mtp_live,
+                                                           tok_plain):
+    """The per-step caches (each committed position run once, the drafted ones each cycle and
+    dropped) against the session before them, which ran every step over the whole sequence
+    every cycle, one row at a time: the same tokens and cycles, the same drafts, q within
+    1e-5; one layer run for 1 and 3 steps, two layers, a sliding window of 3 past its end,
+    ragged rows, a one-token prompt, rows leaving at EOS. Planted errors: without drop_slots
+    in MtpSession.propose (the drafted keys left in each step's history) every case with
+    more than one step fails (other tokens; Mellum's 3 steps by q off 8e-5: with 2 steps its
+    window hid the stale keys); steps_over's next-step input not moved one position on fails
+    the same four and the chunked scoring below."""
+    target = mtp_live[model]
+    drafter = sd.MtpDrafter.of(target, steps)
+    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
+    rows = assert_same_runs(target, drafter, recomputed_mtp, seqs, SAMPLINGS[key], gamma, 24,
+                            CACHE_EOS, seed=5)
+    # rows ended at EOS and left the batch at different cycles (while others went on)
+    assert any(len(r.tokens) < 24 for r in rows.values())
+    assert len({r.cycles for r in rows.values()}) > 1
+    assert sum(r.accepted for r in rows.values()) > 10
+
+
+@pytest.mark.parametrize("kind", [2, "mellum", "eagle3"])
+def test_scoring_in_chunks_equals_one_pass(kind, mtp_live, llama4, tok_plain, tmp_path,
+                                           monkeypatch):
+    """Teacher-forced, the MTP layers and EAGLE-3 run over positions in chunks through their
+    caches: chunks of 3 positions give, per step, the q one chunk gives, within 1e-6 (Mellum's
+    window of 3 included; MTP with 3 steps)."""
+    if kind == "eagle3":
+        make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+        target = llama4
+        drafter = sd.head_drafter(str(tmp_path), llama4).for_run(frozenset(), [3])
+    else:
+        target = mtp_live[kind]
+        drafter = sd.MtpDrafter.of(target, 3)
+    rows = [tok_plain(t)["input_ids"] for t in CACHE_PROMPTS]
+    spans = [(0, len(r)) for r in rows]
+    with torch.no_grad():
+        states = target.model(input_ids=torch.tensor([r + [0] * (30 - len(r)) for r in rows])
+                              ).last_hidden_state  # (B, T, H) right padding: causal, unread
+        whole = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
+        monkeypatch.setattr(sd, "SCORE_STARTS", 3)
+        chunked = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
+    assert len(whole) == 3
+    for a, b in zip(whole, chunked):
+        n = len(a.states)
+        assert torch.equal(a.proposed, b.proposed) and a.proposed.sum() > 30
+        assert torch.allclose(a.q(0, n), b.q(0, n), atol=1e-6), (a.q(0, n) - b.q(0, n)).abs().max()
+
+
 # ----------------------------------------------------------------------------------------------
 # drafters: Gemma-4 assistant sidecars
 
@@ -1995,6 +2180,46 @@ def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp
     for i, row in enumerate(want):
         assert counts(got[i]) == row, i
     assert sum(row["examined"] for row in want) > 0
+
+
+def recomputed_eagle3(drafter, prompts, view, config):
+    """Before issue 19: every cycle the committed slots run again into a fresh cache
+    (Eagle3Net.committed), then the cycle's steps from the last of them (Eagle3Net.later)."""
+    net, head = drafter.net, drafter.head(config.sampling, config.vocab, propose=True)
+
+    def draft(seq, states, u, c):
+        n, slots, qs, ds = len(states), sd.new_slots(1, CPU), [], []
+        pos = torch.arange(1, n + 1)[None]
+        out, seen = net.committed(torch.tensor([seq[1:]]), net.fc(states[None]), slots,
+                                  torch.ones(1, n, dtype=torch.long), pos)
+
+        def feed(k, outs):
+            qs.append(head(outs[:, -1], lambda r: "row"))
+            ds.append(sd.sample_from(qs[-1], u[:, k]))
+            return ds[-1][:, None]
+        feed(c.gamma - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
+                                    c.gamma, feed)[-1])
+        return torch.cat(ds), torch.cat(qs)
+    return RecomputedSession(draft, prompts, view, config, lambda v: torch.cat(
+        [v.layers[i] for i in drafter.layers], -1))
+
+
+@pytest.mark.parametrize("key,gamma", [("t1", 1), ("t1", 3), ("greedy", 4)])
+def test_eagle3_cache_gives_what_recomputing_every_cycle_gave(key, gamma, llama4, tok_plain,
+                                                              tmp_path):
+    """The EAGLE-3 session's cache of committed slots, grown by each cycle's committed tokens,
+    against running them all again every cycle: the same tokens, cycles and drafts, q within
+    1e-5, on ragged rows with a one-token prompt and rows leaving at EOS. Planted errors: later
+    steps that do not see the pending token's key fail gamma 3 and 4 (gamma 1 runs no later
+    step; the paper's-loop test above passes that error), and the steps started from the
+    output one position early fail all three."""
+    make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
+    rows = assert_same_runs(llama4, drafter, recomputed_eagle3, seqs, SAMPLINGS[key], gamma,
+                            24, CACHE_EOS, seed=5)
+    assert any(len(r.tokens) < 24 for r in rows.values())
+    assert len({r.cycles for r in rows.values()}) > 1
 
 
 def test_eagle3_that_reproduces_the_target_on_its_vocabulary_accepts_everything(
@@ -2975,7 +3200,7 @@ def test_measured_cost_ratio_feeds_the_speedup(llama, llama2, seqs):
 
 
 def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, tok_plain):
-    """--cost-ratio measure times each drafter's own drafting step (its propose of one token),
+    """--cost-ratio measure times each drafter's own drafting step (advance, then propose),
     so MTP layers and Gemma-4 assistants cost something (nothing was timed for them before:
     c = 0, and the speedup more than doubled); with auto, the cost line names what was
     counted instead of saying that drafting is free."""
