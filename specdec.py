@@ -2991,7 +2991,8 @@ def _plot_context(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
     groups: dict[str, list[AcceptanceReport]] = {}
     for r in reports:
         if r.run.context is not None:
-            groups.setdefault(f"{r.draft[-24:]}, T={r.temperature:g}", []).append(r)
+            groups.setdefault(f"{os.path.basename(r.draft)[-40:]}, T={r.temperature:g}",
+                              []).append(r)
     for label, rs in groups.items():
         rs = sorted(rs, key=lambda r: r.run.context["length"])
         ls = [r.run.context["length"] for r in rs]
@@ -4406,16 +4407,18 @@ class AtLength(NamedTuple):
                 "longest": self.longest}
 
 
-def at_context_lengths(documents: Sequence[TokenSequence], lengths: Sequence[int]
-                       ) -> list[AtLength]:
+def at_context_lengths(documents: Sequence[TokenSequence], lengths: Sequence[int],
+                       same: bool = False) -> list[AtLength]:
     """Per context length (ascending), the prompts cut from `documents` at a token boundary:
-    document k's first L token ids, for each document that has at least L."""
+    document k's first L token ids, for each document that has at least L (same: at least
+    the largest L, so every length measures the same documents, a paired comparison)."""
     longest = max(len(d.ids) for d in documents)
     out = []
     for n in sorted(set(lengths)):
         if n < 1:
             raise UsageError(f"--context-lengths must be >= 1, got {n}")
-        kept = [k for k, d in enumerate(documents) if len(d.ids) >= n]
+        least = max(lengths) if same else n
+        kept = [k for k, d in enumerate(documents) if len(d.ids) >= least]
         out.append(AtLength(n, [TokenSequence(documents[k].ids[:n], documents[k].category)
                                 for k in kept], kept, len(documents) - len(kept), longest))
     return out
@@ -4743,6 +4746,10 @@ def _data_options(ap: Any) -> None:
                     "template; shorter documents are counted and left out, never padded); "
                     "a .txt or .md file is one document, a folder one per text file. One "
                     "report per length, like a temperature sweep, and a table by length")
+    ap.add_argument("--same-documents", action="store_true",
+                    help="with --context-lengths: measure every length on the documents that "
+                    "reach the largest one (a paired comparison: the lengths differ by "
+                    "context alone, not by which documents are long enough)")
     ap.add_argument("--continuation-tokens", type=int, default=64, metavar="K",
                     help="tokens the target writes after each prompt and that are scored; also "
                     "the simulation's budget per prompt. 0 scores the prompt tokens instead "
@@ -4955,12 +4962,13 @@ def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
                     chat_template=args.chat_template, system_prompt=sp), None)
                 for sp in dict.fromkeys(p.system for p in sweep)}
     documents = build_documents(prompts, tok, args.max_samples)
-    at = at_context_lengths(documents, [p.length for p in sweep])
+    at = at_context_lengths(documents, [p.length for p in sweep], args.same_documents)
     inputs = {(a.length, None): (a.sequences, a.describe()) for a in at if a.sequences}
     if not inputs:
-        raise UsageError(f"--context-lengths: no document has {at[0].length:,} tokens (the "
-                         f"longest of {len(documents)} has {at[0].longest:,}); use shorter "
-                         f"lengths or longer documents")
+        need = at[-1].length if args.same_documents else at[0].length
+        raise UsageError(f"--context-lengths: no document has {need:,} tokens (the longest "
+                         f"of {len(documents)} has {at[0].longest:,}); use shorter lengths or "
+                         f"longer documents")
     return inputs
 
 
@@ -5037,6 +5045,9 @@ def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
     for t in temperatures:
         SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
     lengths: list[int | None] = [None]
+    if args.same_documents and args.context_lengths is None:
+        raise UsageError("--same-documents applies to --context-lengths; add it or drop "
+                         "--same-documents")
     if args.context_lengths is not None:
         lengths = sorted(set(_number_list(args.context_lengths, "--context-lengths", int)))
         _check_context_options(args, lengths)

@@ -3865,6 +3865,11 @@ def test_context_lengths_cut_documents_at_exact_token_counts(tok_plain):
                                                 for k in want]
         assert all(len(s.ids) == a.length and not s.truncated for s in a.sequences)
     assert at[-1].sequences == [] and at[-1].shorter == 3
+    paired = sd.at_context_lengths(docs, [12, 30], same=True)  # the documents that reach 30
+    assert [a.documents for a in paired] == [[0, 1], [0, 1]]
+    assert [a.shorter for a in paired] == [1, 1]
+    assert [s.ids for s in paired[0].sequences] == [tok_plain(texts[k][:12])["input_ids"]
+                                                    for k in (0, 1)]
 
 
 def test_hf_data_without_datasets_installed_is_a_clear_error(monkeypatch, tmp_path):
@@ -4670,6 +4675,8 @@ def test_cli_context_lengths_resume_after_an_interrupt(monkeypatch, capsys, tmp_
     (["--context-lengths", "0"], "must be >= 1"),
     (["--context-lengths", "12,x"], "comma list"),
     (["--context-lengths", "50,100"], "no document has 50 tokens (the longest of 3 has 45)"),
+    (["--context-lengths", "12,50", "--same-documents"], "no document has 50 tokens"),
+    (["--same-documents"], "applies to --context-lengths"),
 ])
 def test_cli_context_lengths_bad_input_is_one_line(more, message, capsys, model_dirs,
                                                    docs_folder):
