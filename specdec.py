@@ -28,8 +28,10 @@ The file reads top to bottom:
                        of parts (RunInfo, TeacherForced, Simulated, GammaRow, AcceptanceReport)
   sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
-                       decoding exact (padding, rejected tokens, sliding windows)
-  teacher-forced       sample_continuations, teacher_forced, position_stats, target_pass,
+                       decoding exact (padding, rejected tokens, sliding windows); prefill
+                       fills it PREFILL_CHUNK tokens a forward
+  teacher-forced       sample_continuations, teacher_forced (long rows in chunks, logits only
+                       from the first scored position), position_stats, target_pass,
                        score_batch
   drafters             ModelDrafter (a separate model or an early-exit view), NgramDrafter
                        (prompt lookup), MtpDrafter (the target's MTP layers), AssistantDrafter
@@ -652,6 +654,11 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
 # grows by the same number of physical slots, and a Slots value says what each slot holds.
 
 
+PREFILL_CHUNK = 512  # tokens per row fed per forward when a long input fills a cache (prefill,
+# teacher_forced): attention scores (t, S) and logits (B, t, V) a chunk at a time
+CHUNKED_ATTENTION = ("eager",)  # attention kinds whose long teacher-forced passes go in chunks
+
+
 @dataclass
 class Slots:
     """A KV cache and what its slots hold.
@@ -746,18 +753,28 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
 
 
-def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
-           live: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-    """Feed ids at logical positions pos (B, t) into new slots (live unless `live` says which
-    are not) -> logits (B, t or 1, V_model)."""
+def feed(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
+         live: torch.Tensor | None = None, module: nn.Module | None = None, **kwargs: Any
+         ) -> Any:
+    """One forward over new slots: ids at logical positions pos (B, t), live unless `live`
+    says which are not; through `module` (the model's base_model, for hidden states) or the
+    model itself; kwargs go to the forward -> its output."""
     live = torch.ones_like(ids) if live is None else live
     slots.live = torch.cat([slots.live, live], 1)
     slots.pos = torch.cat([slots.pos, pos], 1)
     mask = attention_mask(model, slots.live, slots.pos, pos)
+    module = model if module is None else module
+    return module(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                  **{_cache_keyword(type(module)): slots.cache}, **kwargs)
+
+
+def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
+           live: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    """Feed ids at logical positions pos (B, t) into new slots (live unless `live` says which
+    are not) -> logits (B, t or 1, V_model)."""
     kwargs = {"logits_to_keep": 1} if last_only else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                **{_cache_keyword(type(model)): slots.cache}, **kwargs)
-    logits = out.logits.to(ids.device)  # a device-mapped model may end on another device
+    logits = feed(model, slots, ids, pos, live, **kwargs).logits
+    logits = logits.to(ids.device)  # a device-mapped model may end on another device
     return logits[:, -1:] if last_only else logits
 
 
@@ -790,15 +807,41 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     return ids.to(device), live.to(device), pos.to(device)
 
 
+def right_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Token rows -> ids, live mask, positions (the column), each (B, T), padding on the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    live = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    pos = torch.arange(width).expand(len(rows), width)
+    return ids.to(device), live.to(device), pos.to(device)
+
+
+def column_chunks(width: int) -> list[slice]:
+    """The columns 0..width-1 in runs of PREFILL_CHUNK (one run when they fit in one)."""
+    return [slice(a, min(a + PREFILL_CHUNK, width)) for a in range(0, width, PREFILL_CHUNK)]
+
+
 def prefill(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device,
             last_only: bool = True) -> tuple[Slots, torch.Tensor | None]:
-    """A cache holding the given rows (left-padded) and the logits of the forward that filled
-    it (None when every row is empty)."""
-    slots = new_slots(len(rows), device)
+    """A cache holding the given rows (left-padded) and the logits (B, 1, V_model) at their
+    last position (None when every row is empty).
+
+    Long rows are fed PREFILL_CHUNK columns per forward, each chunk attending the cache the
+    earlier ones filled, so the cost stays (t, S) per chunk, never (T, T); rows of one chunk
+    or less are one forward, as before chunking. The hooks (final_states, layer_inputs) see
+    one forward per chunk: join them along T (view_of). last_only=False runs every position
+    through every layer, for those hooks (asked for the last logits only, some models skip
+    the other positions), still projecting only the last one onto the vocabulary.
+    """
+    slots, logits = new_slots(len(rows), device), None
     ids, live, pos = left_pad(rows, device)
-    if not ids.shape[1]:
-        return slots, None
-    return slots, extend(model, slots, ids, pos, live, last_only=last_only)
+    for cols in column_chunks(ids.shape[1]):
+        # last_only=False keeps the last position as a 1-D tensor, which no model takes as
+        # leave to skip the others (Gemma-4 does for an int); on the host: any device indexes
+        keep = 1 if last_only else torch.tensor([cols.stop - cols.start - 1])
+        logits = feed(model, slots, ids[:, cols], pos[:, cols], live[:, cols],
+                      logits_to_keep=keep).logits[:, -1:].to(device)  # (B, 1, V)
+    return slots, logits
 
 
 @contextlib.contextmanager
@@ -836,7 +879,7 @@ def layer_inputs(model: nn.Module, layers: Sequence[int]):
             seen[i].append(args[0] if args else kwargs["hidden_states"])
         return hook
     handles = [decoder_layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
-               for i in layers]
+               for i in seen]  # once a layer, however often `layers` names it
     try:
         yield seen
     finally:
@@ -904,39 +947,58 @@ def head_route(model: nn.Module, probe: torch.Tensor) -> bool:
 
 
 def teacher_forced(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device,
-                   route: bool) -> torch.Tensor:
-    """One forward of right-padded rows, no cache: final hidden states (B, T, H) when route,
-    else logits (B, T, V_model)."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    live = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r)
-        live[b, :len(r)] = 1
-    ids, live = ids.to(device), live.to(device)
-    pos = torch.arange(width, device=device).expand(len(rows), width)
-    if route:
-        return model.base_model(input_ids=ids, attention_mask=live, position_ids=pos,
-                                use_cache=False).last_hidden_state  # (B, T, H)
-    return model(input_ids=ids, attention_mask=live, position_ids=pos,
-                 use_cache=False).logits  # (B, T, V)
+                   route: bool, first: int = 0) -> torch.Tensor:
+    """Right-padded rows through the model, no cache kept: final hidden states (B, T, H) at
+    every position when route, else logits (B, T - first, V_model) at positions first..T-1
+    only (the scored ones: no (B, T, V) table for a long prompt).
+
+    Rows longer than a chunk (PREFILL_CHUNK) under an attention that builds its (T, T) scores
+    (CHUNKED_ATTENTION: eager) are fed a chunk at a time through a cache (Slots), each chunk
+    attending the earlier ones. Otherwise one uncached forward: sdpa and flash attention never
+    build the scores, and a cache would only add its own memory (measured in
+    docs/performance.md: 8 x 4,096 tokens, 1.8 GB in one forward, 3.1 GB in chunks).
+    """
+    ids, live, pos = right_pad(rows, device)
+    kind = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
+    if ids.shape[1] <= PREFILL_CHUNK or kind not in CHUNKED_ATTENTION:
+        if route:
+            return model.base_model(input_ids=ids, attention_mask=live, position_ids=pos,
+                                    use_cache=False).last_hidden_state  # (B, T, H)
+        return model(input_ids=ids, attention_mask=live, position_ids=pos, use_cache=False,
+                     logits_to_keep=ids.shape[1] - first).logits  # (B, T - first, V)
+    slots, outs = new_slots(len(rows), device), []
+    for cols in column_chunks(ids.shape[1]):
+        wanted = cols.stop - max(first, cols.start)  # this chunk's columns at or after first
+        if route:
+            outs.append(feed(model, slots, ids[:, cols], pos[:, cols], live[:, cols],
+                             model.base_model).last_hidden_state)  # (B, t, H)
+            continue
+        logits = feed(model, slots, ids[:, cols], pos[:, cols], live[:, cols],
+                      logits_to_keep=max(wanted, 1)).logits  # (B, wanted or 1, V)
+        if wanted > 0:
+            outs.append(logits)
+    return torch.cat(outs, 1)
 
 
 def at_spans(states: torch.Tensor, spans: Sequence[tuple[int, int]], device: torch.device,
-             shift: int = 0) -> torch.Tensor:
-    """(B, T, ...) -> the rows' positions start+shift..end-1, concatenated: (N, ...)."""
-    return torch.cat([states[b, s + shift:e] for b, (s, e) in enumerate(spans)]).to(device)
+             shift: int = 0, first: int = 0) -> torch.Tensor:
+    """(B, T - first, ...), column c holding position first + c -> the rows' positions
+    start+shift..end-1, concatenated: (N, ...)."""
+    return torch.cat([states[b, s + shift - first:e - first]
+                      for b, (s, e) in enumerate(spans)]).to(device)
 
 
 def scored_outputs(model: nn.Module, rows: Sequence[Sequence[int]],
                    spans: Sequence[tuple[int, int]], device: torch.device,
                    route: bool) -> torch.Tensor:
-    """One teacher-forced forward of right-padded rows; the outputs at scored positions.
+    """One teacher-forced pass of right-padded rows; the outputs at scored positions.
 
     spans[b] = (start, end): positions start..end-1 of row b predict its scored tokens.
     Returns hidden states (N, H) when route (see head_route), else logits (N, V_model).
     """
-    return at_spans(teacher_forced(model, rows, device, route), spans, device)
+    first = 0 if route else min(s for s, _ in spans)
+    return at_spans(teacher_forced(model, rows, device, route, first), spans, device,
+                    first=first)
 
 
 def head_logits(model: nn.Module, states: torch.Tensor, route: bool) -> torch.Tensor:
@@ -1023,20 +1085,22 @@ def position_stats(target: nn.Module, scores: Scores, states_p: torch.Tensor,
 class TargetPass(NamedTuple):
     """The target's side of one batch's teacher-forced measurement, made once for every
     drafter: the rows (prompt + the target's continuation), the scored spans, and the
-    target's outputs (hidden states when route_p, else logits): at every position (B, T, ...),
-    or, compact, only at the scored ones (N, ...)."""
+    target's outputs: hidden states (B, T, H) at every position when route_p (a drafter that
+    reads the target reads them all), else logits (B, T - first, V) from position `first`,
+    the first one scored, on; or, compact, only at the scored ones (N, ...)."""
 
     batch: list[int]
     rows: list[list[int]]
     spans: list[tuple[int, int]]
     states: torch.Tensor
     compact: bool = False
+    first: int = 0  # the position of states' column 0
 
     def at(self, shift: int, device: torch.device) -> torch.Tensor:
         """The outputs at the scored positions, `shift` positions later (a later head's)."""
         assert not (self.compact and shift), "a compact target pass has no later positions"
         return self.states.to(device) if self.compact else \
-            at_spans(self.states, self.spans, device, shift)
+            at_spans(self.states, self.spans, device, shift, self.first)
 
 
 def target_pass(target: nn.Module, route_p: bool, batch: list[int],
@@ -1055,8 +1119,10 @@ def target_pass(target: nn.Module, route_p: bool, batch: list[int],
                                           batch_size=len(sub), indices=batch, bar=bar)
                      if n_tokens else [[] for _ in sub])
     rows, spans = scored_rows(sub, conts)
+    first = 0 if route_p else min(s for s, _ in spans)
     with step("the target's teacher-forced pass"):
-        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p))
+        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p,
+                                                             first), first=first)
 
 
 def scored_rows(prompts: Sequence[TokenSequence], conts: Sequence[list[int]]
@@ -1620,8 +1686,12 @@ class AssistantDrafter(Drafter):
         with final_states(self.target) as seen:
             slots, _ = prefill(self.target, rows, device, last_only=False)
         ids, live, pos = left_pad(rows, device)
-        before = torch.cat([torch.zeros_like(seen[-1][:, :1]), seen[-1][:, :-1]], 1)
-        out, _ = self.step(ids, before, pos, slots)  # position t predicts row[t + 1]
+        fed = torch.cat(seen, 1)  # (B, T, H): the prefill's chunks joined
+        before = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)
+        # position t predicts row[t + 1]; queries read the target's cache, never each other,
+        # so a chunk of them at a time keeps the masks (B, t, S), not (B, T, T)
+        out = torch.cat([self.step(ids[:, c], before[:, c], pos[:, c], slots)[0]
+                         for c in column_chunks(ids.shape[1])], 1)  # (B, T, H_a)
         width, picked, made = ids.shape[1], [], []
         for b, (s, e) in enumerate(spans):
             at = width - len(rows[b])  # row b's first slot
@@ -1816,7 +1886,8 @@ class Eagle3Drafter(Drafter):
         live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
                             device=device)
         pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
-        feats = self.fused({i: got[i][0][:, :width] for i in self.layers})  # (B, T-1, H)
+        feats = self.fused({i: torch.cat(got[i], 1)[:, :width]  # chunks joined
+                             for i in self.layers})  # (B, T-1, H)
         slots, outs = new_slots(len(rows), device), [[] for _ in range(self.steps)]
         for start in range(0, width, SCORE_STARTS):  # every position a cycle start
             at = slice(start, min(start + SCORE_STARTS, width))
@@ -2108,9 +2179,11 @@ class Cycle(NamedTuple):
 
 def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Tensor]]
             ) -> TargetView | None:
-    """What a drafter that reads the target is shown of the forward just made (None: it
-    reads nothing)."""
-    return TargetView(seen[-1], slots, {i: v[-1] for i, v in got.items()}) if seen else None
+    """What a drafter that reads the target is shown of the pass just made: the states of its
+    forwards (a prefill's chunks, or one verify) joined along T (None: it reads nothing)."""
+    if not seen:
+        return None
+    return TargetView(torch.cat(seen, 1), slots, {i: torch.cat(v, 1) for i, v in got.items()})
 
 
 @torch.no_grad()

@@ -1119,6 +1119,81 @@ def test_sliding_window_continuations_alpha_and_costs(family, tok_plain):
     assert m["cost_ratio"] > 0 and set(m["verify_cost"]) == {1, 4}
 
 
+# Long inputs fill a cache PREFILL_CHUNK columns per forward (prefill; teacher_forced for rows
+# longer than a chunk). Here the chunk is 5 tokens, so the ragged rows below (1 to 40 tokens,
+# five sliding windows of 8) take up to eight chunks, and every output is compared with each row
+# run alone, uncached, unpadded (the oracle). Errors planted to see them fail: chunks that
+# overlap by a column (every test here fails), the chunks after the first fed one position late
+# (in prefill, or in teacher_forced), left padding made live after the first chunk, logits kept
+# from one column too late (`wanted` one short), the hooks' states of the last chunk only
+# (view_of), at_spans forgetting the offset `first`: each fails 2 to 6 of these tests, and
+# test_long_prompts_in_chunks_give_the_numbers_of_one_forward every time. (Right padding made
+# live changes nothing, rightly: it comes after all of its row's tokens, which attend only
+# earlier positions.)
+
+
+def long_rows(lengths=(23, 1, 40, 12, 31), seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(V, (n,), generator=g).tolist() for n in lengths]
+
+
+CHUNKED_FAMILIES = ["llama", "gpt2", "mistral", "gemma3"]
+
+
+def chunk_model(family):
+    return make_sliding(family, 0) if family in ("mistral", "gemma3") else \
+        make_llama(0) if family == "llama" else make_gpt2(0)
+
+
+@pytest.mark.parametrize("family", CHUNKED_FAMILIES)
+def test_chunked_prefill_equals_each_row_alone(family, monkeypatch):
+    """The last logits, the hooks' states joined along T (final and a layer's input), and the
+    cache: a token fed after the prefill sees what it would see after the row alone."""
+    monkeypatch.setattr(sd, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
+    m, rows = chunk_model(family), long_rows()
+    width = max(map(len, rows))
+    with torch.no_grad():
+        with sd.final_states(m) as seen, sd.layer_inputs(m, [1]) as got:
+            slots, logits = sd.prefill(m, rows, CPU, last_only=False)
+        assert len(seen) == math.ceil(width / 5) == len(got[1])  # one forward per chunk
+        view = sd.view_of(seen, slots, got)
+        after = sd.extend(m, slots, torch.full((len(rows), 1), 3),
+                          torch.tensor([[len(r)] for r in rows]))  # (B, 1, V)
+        for b, r in enumerate(rows):
+            alone = m(input_ids=torch.tensor([r + [3]]), output_hidden_states=True)
+            body = m.base_model(input_ids=torch.tensor([r])).last_hidden_state[0]
+            assert torch.allclose(logits[b, 0], alone.logits[0, -2], atol=1e-5)
+            assert torch.allclose(view.hidden[b, width - len(r):], body, atol=1e-5)
+            assert torch.allclose(view.layers[1][b, width - len(r):],
+                                  alone.hidden_states[1][0, :-1], atol=1e-5)
+            assert torch.allclose(after[b, 0], alone.logits[0, -1], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", CHUNKED_FAMILIES)
+@pytest.mark.parametrize("route", [True, False])
+def test_chunked_teacher_forced_equals_each_row_alone(family, route, monkeypatch):
+    """Hidden states at every position (route), or logits from position `first` on only."""
+    m, rows, first = chunk_model(family), long_rows(), 9
+    width = max(map(len, rows))
+    with torch.no_grad():
+        whole = sd.teacher_forced(m, rows, CPU, route, 0 if route else first)
+        monkeypatch.setattr(sd, "PREFILL_CHUNK", 5)
+        monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
+        got = sd.teacher_forced(m, rows, CPU, route, 0 if route else first)
+        assert got.shape == whole.shape == ((len(rows), width, 32) if route
+                                            else (len(rows), width - first, V))
+        for b, r in enumerate(rows):
+            ids = torch.tensor([r])
+            if route:
+                want = m.base_model(input_ids=ids).last_hidden_state[0]
+                assert torch.allclose(got[b, :len(r)], want, atol=1e-5)
+            else:
+                want = m(input_ids=ids).logits[0, first:]
+                assert torch.allclose(got[b, :max(len(r) - first, 0)], want, atol=1e-5)
+            assert torch.allclose(whole[b, :len(want)], want, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # teacher-forced route
 
@@ -1299,6 +1374,28 @@ def test_a_head_that_is_not_a_linear_map_falls_back_to_full_logits(llama2, seqs)
         conts = [ref_continuation(target, q.ids, s, 5, 3, i) for i, q in enumerate(seqs)]
         flat = [a for alphas, _, _ in tf_oracle(target, draft, seqs, conts, s) for a in alphas]
         assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
+
+
+def test_a_long_target_pass_keeps_logits_from_the_first_scored_position_only(llama,
+                                                                           monkeypatch):
+    """The memory point: without the hidden-state route, the target pass over long rows holds
+    logits (B, T - first, V) from the first scored position on, never (B, T, V), and each
+    later step's positions (at(k)) are still each row's own, alone and uncached. A `first`
+    off by one fails both the shape and the values."""
+    monkeypatch.setattr(sd, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
+    seqs = [sd.TokenSequence(r) for r in long_rows((38, 30, 41))]
+    conts = [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]]
+    side = sd.target_pass(llama, False, [0, 1, 2], seqs, SAMPLINGS["t1"],
+                          sd.Settings(continuation_tokens=4), frozenset(), CPU, V, sd._NoBar(),
+                          conts)
+    width = 41 + 4
+    assert side.first == 30 - 1 and side.states.shape == (3, width - side.first, V)
+    with torch.no_grad():
+        for k in range(3):  # the scored positions, k later (step k+1's)
+            want = torch.cat([llama(input_ids=torch.tensor([q.ids + c])).logits[
+                0, len(q.ids) - 1 + k:len(q.ids) + 3] for q, c in zip(seqs, conts)])
+            assert torch.allclose(side.at(k, CPU), want, atol=1e-5), k
 
 
 def test_non_finite_draft_logits_name_the_model_and_prompt(disjoint, nan_draft, tok_plain):
@@ -3216,6 +3313,78 @@ def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, t
             r.tokens_per_cycle / (k * r.cost_ratio + r.costs["verify_cost"][k]), rel=1e-9)
         auto = sd.cost_model(t, drafter, sd.Settings(), seqs, CPU)
         assert auto.ratio > 0 and "nothing" not in auto.source, auto.source
+
+
+def close_numbers(a, b, tol=1e-6) -> bool:
+    """Two reports' numbers (nested dicts and lists) equal, floats within tol."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close_numbers(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(close_numbers(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def chunked_reports(monkeypatch, chunk, target, drafts, seqs, **kw):
+    """measure_drafts with PREFILL_CHUNK = chunk -> (reports, every simulated row's tokens)."""
+    monkeypatch.setattr(sd, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
+    emitted, real = [], getattr(sd.simulate_batch, "real", sd.simulate_batch)
+
+    def spy(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        emitted.append([r.tokens for r in rows])
+        return rows
+    spy.real = real  # (an earlier call's spy is replaced, not wrapped)
+    monkeypatch.setattr(sd, "simulate_batch", spy)
+    reports = sd.measure_drafts(target, drafts, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                simulate=True, seed=4, batch_size=3, **kw)
+    return reports, emitted
+
+
+def test_long_prompts_in_chunks_give_the_numbers_of_one_forward(llama4, llama2, tmp_path,
+                                                                monkeypatch):
+    """A whole report, simulation included, on prompts of 12-41 tokens fed 5 tokens a chunk
+    equals the one with chunking off: the same simulated tokens, alpha within 1e-6 (the rest
+    within 1e-5). Drafters: a model (its own cache, scored in chunks), Medusa heads and EAGLE-3
+    (they read the target's prefilled states, joined from the chunks; EAGLE-3 the inputs of
+    three of its layers too); a target whose head is not a plain map (logits kept from the
+    first scored position on); a Gemma-4 assistant (a prefill of every state, its queries
+    scored a chunk at a time). And the timed drafting step (measure_costs' draft_step) of
+    EAGLE-3, which reads every prefilled position, proposes the same q."""
+    seqs = [sd.TokenSequence(r) for r in long_rows((24, 12, 41, 33, 19))]
+    make_medusa_checkpoint(tmp_path / "medusa", "medusa")
+    make_eagle3_checkpoint(tmp_path / "eagle3", "specforge", llama4, seed=1)
+    torch.manual_seed(0)
+    capped = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        initializer_range=0.3)).eval().requires_grad_(False)
+    gemma, assistant = make_gemma4_pair(attention=True, noise=0.3, window=8)
+    runs = [(llama4, [("draft", llama2), sd.head_drafter(str(tmp_path / "medusa"), llama4),
+                      sd.head_drafter(str(tmp_path / "eagle3"), llama4)]),
+            (capped, [("draft", llama2)]), (gemma, [sd.AssistantDrafter(gemma, assistant)])]
+    assert not sd.head_route(capped, torch.tensor([seqs[0].ids]))
+    for target, drafts in runs:
+        one, sims_one = chunked_reports(monkeypatch, 10**6, target, drafts, seqs,
+                                        gamma=3, continuation_tokens=6)
+        small, sims_small = chunked_reports(monkeypatch, 5, target, drafts, seqs,
+                                            gamma=3, continuation_tokens=6)
+        assert sims_small == sims_one and len(sims_one) == 2 * len(drafts)
+        for a, b in zip(small, one):
+            assert a.alpha == pytest.approx(b.alpha, abs=1e-6), a.draft
+            # every other number to fp32 rounding (EAGLE-3's later steps chain it)
+            assert close_numbers(numbers(a), numbers(b), tol=1e-5), a.draft
+    drafter = sd.head_drafter(str(tmp_path / "eagle3"), llama4)
+    qs = []
+    for chunk in (10**6, 5):
+        monkeypatch.setattr(sd, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
+        run, setup = sd.draft_step(llama4, drafter, seqs[2].ids, CPU)
+        qs.append(run(setup()))
+    assert torch.allclose(qs[0], qs[1], atol=1e-6)
 
 
 def test_wider_draft_vocab_is_cut_before_sampling(llama, wide_draft, seqs):
