@@ -4377,6 +4377,22 @@ def test_two_gloo_ranks_give_the_numbers_of_one_process(dist_argv, tmp_path, cap
 
 
 @pytest.mark.slow  # two processes that import torch
+def test_two_gloo_ranks_at_context_lengths_give_the_numbers_of_one_process(
+        model_dirs, docs_folder, tmp_path, capsys):
+    """--context-lengths under torchrun: every length's report, and the table, as one
+    process gives them."""
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            docs_folder, "--context-lengths", "12,24,60"] + CONTEXT_ARGV
+    rc, one_text, err = run_cli(capsys, argv + ["--json", str(tmp_path / "one.json")])
+    assert rc == 0, err
+    run = torchrun(2, [SPECDEC] + argv + ["--json", str(tmp_path / "two.json")], tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((tmp_path / "two.json").read_text()) == json.loads(
+        (tmp_path / "one.json").read_text())
+    assert run.stdout == one_text
+
+
+@pytest.mark.slow  # two processes that import torch
 def test_a_failing_rank_ends_the_whole_job_in_seconds(dist_argv, tmp_path):
     import time
     script = tmp_path / "fail_rank_1.py"
