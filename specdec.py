@@ -5010,10 +5010,10 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     left_out = sorted({p.length for p in sweep if (p.length, p.system) not in inputs})
     sweep = [p for p in sweep if (p.length, p.system) in inputs]
     if launch.rank == 0:
-        longest = next(iter(inputs.values()))[1]
+        context = next(iter(inputs.values()))[1]  # (every length's has the longest)
         for n in left_out:
             status(f"specdec: context length {n:,} left out: no document has that many "
-                   f"tokens (the longest has {longest['longest']:,})")
+                   f"tokens (the longest has {context['longest']:,})")
         ranks = f" by {launch.world} processes" if launch.world > 1 else ""
         status(f"specdec: measuring {max(len(v[0]) for v in inputs.values())} prompts, "
                f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
@@ -5054,8 +5054,7 @@ def _measure_sweep(args: argparse.Namespace, target: nn.Module, drafts: list[Dra
     once per context length (a measured one is timed at that length)."""
     weights = str(next(target.parameters()).dtype).removeprefix("torch.")
     temperatures = _number_list(args.temperature, "--temperature", float)
-    lengths = (None if args.context_lengths is None
-               else sorted(set(_number_list(args.context_lengths, "--context-lengths", int))))
+    lengths = _context_lengths(args)
     runs = [(p, SamplingParams(p.temperature, args.top_k, args.top_p, args.proposal))
             for p in sweep]
     keys = {(p, d.name): run_key_parts(target, args.target, d, s, settings,
@@ -5117,14 +5116,21 @@ def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
         "" if text.strip().lower() == "none" else text for text in args.system_prompt]
     for t in temperatures:
         SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
-    lengths: list[int | None] = [None]
     if args.same_documents and args.context_lengths is None:
         raise UsageError("--same-documents applies to --context-lengths; add it or drop "
                          "--same-documents")
-    if args.context_lengths is not None:
-        lengths = sorted(set(_number_list(args.context_lengths, "--context-lengths", int)))
+    lengths = _context_lengths(args)
+    if lengths is not None:
         _check_context_options(args, lengths)
-    return [SweepPoint(n, sp, t) for n in lengths for sp in systems for t in temperatures]
+    return [SweepPoint(n, sp, t) for n in lengths or [None] for sp in systems
+            for t in temperatures]
+
+
+def _context_lengths(args: argparse.Namespace) -> list[int] | None:
+    """--context-lengths, ascending, each once (None without it)."""
+    if args.context_lengths is None:
+        return None
+    return sorted(set(_number_list(args.context_lengths, "--context-lengths", int)))
 
 
 def _check_context_options(args: argparse.Namespace, lengths: list[int]) -> None:
@@ -5363,7 +5369,7 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
     out = sys.stderr if args.json == "-" else sys.stdout
     print("\n\n".join(format_report(r) for r in reports), file=out)
     if args.context_lengths is not None:
-        print("\n" + format_context_table(reports, [p.length for p in _sweep(args)]), file=out)
+        print("\n" + format_context_table(reports, _context_lengths(args)), file=out)
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
     data = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]

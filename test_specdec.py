@@ -135,6 +135,17 @@ def make_sliding(family: str, seed: int, window: int = 8):
     return model.eval().requires_grad_(False)
 
 
+def make_capped_gemma():
+    """A Gemma-3 stand-in that caps its logits (tanh softcapping) after the head: its logits
+    cannot be made from its hidden states by the head alone (head_route is False)."""
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        initializer_range=0.3)).eval().requires_grad_(False)
+
+
 def with_head_bias(model, bias: dict[int, float]):
     """A deep copy of a Llama stand-in whose lm_head gains a bias (to pin its top tokens)."""
     m = copy.deepcopy(model)
@@ -1360,12 +1371,7 @@ def test_head_route_in_chunks_equals_full_logits(family, pairs, seqs):
 def test_a_head_that_is_not_a_linear_map_falls_back_to_full_logits(llama2, seqs):
     """Gemma-3 caps its logits (tanh softcapping) after the head: head(hidden) is not the
     logits, so the chunked route is refused and the full logits are used, exactly."""
-    torch.manual_seed(0)
-    capped = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        initializer_range=0.3)).eval().requires_grad_(False)
+    capped = make_capped_gemma()
     assert not sd.head_route(capped, torch.tensor([seqs[2].ids]))
     s = SAMPLINGS["t1"]
     for target, draft in ((capped, llama2), (llama2, capped)):
@@ -3356,12 +3362,7 @@ def test_long_prompts_in_chunks_give_the_numbers_of_one_forward(llama4, llama2, 
     seqs = [sd.TokenSequence(r) for r in long_rows((24, 12, 41, 33, 19))]
     make_medusa_checkpoint(tmp_path / "medusa", "medusa")
     make_eagle3_checkpoint(tmp_path / "eagle3", "specforge", llama4, seed=1)
-    torch.manual_seed(0)
-    capped = Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        initializer_range=0.3)).eval().requires_grad_(False)
+    capped = make_capped_gemma()
     gemma, assistant = make_gemma4_pair(attention=True, noise=0.3, window=8)
     runs = [(llama4, [("draft", llama2), sd.head_drafter(str(tmp_path / "medusa"), llama4),
                       sd.head_drafter(str(tmp_path / "eagle3"), llama4)]),

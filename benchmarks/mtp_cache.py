@@ -15,24 +15,12 @@ committed and drafted positions only, and only attention grows with L.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from versions import before_and_now
 
 
 def model(vocab: int, hidden: int, layers: int, seed: int = 0):
@@ -96,13 +84,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    old_src = subprocess.run(["git", "show", f"{args.before}:specdec.py"], cwd=HERE,
-                             capture_output=True, text=True, check=True).stdout
-    folder = tempfile.mkdtemp()
-    with open(os.path.join(folder, "specdec_before.py"), "w") as f:
-        f.write(old_src)
-    versions = {"before": load(os.path.join(folder, "specdec_before.py"), "specdec_before"),
-                "now": load(os.path.join(HERE, "..", "specdec.py"), "specdec_now")}
+    versions = dict(zip(("before", "now"), before_and_now(args.before)))
     target, mtp = model(args.vocab, args.hidden, args.layers)
     g = torch.Generator().manual_seed(0)
     print(f"DeepSeek-V3 stand-in: hidden {args.hidden}, {args.layers} layers, vocabulary "

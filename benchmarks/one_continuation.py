@@ -12,26 +12,17 @@ at T 0.7. Skips when ../shared/models has no SmolLM2.
 """
 import argparse
 import contextlib
-import importlib.util
 import io
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
+from versions import before_and_now
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GGUF = os.path.join(HERE, "..", "..", "shared", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(sd, target, texts, tok, dev, temperature: float):
@@ -53,13 +44,7 @@ def main() -> int:
         print(f"skipped: {GGUF} not found")
         return 0
     torch.set_num_threads(1)
-    old_src = subprocess.run(["git", "show", f"{args.before}:specdec.py"], cwd=HERE,
-                             capture_output=True, text=True, check=True).stdout
-    folder = tempfile.mkdtemp()
-    with open(os.path.join(folder, "specdec_before.py"), "w") as f:
-        f.write(old_src)
-    old = load(os.path.join(folder, "specdec_before.py"), "specdec_before")
-    new = load(os.path.join(HERE, "..", "specdec.py"), "specdec_now")
+    old, new = before_and_now(args.before)
     target, tok, dev = new.load_model_and_tokenizer(GGUF, progress=False)
     texts = new.load_texts("builtin")
     times = {"before": [], "now": []}
