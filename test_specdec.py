@@ -4817,8 +4817,7 @@ def test_cli_context_lengths_report_per_length_equals_separate_runs(capsys, tmp_
                       re.M)
     assert rows == [("12", "3", "0"), ("24", "2", "1"), ("40", "1", "2"), ("60", "0", "-")]
     assert "no document has 60 tokens (the longest has 45)" in text
-    from PIL import Image
-    assert Image.open(png).size == (1200, 800)
+    assert png_size(png) == (1200, 800)
     for r in reports:
         length, cut = r["context"]["length"], tmp_path / f"cut{r['context']['length']}.jsonl"
         cut.write_text("".join(json.dumps({"text": texts[k][:length]}) + "\n"
