@@ -182,9 +182,13 @@ class Settings:
         if self.continuation_tokens < 0:
             raise UsageError(f"--continuation-tokens must be >= 0, got "
                              f"{self.continuation_tokens}")
-        if self.simulate and self.continuation_tokens < 1:
-            raise UsageError("--simulate needs --continuation-tokens >= 1 (its token budget "
-                             "per prompt)")
+        if self.continuation_tokens == 1:
+            raise UsageError("--continuation-tokens 1 leaves nothing to draft: the first token "
+                             "comes from the target's prefill, as engines run it; use 2 or more "
+                             "(or 0 to score the prompt)")
+        if self.simulate and self.continuation_tokens < 2:
+            raise UsageError("--simulate needs --continuation-tokens >= 2 (its token budget "
+                             "per prompt; the first comes from the target's prefill)")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 0 <= self.seed < 2**32:
@@ -1128,8 +1132,10 @@ def target_pass(target: nn.Module, route_p: bool, batch: list[int],
 def scored_rows(prompts: Sequence[TokenSequence], conts: Sequence[list[int]]
                 ) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Each prompt with its continuation, and the span of positions that predict the
-    continuation's tokens (no continuation: the prompt's own tokens are scored)."""
-    spans = [(len(s.ids) - 1, len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
+    continuation's tokens after the first: the first comes from the target's prefill, as every
+    engine runs it, and is no draft position (no continuation: the prompt's own tokens are
+    scored)."""
+    spans = [(len(s.ids), len(s.ids) - 1 + len(c)) if c else (0, len(s.ids) - 1)
              for s, c in zip(prompts, conts)]
     return [s.ids + c for s, c in zip(prompts, conts)], spans
 
@@ -1140,7 +1146,8 @@ def emitted_pass(batch: list[int], sequences: Sequence[TokenSequence],
     final hidden states that predict each emitted token (run_simulation's states), compact:
     what a teacher-forced pass over prompt + emitted text gives at the scored positions."""
     rows, spans = scored_rows([sequences[i] for i in batch], conts)
-    return TargetPass(batch, rows, spans, torch.cat([states[i] for i in batch]), compact=True)
+    fed = [states[i] for i in batch if states[i] is not None]  # (None: no cycle ran)
+    return TargetPass(batch, rows, spans, torch.cat(fed) if fed else torch.zeros(0), compact=True)
 
 
 def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
@@ -1958,24 +1965,48 @@ class Eagle3Session(CommittedStates):
 class MedusaNet(nn.Module):
     """Medusa-1 heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
     with Multiple Decoding Heads"): head k is residual blocks x + SiLU(W x + b) on the target's
-    last hidden state, then a head of its own; it predicts the token k + 2 ahead of that
-    state's position (the target's own head predicts the next one)."""
+    last hidden state, then an output head; it predicts the token k + 2 ahead of that state's
+    position (the target's own head predicts the next one). The output head is each head's
+    own, one shared by all (vLLM's original_lm_head), or the target's (FasterDecoding's
+    Medusa-2 head-only files: `shared` given); over a token_map of target ids (vLLM's
+    truncated vocabulary) or the whole vocabulary."""
 
-    def __init__(self, hidden: int, vocab: int, heads: int, layers: int, bias: bool):
+    def __init__(self, hidden: int, vocab: int, heads: int, layers: int, bias: bool,
+                 own_heads: int, shared: nn.Module | None = None):
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(layers))
             for _ in range(heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False)
+                                      for _ in range(own_heads))
+        self.outer = [shared]  # the target's head: a plain list, so never moved or counted
+        self.register_buffer("token_map", torch.arange(vocab), persistent=False)  # row i:
+        # target id token_map[i] (set by the loader for a truncated vocabulary)
+
+    def out(self, k: int) -> nn.Module:
+        """Head k's output head: its own, the one all share, or the target's."""
+        return self.lm_heads[k % len(self.lm_heads)] if len(self.lm_heads) else self.outer[0]
 
     def block(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         for linear in self.blocks[k]:
             hidden = hidden + nn.functional.silu(linear(hidden))
         return hidden
 
+    def logits(self, k: int, out: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Head k's logits over the first `vocab` target ids from its block's output (..., H),
+        -inf at ids off its token map (never proposed)."""
+        small = self.out(k)(out).to(out.device)  # (..., d)
+        if len(self.token_map) == small.shape[-1] and torch.equal(
+                self.token_map, torch.arange(len(self.token_map), device=small.device)):
+            return small[..., :vocab]
+        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
+        ids = self.token_map
+        full[..., ids[ids < vocab]] = small[..., ids < vocab]
+        return full
+
 
 class MedusaDrafter(Drafter):
-    """Medusa-1 heads (FasterDecoding's medusa_lm_head checkpoints, vLLM's Medusa format),
+    """Medusa-1 heads (every layout FasterDecoding and vLLM publish: medusa_checkpoint),
     measured as the chain engines run them: top-1 (or a sample, under Leviathan's rule) of
     each head, head k drafting offset k. The heads read only the target's state, never the
     drafted tokens. Trees of candidates are out of scope."""
@@ -1989,25 +2020,33 @@ class MedusaDrafter(Drafter):
     def drafted_by(self, gamma):
         return [f"head {k + 1}" if k < self.steps else "-" for k in range(gamma)]
 
+    def support(self, vocab: int) -> torch.Tensor | None:
+        """(vocab,) the target ids its token map holds (None: every id)."""
+        ids = self.net.token_map
+        held = torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
+            0, ids[ids < vocab], True)
+        return None if held.all() else held
+
     def head(self, k: int, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        return q_head(self.net.lm_heads[k], sampling, vocab, propose)
+        return q_head(lambda out: self.net.logits(k, out, vocab), sampling, vocab, propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
         if states is None:  # the target's head is not a plain map: get its states here
             states = teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
-        outs = [self.net.block(k, states[:, :width].to(self.net.lm_heads[0].weight))
+        outs = [self.net.block(k, states[:, :width].to(self.net.blocks[0][0].weight))
                 for k in range(self.steps)]  # reads to draft row[j + 2 + k]
         return step_scores(outs, spans, [self.head(k, sampling, vocab)
-                                         for k in range(self.steps)], device)
+                                         for k in range(self.steps)], device,
+                           self.support(vocab))
 
     def start(self, prompts, view, config):
         return MedusaSession(self, prompts, view, config)
 
     def param_cost(self, target):
         head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
-            self.net.lm_heads[0].weight.numel()
+            self.net.out(0).weight.numel()
         return head / params_per_token(target), "parameters per token: one Medusa head"
 
 
@@ -2024,7 +2063,7 @@ class MedusaSession(LastState):
         ready, hidden = self.stacked()
         if hidden is None:
             return Proposal.none(len(pending), c)
-        hidden = hidden.to(d.net.lm_heads[0].weight)  # (B, H)
+        hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
         steps, qs, ds = min(c.gamma, d.steps), [], []
         for k in range(steps):
             qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
@@ -2186,6 +2225,26 @@ def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Te
     return TargetView(torch.cat(seen, 1), slots, {i: torch.cat(v, 1) for i, v in got.items()})
 
 
+def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.Generator],
+                 config: LoopConfig, names: list[str], reads: Drafter
+                 ) -> tuple[Slots, torch.Tensor, TargetView | None]:
+    """The prefill, as every engine runs it: the target reads each whole prompt and samples the
+    first continuation token from its last position (one uniform of the row's stream); no
+    drafter is involved, and that token is no draft position. -> the target's cache of the
+    prompts, the first tokens (B,), and what a drafter that reads the target is shown of the
+    prefill (`reads`: which drafter, for its hooks)."""
+    c = config
+    # a drafter that reads the target is shown every position's state (asked for the last
+    # logits only, some models skip the other positions)
+    with final_states(target, reads.reads_target) as seen, \
+            layer_inputs(target, reads.layers) as got:
+        slots, logits = prefill(target, prompts, c.device, last_only=not reads.reads_target)
+    check_finite(logits, "target", lambda b: f"{names[b]}, its last prompt position (prefill)")
+    p = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
+    first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0])  # (B,)
+    return slots, first, view_of(seen, slots, got)
+
+
 @torch.no_grad()
 def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
                    gens: list[torch.Generator], config: LoopConfig, names: list[str],
@@ -2193,22 +2252,33 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
                    ) -> list[RowStats]:
     """Speculative sampling from every prompt of one batch until each has config.budget
     tokens or ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors.
+    The first token comes from the target's prefill (first_tokens), then the cycles run.
     states: when given, states[b] collects the target's final hidden states at the positions
     each verify pass committed for prompt b ((n_acc + 1, H) a cycle): those that predict the
-    emitted tokens, as a teacher-forced pass over the emitted text computes them."""
+    emitted tokens after the first, as a teacher-forced pass over the emitted text computes
+    them."""
     c = config
     stats = [RowStats.empty(c.gamma) for _ in prompts]
+    slots, pending, view = first_tokens(target, prompts, gens, c, names, drafter)
+    live = []  # batch rows still generating, in tensor-row order
+    for b, t in enumerate(pending.tolist()):
+        stats[b].tokens.append(t)
+        bar.update(1)
+        if t not in c.eos and c.budget > 1:
+            live.append(b)
+    if not live:
+        return stats
+    if len(live) < len(prompts):  # a first token that is EOS (or fills the budget) ends a row
+        keep = torch.tensor(live, device=c.device)
+        select_slots(slots, keep)
+        pending = pending[keep]
+        width = max(len(prompts[b]) for b in live)  # the view's columns the rows left hold
+        view = view and TargetView(view.hidden[keep, -width:], slots,
+                                   {i: v[keep, -width:] for i, v in view.layers.items()})
     # The target's cache holds every emitted token but the newest ("pending") one, at position
-    # npos. A drafter that reads the target is shown every position's state (asked for the
-    # last logits only, some models skip the other positions).
-    with final_states(target, drafter.reads_target) as seen, \
-            layer_inputs(target, drafter.layers) as got:
-        slots, _ = prefill(target, [r[:-1] for r in prompts], c.device,
-                           last_only=not drafter.reads_target)
-    session = drafter.start(prompts, view_of(seen, slots, got), c)
-    pending = torch.tensor([r[-1] for r in prompts], device=c.device)  # (B,)
-    npos = torch.tensor([len(r) - 1 for r in prompts], device=c.device)  # (B,)
-    live = list(range(len(prompts)))  # batch rows still generating, in tensor-row order
+    # npos; the drafter's session starts from the prompts and that pending token.
+    session = drafter.start([prompts[b] + [stats[b].tokens[0]] for b in live], view, c)
+    npos = torch.tensor([len(prompts[b]) for b in live], device=c.device)  # (B,)
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * c.gamma + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
@@ -2268,7 +2338,7 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                                [f"prompt {k}" for k in keys], bar or _NoBar(), kept)
         rows.update(zip(keys, stats))
         for k, row, fed in zip(keys, stats, kept or []):  # the last cycle may pass the budget
-            states[k] = torch.cat(fed)[:len(row.tokens)]
+            states[k] = torch.cat(fed)[:len(row.tokens) - 1] if fed else None
     return rows
 
 
@@ -2740,7 +2810,7 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
     std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
     est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
     return [
-        f"  teacher-forced (on {SCORED_ON[t.scored_on]})",
+        f"  teacher-forced (distributional), on {SCORED_ON[t.scored_on]}",
         f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
         f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
         *([] if t.proposal_rate in (None, 1) else [
@@ -2775,11 +2845,18 @@ def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
             f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
 
 
+def short_label(drafter: str) -> str:
+    """What drafts an offset, in the report's 6-wide columns: "layer 2" -> "L2", "head 3" ->
+    "H3" (a column always keeps a space before it)."""
+    return drafter.replace("layer ", "L").replace("head ", "H")[:5]
+
+
 def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
     offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset)
     reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset)
     return [
-        RULE, "  simulated (the real speculative-sampling loop — the number to trust)",
+        RULE, "  simulated (generative): the real speculative-sampling loop — the number to "
+              "trust",
         f"    acceptance rate  alpha        {_num(s.alpha, '.3f')}{_ci(s.alpha_ci)}",
         f"    examined draft tokens         {s.examined_tokens:,} ({s.accepted_tokens:,} "
         f"accepted) from {s.simulated_prompts} prompts",
@@ -2801,8 +2878,9 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
         + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset),
         "      (per cycle: the engines' per-position acceptance rate)",
         *([] if run.drafted_by is None else [
-            "    drafted by                 " + "".join(f"{d.replace('layer ', 'L'):>6}"
-                                                    for d in run.drafted_by)])]
+            "    drafted by                 " + "".join(f"{short_label(d):>6}"
+                                                    for d in run.drafted_by)
+            + "   (L = MTP layer, H = Medusa head)"])]
 
 
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
@@ -4045,20 +4123,27 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
     return draft
 
 
-def read_weights(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor in a checkpoint folder's safetensors or PyTorch files, by name."""
-    names = sorted(os.listdir(folder))
+def read_weights(folder: str, names: Sequence[str] | None = None,
+                 keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
+    """The tensors `keep` wants (by name) in a checkpoint folder's safetensors or PyTorch files
+    (or in the files `names`): read one by one where the format allows (safetensors), so the
+    heads of a full model never load the model."""
+    found = sorted(os.listdir(folder))
+    names = list(names) if names else ([n for n in found if n.endswith(".safetensors")] or
+                                       [n for n in found if n.endswith((".bin", ".pt", ".pth"))])
     weights: dict[str, torch.Tensor] = {}
-    for name in [n for n in names if n.endswith(".safetensors")] or \
-            [n for n in names if n.endswith((".bin", ".pt", ".pth"))]:
+    for name in names:
         path = os.path.join(folder, name)
         if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            weights.update(load_file(path))
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                weights.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
         else:
-            weights.update(torch.load(path, map_location="cpu", weights_only=True))
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights.update({k: v for k, v in loaded.items() if keep(k)})
     if not weights:
-        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights")
+        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights "
+                         f"{'specdec reads' if names else ''}".strip())
     return weights
 
 
@@ -4142,32 +4227,71 @@ def check_eagle3(w: dict[str, torch.Tensor], cfg: Any, target_hidden: int, draft
                          f"{vocab}: a head for another target")
 
 
+MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
+
+
+def medusa_name(key: str, vllm: bool) -> str | None:
+    """A Medusa checkpoint's tensor name -> MedusaNet's (blocks.K.L.weight|bias, lm_heads.K.weight,
+    lm_head.weight: one head all share, out.K.L.weight: FasterDecoding's output head at index
+    L of head K, token_map), or None for the base model's own tensors. FasterDecoding writes
+    K.L.linear.* and K.<L>.weight (head-only files, medusa_head.state_dict()), prefixed
+    medusa_head. in full models; vLLM blocks.K.layers.L.*, lm_heads.K.*, maybe prefixed
+    medusa_heads."""
+    k = re.sub(r"^(model\.)?medusa_heads?\.", "", key)
+    for pattern, name in ((r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"(\d+)\.(\d+)\.weight", r"out.\1.\2.weight"),
+                          (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"lm_heads\.\d+\.weight|token_map", r"\g<0>")):
+        if re.fullmatch(pattern, k):
+            return re.sub(pattern, name, k)
+    return "lm_head.weight" if vllm and k == "lm_head.weight" else None
+
+
 def medusa_checkpoint(folder: str, config: dict[str, Any], target: nn.Module,
                       name: str) -> MedusaDrafter:
-    """Medusa-1 heads from FasterDecoding's checkpoints (config medusa_num_heads,
-    medusa_num_layers; weights medusa_head.K.L.linear.*, medusa_head.K.<L>.weight) or vLLM's
-    Medusa format (config num_heads, num_hidden_layers; blocks.K.layers.L.*, lm_heads.K.*)."""
-    heads = int(config.get("medusa_num_heads") or config.get("num_heads") or 0)
-    layers = int(config.get("medusa_num_layers") or config.get("num_hidden_layers") or 1)
-    w: dict[str, torch.Tensor] = {}
-    for k, v in read_weights(folder).items():
-        k = k.removeprefix("medusa_heads.")
-        m = re.fullmatch(r"medusa_head\.(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)", k)
-        if m and int(m.group(2)) == layers:
-            k = f"lm_heads.{m.group(1)}.{m.group(3)}"
-        elif m:
-            k = f"blocks.{m.group(1)}.{m.group(2)}.{m.group(3)}"
-        w[re.sub(r"^blocks\.(\d+)\.layers\.", r"blocks.\1.", k)] = v
+    """Medusa-1 heads in every layout teams publish them:
+      * FasterDecoding's head-only files (medusa_lm_head.pt or .safetensors, keys K.L.linear.*
+        and K.<L>.weight; since its Medusa-2 code no K.<L>: every head then ends in the
+        target's own lm_head), config medusa_num_heads (which its loader overrides: the
+        heads are counted in the weights);
+      * FasterDecoding's full models: medusa_head.* beside the base model's tensors (only the
+        heads are read);
+      * vLLM's Medusa format (model_type medusa or MedusaModel: blocks.K.layers.L.*,
+        lm_heads.K.*; original_lm_head: one lm_head shared by every head; token_map: a
+        truncated vocabulary, its q zero elsewhere)."""
+    archs = " ".join(config.get("architectures") or [])
+    vllm = config.get("model_type") == "medusa" or "MedusaModel" in archs
+    files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
+    w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
+        k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
     hidden = target.config.get_text_config(decoder=True).hidden_size
-    if heads < 1 or "lm_heads.0.weight" not in w:
-        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no heads)")
-    if w["lm_heads.0.weight"].shape[1] != hidden or "token_map" in w:
-        raise UsageError(f"{name}: Medusa heads of width {w['lm_heads.0.weight'].shape[1]}"
-                         f"{' with a token_map' if 'token_map' in w else ''} do not fit this "
-                         f"target (hidden size {hidden})")
-    net = MedusaNet(hidden, w["lm_heads.0.weight"].shape[0], heads, layers,
-                    "blocks.0.0.bias" in w)
-    missing, unexpected = net.load_state_dict(w, strict=False)
+    blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
+    heads, layers = len({k for k, _ in blocks}), len({j for _, j in blocks})
+    if not heads or blocks != [(k, j) for k in range(heads) for j in range(layers)]:
+        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no residual "
+                         f"blocks K.L in its weights)")
+    own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
+    if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
+        own = {0: w.get("lm_head.weight", own.get(0))}
+    if own and sorted(own) != list(range(len(own))) or any(v is None for v in own.values()):
+        raise UsageError(f"{name}: its output heads {sorted(own)} do not match its {heads} "
+                         f"Medusa heads")
+    rows = next(iter(own.values())).shape[0] if own else vocab_width(target)
+    width = w["blocks.0.0.weight"].shape[1]
+    if width != hidden or (own and next(iter(own.values())).shape[1] != hidden):
+        raise UsageError(f"{name}: Medusa heads of width {width} do not fit this target "
+                         f"(hidden size {hidden})")
+    mapped = "token_map" in w and len(w["token_map"]) == rows
+    if not mapped and rows != vocab_width(target):
+        raise UsageError(f"{name}: Medusa heads over {rows} tokens without a token_map do not "
+                         f"fit this target's vocabulary of {vocab_width(target)}")
+    net = MedusaNet(hidden, rows, heads, layers, "blocks.0.0.bias" in w, len(own),
+                    shared=target.get_output_embeddings())
+    state = {k: v for k, v in w.items() if k.startswith("blocks.")}
+    state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
+    if mapped:
+        net.token_map = w["token_map"].long()
+    missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (missing "
                          f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
@@ -4411,14 +4535,16 @@ def check_prompt_budget(max_samples: int | None, max_length: int) -> None:
 
 def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
                     max_samples: int | None = None, max_length: int = 512,
-                    chat_template: str = "auto", system_prompt: str | None = None
-                    ) -> list[TokenSequence]:
+                    chat_template: str = "auto", system_prompt: str | None = None,
+                    plain_text: bool = False) -> list[TokenSequence]:
     """Tokenise prompts; the chat template wraps them where the tokenizer has one.
 
     system_prompt: None leaves the system message to the template (some add a default of their
     own); a text is the system message of every prompt (replacing one the data has); "" is an
     empty one (what --system-prompt none gives). Prompts longer than max_length keep their
-    last max_length tokens (the part the model continues).
+    last max_length tokens (the part the model continues). plain_text: without the template,
+    a special token's text (<|endoftext|>) is read as the characters it is, never as the
+    token (documents); else a prompt may carry special tokens written out (pre-templated).
     """
     check_prompt_budget(max_samples, max_length)
     if chat_template not in ("auto", "on", "off"):
@@ -4446,7 +4572,7 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
         else:
             if isinstance(content, list):
                 content = "\n".join(f"{m['role']}: {m['content']}" for m in content)
-            ids = tokenizer(content)["input_ids"]
+            ids = tokenizer(content, split_special_tokens=plain_text)["input_ids"]
         ids = list(ids)
         if ids:
             out.append(TokenSequence(ids[-max_length:], prompt.category, len(ids) > max_length))
@@ -4458,10 +4584,10 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
 def build_documents(prompts: Sequence[Prompt | str], tokenizer: Any,
                     max_samples: int | None = None) -> list[TokenSequence]:
     """Long documents for --context-lengths, tokenised whole as plain text (no chat template:
-    the target continues the document itself)."""
+    the target continues the document itself; a literal <|endoftext|> in one is text)."""
     with _quiet_loggers("transformers"):  # (a document longer than the model's window warns)
         return build_sequences(prompts, tokenizer, max_samples=max_samples,
-                               max_length=sys.maxsize, chat_template="off")
+                               max_length=sys.maxsize, chat_template="off", plain_text=True)
 
 
 class AtLength(NamedTuple):
