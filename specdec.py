@@ -2551,6 +2551,43 @@ def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tenso
                         else None)
 
 
+def step_alphas(prompts: Sequence[PromptResult], rule: str,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each drafting step's teacher-forced alpha under a proposal rule, pooled over the prompts'
+    positions: (steps,); with bootstrap weights (n_boot, prompts), one row per resample."""
+    sums = torch.tensor([[rule_sums(r, rule)[0], *rule_sums(r, rule)[1]] for r in prompts],
+                        dtype=torch.float64)  # (P, steps)
+    counts = torch.tensor([[r.scored, *r.head_scored] for r in prompts], dtype=torch.float64)
+    if weights is not None:
+        sums, counts = weights @ sums, weights @ counts  # (n_boot, steps)
+    else:
+        sums, counts = sums.sum(0), counts.sum(0)
+    return sums / counts.clamp_min(1)
+
+
+def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
+    """alpha pooled the way a cycle examines a drafter's steps: E[accepted] / E[examined] for a
+    cycle whose offset k accepts with alphas[..., k-1], for the first min(gamma, steps) offsets
+    (examined: up to and including the first rejection). (..., steps) -> (...). Equal to the
+    alpha of every step when they are all equal; what the simulation's alpha estimates."""
+    reach = alphas[..., :gamma].cumprod(-1)  # P(offsets 1..k accepted)
+    return reach.sum(-1) / (1 + reach[..., :-1].sum(-1))
+
+
+def pooled_alpha(scored: Sequence[PromptResult], rule: str, gamma: int,
+                 weights: torch.Tensor) -> dict[str, Any]:
+    """A stepped drafter's headline alpha (chain_alpha of its steps at the run's gamma) with its
+    bootstrap interval and standard error (prompts resampled, every step along), and the std of
+    the per-sequence values (sequences with a position at every step it uses)."""
+    per_seq = [chain_alpha(step_alphas([r], rule), gamma).item() for r in scored
+               if all(n for n in [r.scored, *r.head_scored][:gamma])]
+    boot = chain_alpha(step_alphas(scored, rule, weights), gamma)  # (n_boot,)
+    return {"alpha": chain_alpha(step_alphas(scored, rule), gamma).item(),
+            "alpha_ci": quantile_interval(boot) if len(scored) > 1 else None,
+            "alpha_stderr": boot.std().item() if len(scored) > 1 else None,
+            "alpha_std": torch.tensor(per_seq).std().item() if len(per_seq) > 1 else 0.0}
+
+
 def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
                           cost: Cost, seed: int, rule: str = "sample", steps: int | None = None
                           ) -> tuple[TeacherForced | None, list[GammaRow]]:
@@ -2582,24 +2619,29 @@ def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator
     else:
         expected = exp_iid
         acc_ci = None if alpha_ci is None else [run.accepted(a, gamma) for a in alpha_ci]
+    headline = {"alpha": alpha, "alpha_ci": alpha_ci, "alpha_stderr": ratio_stderr(sums, counts),
+                "alpha_std": means.std().item() if len(means) > 1 else 0.0}
+    if steps is not None:  # steps of their own: alpha pooled as a cycle examines them
+        headline = pooled_alpha(scored, rule, gamma, weights)
+        if used == "iid" and len(scored) > 1:  # every step resampled, not the first alone
+            boot = step_alphas(scored, rule, weights)  # (n_boot, steps)
+            acc_ci = quantile_interval(rate * boot[:, :gamma].cumprod(-1).sum(-1))
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost,
                                                  run.proposing(gamma))
     table = gamma_rows(scored, alpha, run, used, cost)
+    rules = rule_fields(looked, n_pos, rate, gamma, cost, steps)
     return TeacherForced(
-        alpha=alpha, alpha_std=means.std().item() if len(means) > 1 else 0.0,
-        alpha_stderr=ratio_stderr(sums, counts), alpha_ci=alpha_ci, scored_positions=n_pos,
-        n_sequences=len(scored), proposal_rate=rate,
+        **headline, scored_positions=n_pos, n_sequences=len(scored), proposal_rate=rate,
         alpha_by_head=None if steps is None else [alpha] + run.later, estimator=used,
         expected_accepted=expected, expected_accepted_iid=exp_iid,
         expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
         est_speedup=speed, est_speedup_ci=speed_ci,
         greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
-        p_argmax_q=sum(r.p_argmax_q_sum for r in scored) / n_pos,
+        p_argmax_q=rules["alpha_by_rule"]["argmax"],
         best_gamma=max(table, key=lambda row: row.est_speedup).gamma if table else None,
         draft_vocab_coverage=None if looked[0].coverage_sum is None else
         sum(r.coverage_sum for r in looked) / sum(r.positions for r in looked),
-        **rule_fields(looked, n_pos, rate, gamma, cost, steps),
-        **category_fields(looked, rate < 1, rule)), table
+        **rules, **category_fields(looked, rate < 1, rule, gamma, steps)), table
 
 
 def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
@@ -2620,28 +2662,33 @@ def run_of(looked: Sequence[PromptResult], rule: str, rate: float, steps: int | 
 def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: int,
                 cost: Cost, steps: int | None) -> dict[str, Any]:
     """alpha, tokens per cycle and speedup under each proposal rule (i.i.d. estimator), for the
-    report's line that sets the engines' argmax rule beside Leviathan's."""
+    report's line that sets the engines' argmax rule beside Leviathan's (a stepped drafter's
+    alpha pooled over its steps: chain_alpha)."""
     out: dict[str, dict[str, float]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
                                         "est_speedup_by_rule": {}}
     for rule in PROPOSAL_RULES:
         alpha = sum(rule_sums(r, rule)[0] for r in looked) / n_pos
         run = run_of(looked, rule, rate, steps)
         tpc = run.accepted(alpha, gamma) + 1
-        out["alpha_by_rule"][rule] = alpha
+        out["alpha_by_rule"][rule] = alpha if steps is None else \
+            chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item()
         out["tokens_per_cycle_by_rule"][rule] = tpc
         out["est_speedup_by_rule"][rule] = cost.speedup(tpc, gamma, run.proposing(gamma))
     return out
 
 
-def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample"
-                    ) -> dict[str, Any]:
+def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample",
+                    gamma: int = 1, steps: int | None = None) -> dict[str, Any]:
     """alpha and the number of sequences per category, where the prompts have categories (and
-    the share of positions with a proposal, for a drafter that does not always propose)."""
+    the share of positions with a proposal, for a drafter that does not always propose; a
+    stepped drafter's alpha pooled over its steps at gamma: chain_alpha)."""
     names = sorted({r.category for r in looked if r.scored and r.category is not None})
     if not names:
         return {}
     members = {c: [r for r in looked if r.category == c] for c in names}
-    fields = {"alpha_by_category": {c: sum(rule_sums(r, rule)[0] for r in rs)
+    fields = {"alpha_by_category": {c: chain_alpha(step_alphas(rs, rule), gamma).item()
+                                    if steps is not None else
+                                    sum(rule_sums(r, rule)[0] for r in rs)
                                     / sum(r.scored for r in rs) for c, rs in members.items()},
               "sequences_by_category": {c: sum(1 for r in rs if r.scored)
                                         for c, rs in members.items()}}
@@ -2829,7 +2876,8 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
         *([] if t.alpha_by_head is None else [
             "    alpha by step                 "
             + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
-            + "   (step k against the target's token k ahead)"])]
+            + "   (step k against the target's token k ahead; alpha above pools them as "
+              "a cycle examines them)"])]
 
 
 def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:

@@ -3231,6 +3231,29 @@ def test_expected_accepted_positional_needs_a_full_window():
     assert sd.expected_accepted_positional([torch.rand(2), torch.rand(3)], 4) is None
 
 
+@pytest.mark.parametrize("gamma,want", [(1, 0.8), (2, 1.2 / 1.8), (4, 1.3 / 2.2)])
+def test_a_stepped_drafters_alpha_pools_its_steps_as_a_cycle_examines_them(gamma, want):
+    """Synthetic per-step alphas 0.8, 0.5, 0.25 (three steps, as MTP, EAGLE-3 and Medusa
+    have): the headline alpha is E[accepted] / E[examined] of the chain at the run's gamma,
+    by hand: 0.8; (0.8 + 0.4) / (1 + 0.8); (0.8 + 0.4 + 0.1) / (1 + 0.8 + 0.4), the steps past
+    the third proposing nothing. alpha by step keeps each. (Planted: the first step's alpha
+    as the headline gives 0.8 at every gamma.)"""
+    steps = [0.8, 0.5, 0.25]
+    results = [sd.PromptResult(i, None, 10, 10, 10 * steps[0], 0.0, 10 * steps[0],
+                               {g: (0.0, 0) for g in range(1, 9)},
+                               [10 * a for a in steps[1:]], [10, 10],
+                               [10 * a for a in steps[1:]]) for i in range(4)]
+    cost = sd.Cost(0.1, {g: 1.0 for g in range(1, 9)}, "given")
+    tf, _ = sd.teacher_forced_fields(results, gamma, "iid", cost, 0, "sample", 3)
+    assert tf.alpha == pytest.approx(want, abs=1e-12)
+    assert tf.alpha_by_head == pytest.approx(steps, abs=1e-12)
+    assert tf.alpha_by_rule["sample"] == tf.alpha_by_rule["argmax"] == pytest.approx(want)
+    assert tf.alpha_ci == pytest.approx((want, want), abs=1e-12)  # every prompt alike
+    # the chain's accepted tokens: 0.8, 0.8 + 0.4, 0.8 + 0.4 + 0.1
+    assert tf.expected_accepted == pytest.approx(
+        sum(math.prod(steps[:k]) for k in range(1, min(gamma, 3) + 1)), abs=1e-12)
+
+
 @pytest.mark.parametrize("tpc,gamma,c", [(3.2, 4, 0.1), (1.0, 1, 0.0), (5.0, 4, 1.0)])
 def test_est_speedup_formula(tpc, gamma, c):
     assert sd.est_speedup(tpc, gamma, c) == pytest.approx(tpc / (gamma * c + 1), rel=1e-12)
