@@ -2470,6 +2470,7 @@ class Cost:
     verify: dict[int, float]
     source: str  # where the numbers came from, for the report
     timings: dict[str, Any] | None = None  # measure_costs's timings, when measured
+    notes: tuple[str, ...] = ()  # the clamps applied to measured costs (clamp_costs)
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
@@ -2811,7 +2812,7 @@ def summarise(results: Sequence[PromptResult], *, target_name: str, drafter: Dra
         run.partial = True
         run.progress_note = (f"interrupted: {tf.n_sequences} of {len(sequences)} sequences "
                              f"scored{simulated}")
-    run.notes = report_notes(run, sampling, settings.continuation_tokens)
+    run.notes = report_notes(run, sampling, settings.continuation_tokens) + list(cost.notes)
     return AcceptanceReport(run, tf, sim, table)
 
 
@@ -3266,22 +3267,12 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
     n-gram lookups are timed doing what they do in the loop, and nothing that runs a network
     comes out free).
 
-    Batch 1, two warm-up calls, median of `repeats`. Target slots are dropped after every call
-    and each draft step starts from a fresh session, so every call sees the same context.
+    Batch 1. Each round times them all in turn, interleaved, so a load that comes and goes
+    on a busy machine touches each alike; two warm-up rounds, then the median of `repeats`
+    rounds each. Target slots are dropped after every call and each draft step starts from a
+    fresh session, so every call sees the same context. The raw medians: see clamp_costs.
     """
-    def median(run: Callable[[Any], torch.Tensor], setup: Callable[[], Any]) -> float:
-        times = []
-        for i in range(repeats + 2):
-            ready = setup()  # not timed
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            run(ready).flatten()[0].item()  # wait for the device
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    def verify(n_new: int) -> float:
+    def verify(n_new: int) -> tuple[Callable[[Any], torch.Tensor], Callable[[], None]]:
         slots, _ = prefill(target, [list(ids)], device)
         x = torch.tensor([[ids[-1]] * n_new], device=device)
         pos = torch.arange(len(ids), len(ids) + n_new, device=device)[None]
@@ -3290,13 +3281,50 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
             if slots.live.shape[1] > len(ids):
                 settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0,
                              slots.live.shape[1] - len(ids))
-        return median(lambda _: extend(target, slots, x, pos), drop_new_slots)
+        return lambda _: extend(target, slots, x, pos), drop_new_slots
 
-    step_p = verify(1)
-    step_q = 0.0 if drafter is None else median(*draft_step(
-        target, as_drafter("draft", drafter), ids, device))
+    timed = {"step": verify(1), **{g: verify(g + 1) for g in gammas}}
+    if drafter is not None:
+        timed["draft"] = draft_step(target, as_drafter("draft", drafter), ids, device)
+    times: dict[Any, list[float]] = {k: [] for k in timed}
+    for i in range(repeats + 2):
+        for key, (run, setup) in timed.items():
+            ready = setup()  # not timed
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run(ready).flatten()[0].item()  # wait for the device
+            if i >= 2:
+                times[key].append(time.perf_counter() - start)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    step_p, step_q = med["step"], med.get("draft", 0.0)
     return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-            "verify_cost": {g: verify(g + 1) / step_p for g in gammas}, "device": str(device)}
+            "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device)}
+
+
+def clamp_costs(measured: dict[str, Any], floor: float) -> tuple[float, dict[int, float],
+                                                                    list[str]]:
+    """Measured costs that cannot invert a ranking: a verify of k tokens is never cheaper than
+    one target step, nor than a verify of fewer tokens; a drafting step that runs a network
+    is never cheaper than its parameter share `floor` (reading its weights, as a target step
+    reads the target's; 0 for a lookup). On a busy machine a timing can say otherwise (a
+    2-token verify at half a step was seen, ranking a head that accepted nothing at 1.2x).
+    -> (cost ratio, verify cost by gamma, a note for each clamp applied)."""
+    notes, verify, most = [], {}, 1.0
+    for g in sorted(measured["verify_cost"]):
+        v = measured["verify_cost"][g]
+        most = max(most, v)
+        if v < most:
+            notes.append(f"measured verify of {g + 1} tokens at {v:.2f} target steps: a verify "
+                         f"is never cheaper than one step or a shorter verify; {most:.2f} used")
+        verify[g] = most
+    ratio = measured["cost_ratio"]
+    if ratio < floor:
+        notes.append(f"measured draft step at {ratio:.3f} target steps, below its parameter "
+                     f"share {floor:.3f}: a drafting step is never cheaper than reading its "
+                     f"weights; {floor:.3f} used")
+        ratio = floor
+    return ratio, verify, notes
 
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
@@ -3337,11 +3365,12 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
     if how == "measure":
         with step(f"timing the models ({drafter.name})"):
             m = measure_costs(target, drafter, sequences[0].ids, gammas, device)
-        v = m["verify_cost"][settings.gamma]
-        return Cost(m["cost_ratio"], m["verify_cost"],
+        ratio, verify, notes = clamp_costs(m, drafter.param_cost(target)[0])
+        return Cost(ratio, verify,
                     f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.2f} ms, "
                     f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
-                    f"{settings.gamma + 1} tokens {v:.2f} target steps", m)
+                    f"{settings.gamma + 1} tokens {verify[settings.gamma]:.2f} target steps", m,
+                    tuple(notes))
     ones = {g: 1.0 for g in gammas}
     if how in (None, "auto"):
         ratio, source = drafter.param_cost(target)
