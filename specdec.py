@@ -484,6 +484,8 @@ class Simulated:
     proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
     accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
     generated_tokens: int | None = None
+    tokens_per_verify_pass: float | None = None  # generated tokens (the prefill's included) /
+    # cycles: SGLang's per-request spec_accept_length, about 1/cycles above tokens per cycle
     simulated_prompts: int | None = None
 
 
@@ -2738,6 +2740,7 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: in
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
         censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
         generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
+        tokens_per_verify_pass=sum(len(r.tokens) for r in rows) / cycles if cycles else None,
         alpha=sum(acc) / sum(exam) if sum(exam) else None,
         alpha_stderr=ratio_stderr(acc, exam), alpha_ci=bootstrap_ci(acc, exam, weights),
         mean_accepted_length=length, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
@@ -2918,6 +2921,8 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
             f"proposed per cycle"]),
         f"    tokens per cycle              {_num(s.tokens_per_cycle, '.3f')}"
         f"{_ci(s.tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
+        f"    tokens per verify pass        {_num(s.tokens_per_verify_pass, '.3f')}   (the "
+        f"prefill's token counted too: SGLang's per-request spec_accept_length)",
         f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
         f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
         f"    alpha by draft offset 1..{run.gamma:<3}{offsets}",

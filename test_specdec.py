@@ -1014,19 +1014,20 @@ REPORT_JSON = (
     'pirical_est_speedup_ci":[0.3333333333333333,0.6666666666666666],"alpha_by_draft_offset":[0'
     '.4,0.0],"reached_by_draft_offset":[5,2],"accepted_by_draft_offset":[2,0],"unproposed_by_dr'
     'aft_offset":[0,0],"proposed_by_cycle":[0,0,5],"accepted_per_cycle_by_draft_offset":[0.4,0.'
-    '0],"generated_tokens":8,"simulated_prompts":2,"gamma_table":[{"gamma":1,"tokens_per_cycle"'
-    ':1.2084375185271103,"est_speedup":0.6042187592635552,"sim_tokens_per_cycle":1.4,"sim_est_s'
-    'peedup":0.7},{"gamma":2,"tokens_per_cycle":1.25188371765685,"est_speedup":0.41729457255228'
-    '336,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,"tokens_pe'
-    'r_cycle":1.2609395355928876,"est_speedup":0.3152348838982219,"sim_tokens_per_cycle":null,"'
-    'sim_est_speedup":null},{"gamma":4,"tokens_per_cycle":1.2628271078117086,"est_speedup":0.25'
-    '256542156234174,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_per'
-    '_cycle":1.2632205486810402,"est_speedup":0.2105367581135067,"sim_tokens_per_cycle":null,"s'
-    'im_est_speedup":null},{"gamma":6,"tokens_per_cycle":1.2633025565195308,"est_speedup":0.180'
-    '4717937885044,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_c'
-    'ycle":1.2633196500298858,"est_speedup":0.15791495625373572,"sim_tokens_per_cycle":null,"si'
-    'm_est_speedup":null},{"gamma":8,"tokens_per_cycle":1.263323212958767,"est_speedup":0.14036'
-    '924588430744,"sim_tokens_per_cycle":null,"sim_est_speedup":null}]}'
+    '0],"generated_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"gamma_table":['
+    '{"gamma":1,"tokens_per_cycle":1.2084375185271103,"est_speedup":0.6042187592635552,"sim_tok'
+    'ens_per_cycle":1.4,"sim_est_speedup":0.7},{"gamma":2,"tokens_per_cycle":1.25188371765685,"'
+    'est_speedup":0.41729457255228336,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.4666666666'
+    '666666},{"gamma":3,"tokens_per_cycle":1.2609395355928876,"est_speedup":0.3152348838982219,'
+    '"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":4,"tokens_per_cycle":1.262827'
+    '1078117086,"est_speedup":0.25256542156234174,"sim_tokens_per_cycle":null,"sim_est_speedup"'
+    ':null},{"gamma":5,"tokens_per_cycle":1.2632205486810402,"est_speedup":0.2105367581135067,"'
+    'sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":6,"tokens_per_cycle":1.2633025'
+    '565195308,"est_speedup":0.1804717937885044,"sim_tokens_per_cycle":null,"sim_est_speedup":n'
+    'ull},{"gamma":7,"tokens_per_cycle":1.2633196500298858,"est_speedup":0.15791495625373572,"s'
+    'im_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":8,"tokens_per_cycle":1.26332321'
+    '2958767,"est_speedup":0.14036924588430744,"sim_tokens_per_cycle":null,"sim_est_speedup":nu'
+    'll}]}'
 )
 
 
@@ -2793,6 +2794,8 @@ def test_identical_models_accept_everything_in_both_modes(key, llama, seqs):
     assert r.alpha_by_draft_offset == [1.0] * gamma
     assert r.accepted_per_cycle_by_draft_offset == [1.0] * gamma
     assert r.cycles == len(seqs) * (K - 1) // (gamma + 1) and r.censored_cycles == 0
+    # SGLang's spec_accept_length: completion tokens (the prefill's counted) / verify passes
+    assert r.tokens_per_verify_pass == K / 2 == gamma + 1 + 1 / 2
     for row in r.gamma_table:
         if row["gamma"] <= gamma:
             assert row["sim_tokens_per_cycle"] == row["gamma"] + 1
@@ -3458,6 +3461,8 @@ def test_format_report_shows_the_dataclass_numbers(sim_report):
     want = ["-" if a is None else f"{a:.2f}" for a in r.alpha_by_draft_offset]
     assert line("alpha by draft offset").split()[-3:] == want
     assert line("cycles reaching it").split()[-3:] == [str(n) for n in r.reached_by_draft_offset]
+    assert line("tokens per verify pass").split()[4] == f"{r.tokens_per_verify_pass:.3f}"
+    assert r.tokens_per_verify_pass == r.generated_tokens / r.cycles
     assert "indication, not a benchmark" in text
 
 
