@@ -2034,7 +2034,7 @@ def mtp_step_alphas(target, mtp, seqs, s, n_tokens, seed, steps):
         hidden = target.model(input_ids=torch.tensor([row])).last_hidden_state
         logits = target(input_ids=torch.tensor([row])).logits[0, :, :V]
         for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1] (the
-            h = hidden[:, :t]  # first continuation token is the prefill's: no draft)  # slots 0..t-1
+            h = hidden[:, :t]  # slots 0..t-1 (the first continuation token: the prefill's)
             for k in range(steps):
                 if t + k > len(row) - 2:  # step k+1 needs the target's row[t + 1 + k]
                     break
@@ -2327,7 +2327,8 @@ def test_assistant_greedy_simulation_is_transformers_assisted_generation(tok_pla
                                                                          monkeypatch):
     """generate(assistant_model=Gemma4Assistant) at temperature 0, which takes the first token
     from the prefill as specdec does: the same tokens and, cycle by cycle, the same drafted and
-    accepted counts from the same prompt (transformers' first cycle is that prefill). The assistant's attention is off here: transformers lets it see keys of rejected
+    accepted counts from the same prompt (transformers' first cycle is that prefill). The
+    assistant's attention is off here: transformers lets it see keys of rejected
     drafts, specdec does not (see the next test)."""
     from transformers.generation.candidate_generator import (
         SinglePositionMultiTokenCandidateGenerator as Sidecar)
@@ -3176,7 +3177,8 @@ def test_argmax_rule_is_lossless_and_the_test_can_tell_a_resampling_error(llama,
     over the runs of 8,000 whose prefill token was the likeliest, against cycle_law). Power,
     by planting the error: rejections resampled from p itself (x not removed) give
     (1 - p(x)) p + p(x) 1_x; that law is enumerated here and the noncentrality of those draws
-    asserted above 120 against a critical value of 83: rejected. Both models' heads are biased towards one token x, so p(x) is large enough
+    asserted above 120 against a critical value of 83: rejected. Both models' heads are
+    biased towards one token x, so p(x) is large enough
     to matter."""
     s = sd.SamplingParams(1.0, proposal="argmax")
     prompt = tok_plain("the")["input_ids"]
