@@ -5,13 +5,29 @@
     python benchmarks/same_numbers.py --compare before.json after.json
 
 It runs the CLI (`main([... --json ...])`, the interface both versions share) on a fixed set of
-configurations: tiny random Llama stand-ins saved to a temporary folder (several temperatures,
-top-k/top-p, simulation, several drafts, early-exit drafts, a model that emits EOS often, both
-proposal rules), every drafter kind (n-gram lookup, MTP layers with their attention live, also
-reused for more steps, a Gemma-4 assistant; built by test_specdec.py's factories, so the file
-must sit beside the specdec.py being run), and, when ../shared/models holds it, the SmolLM2
-early-exit pair. --compare lists every number that differs; `--ignore KEY` leaves a field out
-(for a change that is meant to alter it).
+configurations, every drafter kind under both proposal rules (--proposal sample, and argmax at
+T > 0):
+  * tiny random Llama stand-ins saved to a temporary folder: several temperatures, top-k/top-p,
+    simulation, several drafts, early-exit drafts, a model that emits EOS often, the
+    positional estimator, prompt scoring; a draft model, early-exit drafts and n-gram lookup
+    under each rule;
+  * MTP layers with their attention live (each once, and reused for --mtp-steps 3) and a
+    Gemma-4 assistant, each under each rule;
+  * EAGLE-3 heads for the stand-in target in the SpecForge, speculators and original EAGLE-3
+    layouts, and Medusa heads in every published layout (FasterDecoding .pt/.safetensors,
+    Medusa-2 on the target's head, full model, vLLM with own/shared heads and a token_map),
+    each under each rule;
+  * when ../shared/models holds it, SmolLM2-135M-Instruct (GGUF): the early-exit pair alone,
+    and per rule one run ranking an early exit at 24 layers, n-gram lookup, a random EAGLE-3
+    head (SpecForge layout, draft vocabulary of 4096 ids with d2t, aux layers 2, 15, 27) and
+    random Medusa heads (FasterDecoding .pt with heads of its own; vLLM over a token_map),
+    all written here with fixed seeds.
+The stand-ins, the MTP model, the Gemma-4 pair and the stand-in heads are built by
+test_specdec.py's factories, so the file must sit beside the specdec.py being run.
+--only NAME... runs those configurations alone. --compare lists every number that differs;
+`--ignore KEY` leaves a field out (for a change that is meant to alter it). Names of models
+(fields ending in target or draft) and run_key (the hash of run_key_parts, which holds those
+names) are not compared: they carry folder names.
 """
 from __future__ import annotations
 
@@ -31,10 +47,17 @@ import specdec  # noqa: E402
 GGUF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "models",
                     "SmolLM2-135M-Instruct.Q4_1.gguf")
 CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,?!:'\n-")
+EAGLE3_LAYOUTS = ["specforge", "speculators", "eagle"]
+MEDUSA_LAYOUTS = ["fd-pt", "fd-st", "medusa", "full", "vllm", "vllm-map"]  # heads of their own
+MEDUSA_SHARED = ["fd-v2", "vllm-shared"]  # every head ends in one output head: the target's
+SMOL = dict(hidden=576, layers=30, vocab=49152, heads=9, kv_heads=3, head_dim=64,
+            intermediate=1536)  # SmolLM2-135M
+ROOT_NAME = "<stand-ins>"  # the temporary folder, as the saved outputs name it
 
 
 def save_stand_ins(root: str) -> dict[str, str]:
-    """Two unrelated tiny Llamas, one biased towards an EOS id, and a char tokenizer."""
+    """Two unrelated tiny Llamas, one biased towards an EOS id, and a char tokenizer; then the
+    drafter stand-ins (save_drafter_stand_ins, save_head_stand_ins)."""
     from tokenizers import Tokenizer, models, normalizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
@@ -61,6 +84,7 @@ def save_stand_ins(root: str) -> dict[str, str]:
                 "a much longer prompt that goes on for a while, with commas, and more\n")
     paths["data"] = data
     save_drafter_stand_ins(root, tok, paths)
+    save_head_stand_ins(root, paths)
     return paths
 
 
@@ -82,9 +106,145 @@ def save_drafter_stand_ins(root: str, tok, paths: dict[str, str]) -> None:
     assistant.save_pretrained(paths["assistant"])
 
 
+def save_head_stand_ins(root: str, paths: dict[str, str]) -> None:
+    """Draft heads for the stand-in target, by the test file's factories (seeded generators of
+    their own): one EAGLE-3 head (32 of the 48 ids, d2t) saved in each of EAGLE3_LAYOUTS, and
+    one set of three Medusa heads saved in each of MEDUSA_LAYOUTS; MEDUSA_SHARED hold the same
+    residual blocks, every head ending in the target's own lm_head. Folders eagle3-LAYOUT and
+    medusa-LAYOUT."""
+    import test_specdec as T
+    from transformers import LlamaForCausalLM
+    target = LlamaForCausalLM.from_pretrained(paths["target"]).eval()
+    for fmt in EAGLE3_LAYOUTS:
+        paths[f"eagle3-{fmt}"] = os.path.join(root, f"eagle3-{fmt}")
+        T.make_eagle3_checkpoint(paths[f"eagle3-{fmt}"], fmt, target, seed=1)
+    t = None
+    for fmt in MEDUSA_LAYOUTS:
+        paths[f"medusa-{fmt}"] = os.path.join(root, f"medusa-{fmt}")
+        t = T.make_medusa_checkpoint(paths[f"medusa-{fmt}"], fmt, seed=2, t=t, target=target)
+    own = target.lm_head.weight.detach().clone()
+    shared = {**{key: v for key, v in t.items() if key[1] != "head"},
+              **{(k, "head"): own for k in range(3)}}
+    for fmt in MEDUSA_SHARED:
+        paths[f"medusa-{fmt}"] = os.path.join(root, f"medusa-{fmt}")
+        T.make_medusa_checkpoint(paths[f"medusa-{fmt}"], fmt, t=shared, target=target)
+
+
+def smollm2_embedding() -> torch.Tensor:
+    """SmolLM2's token embedding, which is also its output head (tied): (49152, 576) float32,
+    dequantised from the GGUF file."""
+    import gguf
+    tensor = next(t for t in gguf.GGUFReader(GGUF).tensors if t.name == "token_embd.weight")
+    return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+
+
+def smollm2_ids(g: torch.Generator, n: int, common: int = 3072) -> torch.Tensor:
+    """n target ids, sorted: the first `common` (BPE's earliest merges, frequent tokens) and
+    n - common drawn from the rest."""
+    rest = common + torch.randperm(SMOL["vocab"] - common, generator=g)[:n - common]
+    return torch.cat([torch.arange(common), rest]).sort().values
+
+
+def save_smollm2_eagle3(folder: str, embed: torch.Tensor, seed: int = 0,
+                        draft_vocab: int = 4096, aux: tuple[int, int, int] = (2, 15, 27)) -> None:
+    """A random EAGLE-3 head for SmolLM2 in SpecForge's layout (config architectures
+    LlamaForCausalLMEagle3, draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids;
+    midlayer.*, fc, norm, lm_head, d2t, t2d in model.safetensors). Its layer's weights are
+    random (std 0.02); fc = [0 | 0 | I] + noise reads mostly the state entering layer 27;
+    lm_head is the target's own rows for the draft vocabulary (smollm2_ids) + noise, so it
+    proposes real tokens and is accepted now and then."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    h, inter, vocab = SMOL["hidden"], SMOL["intermediate"], SMOL["vocab"]
+    q_width, kv_width = SMOL["heads"] * SMOL["head_dim"], SMOL["kv_heads"] * SMOL["head_dim"]
+
+    def rnd(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return scale * torch.randn(*shape, generator=g)
+    ids = smollm2_ids(g, draft_vocab)
+    w = {"midlayer.self_attn.q_proj.weight": rnd(q_width, 2 * h),
+         "midlayer.self_attn.k_proj.weight": rnd(kv_width, 2 * h),
+         "midlayer.self_attn.v_proj.weight": rnd(kv_width, 2 * h),
+         "midlayer.self_attn.o_proj.weight": rnd(h, q_width),
+         "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+         "midlayer.mlp.up_proj.weight": rnd(inter, h),
+         "midlayer.mlp.down_proj.weight": rnd(h, inter),
+         "fc.weight": torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], 1) + rnd(h, 3 * h),
+         "lm_head.weight": embed[ids] + rnd(draft_vocab, h, scale=0.05),
+         "norm.weight": torch.ones(h),
+         "d2t": ids - torch.arange(draft_vocab),
+         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"midlayer.{n}.weight"] = torch.ones(h)
+    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h,
+                  intermediate_size=inter, num_attention_heads=SMOL["heads"],
+                  num_key_value_heads=SMOL["kv_heads"], head_dim=SMOL["head_dim"],
+                  num_hidden_layers=1, rms_norm_eps=1e-5, hidden_act="silu", vocab_size=vocab,
+                  draft_vocab_size=draft_vocab, max_position_embeddings=8192,
+                  rope_theta=100000.0, tie_word_embeddings=False,
+                  eagle_config=dict(eagle_aux_hidden_state_layer_ids=list(aux)))
+    os.makedirs(folder, exist_ok=True)
+    save_file(w, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def save_smollm2_medusa(folder: str, fmt: str, embed: torch.Tensor, seed: int,
+                        heads: int = 3, rows: int = 4096) -> None:
+    """Random Medusa heads for SmolLM2 (one residual block each, W std 0.02, b std 0.01: close
+    to the identity), each with an output head of its own: the target's rows + noise.
+    fmt "fd-pt": FasterDecoding's head-only medusa_lm_head.pt (K.0.linear.*, K.1.weight) over
+    the whole vocabulary; "vllm-map": vLLM's layout (model_type medusa, blocks.K.layers.0.*,
+    lm_heads.K.weight) over a truncated vocabulary of `rows` ids (smollm2_ids, in a shuffled
+    order) named by token_map."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    h, vocab = SMOL["hidden"], SMOL["vocab"]
+    blocks = [(0.02 * torch.randn(h, h, generator=g), 0.01 * torch.randn(h, generator=g))
+              for _ in range(heads)]
+    ids = smollm2_ids(g, rows)[torch.randperm(rows, generator=g)] if fmt == "vllm-map" \
+        else torch.arange(vocab)
+    outs = [embed[ids] + 0.05 * torch.randn(len(ids), h, generator=g) for _ in range(heads)]
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "fd-pt":
+        w = {}
+        for k, ((weight, bias), out) in enumerate(zip(blocks, outs)):
+            w.update({f"{k}.0.linear.weight": weight, f"{k}.0.linear.bias": bias,
+                      f"{k}.1.weight": out})
+        torch.save(w, os.path.join(folder, "medusa_lm_head.pt"))
+        config = dict(medusa_num_heads=heads, medusa_num_layers=1,
+                      base_model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+    else:
+        w = {"token_map": ids}
+        for k, ((weight, bias), out) in enumerate(zip(blocks, outs)):
+            w.update({f"blocks.{k}.layers.0.weight": weight, f"blocks.{k}.layers.0.bias": bias,
+                      f"lm_heads.{k}.weight": out})
+        save_file(w, os.path.join(folder, "model.safetensors"))
+        config = dict(model_type="medusa", architectures=["MedusaModel"], num_heads=heads,
+                      num_hidden_layers=1, hidden_size=h, vocab_size=vocab,
+                      truncated_vocab_size=rows, medusa_fc_bias=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def save_smollm2_heads(root: str, paths: dict[str, str]) -> None:
+    """The SmolLM2 heads (folders smollm2-eagle3, smollm2-medusa-fd-pt, smollm2-medusa-vllm-map)."""
+    embed = smollm2_embedding()
+    paths["smollm2-eagle3"] = os.path.join(root, "smollm2-eagle3")
+    save_smollm2_eagle3(paths["smollm2-eagle3"], embed, seed=0)
+    for seed, fmt in enumerate(["fd-pt", "vllm-map"], start=1):
+        paths[f"smollm2-medusa-{fmt}"] = os.path.join(root, f"smollm2-medusa-{fmt}")
+        save_smollm2_medusa(paths[f"smollm2-medusa-{fmt}"], fmt, embed, seed)
+
+
 def configurations(paths: dict[str, str]) -> dict[str, list[str]]:
+    """Every configuration by name: argv for specdec.main, --json aside. The names are the
+    keys of the output file: keep them, add new ones under new names."""
     t, d, e, data = paths["target"], paths["draft"], paths["eos"], paths["data"]
     common = ["--data", data, "--quiet", "--continuation-tokens", "14", "--batch-size", "4"]
+    argmax = ["--proposal", "argmax"]
+    eagle3 = [a for fmt in EAGLE3_LAYOUTS for a in ("--draft", paths[f"eagle3-{fmt}"])]
+    medusa = [a for fmt in MEDUSA_LAYOUTS + MEDUSA_SHARED
+              for a in ("--draft", paths[f"medusa-{fmt}"])]
     runs = {
         "t0.7-sim": ["--target", t, "--draft", d, "--simulate", "--gamma", "3"],
         "greedy-sim": ["--target", t, "--draft", d, "--simulate", "--temperature", "0"],
@@ -105,6 +265,27 @@ def configurations(paths: dict[str, str]) -> dict[str, list[str]]:
                                  "--proposal", "argmax", "--simulate", "--gamma", "4"],
         "assistant-sim": ["--target", paths["gemma"], "--draft", paths["assistant"],
                           "--simulate", "--gamma", "3"],
+        # every drafter kind under the rule the runs above lack
+        "early-exit-argmax-sim": ["--target", t, "--draft-layers", "1,2", "--simulate",
+                                  *argmax, "--temperature", "0.9"],
+        "ngram-argmax-sim": ["--target", t, "--draft", "ngram", "--simulate", *argmax,
+                             "--temperature", "1.0"],
+        "mtp-argmax-sim": ["--target", paths["mtp"], "--draft", "mtp", "--simulate", *argmax,
+                           "--gamma", "3"],
+        "mtp-steps-sim": ["--target", paths["mtp"], "--draft", "mtp", "--mtp-steps", "3",
+                          "--simulate", "--gamma", "4"],
+        "assistant-argmax-sim": ["--target", paths["gemma"], "--draft", paths["assistant"],
+                                 "--simulate", *argmax, "--gamma", "3"],
+        "eagle3-sim": ["--target", t, *eagle3, "--simulate"],
+        "eagle3-argmax-sim": ["--target", t, *eagle3, "--simulate", *argmax, "--gamma", "3",
+                              "--temperature", "0.9"],
+        "medusa-sim": ["--target", t, *medusa, "--simulate"],
+        "medusa-argmax-sim": ["--target", t, *medusa, "--simulate", *argmax, "--gamma", "3",
+                              "--temperature", "0.9"],
+        # the heads and n-gram lookup teacher-forced alone (no simulation: a continuation of
+        # the target's own)
+        "heads-ngram-teacher-forced": ["--target", t, "--draft", paths["eagle3-specforge"],
+                                       "--draft", paths["medusa-fd-pt"], "--draft", "ngram"],
     }
     runs = {k: v + common if k != "prompt-scored" else v + common[:3] + common[5:]
             for k, v in runs.items()}
@@ -112,21 +293,45 @@ def configurations(paths: dict[str, str]) -> dict[str, list[str]]:
         runs["smollm2-early-exit"] = ["--target", GGUF, "--draft-layers", "24", "--simulate",
                                       "--max-samples", "8", "--continuation-tokens", "32",
                                       "--quiet"]
+        # per rule, one run ranks every SmolLM2 drafter against the same target passes
+        drafters = ["--draft-layers", "24", "--draft", "ngram",
+                    "--draft", paths["smollm2-eagle3"],
+                    "--draft", paths["smollm2-medusa-fd-pt"],
+                    "--draft", paths["smollm2-medusa-vllm-map"]]
+        short = ["--simulate", "--max-samples", "6", "--continuation-tokens", "24", "--quiet"]
+        runs["smollm2-drafters-sim"] = ["--target", GGUF, *drafters, *short]
+        runs["smollm2-drafters-argmax-sim"] = ["--target", GGUF, *drafters, *short, *argmax]
     return runs
+
+
+def _named_relative(value, root: str):
+    """value (read back from JSON) with the temporary folder's name replaced by ROOT_NAME."""
+    if isinstance(value, dict):
+        return {k: _named_relative(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_named_relative(v, root) for v in value]
+    return value.replace(root, ROOT_NAME) if isinstance(value, str) else value
 
 
 def run_all(out: str, only: list[str] | None) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:
         paths = save_stand_ins(root)
-        for name, argv in configurations(paths).items():
+        if os.path.isfile(GGUF):
+            save_smollm2_heads(root, paths)
+        runs = configurations(paths)
+        unknown = sorted(set(only or []) - set(runs))
+        if unknown:
+            sys.exit(f"--only: no configuration named {', '.join(unknown)} "
+                     f"(there are: {', '.join(runs)})")
+        for name, argv in runs.items():
             if only and name not in only:
                 continue
             path = os.path.join(root, name + ".json")
             with contextlib.redirect_stdout(io.StringIO()):
                 rc = specdec.main(argv + ["--json", path])
             with open(path) as f:
-                results[name] = {"rc": rc, "json": json.load(f)}
+                results[name] = {"rc": rc, "json": _named_relative(json.load(f), root)}
             print(f"{name}: exit {rc}", file=sys.stderr)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
@@ -147,8 +352,8 @@ def _diff(a, b, where: str, ignore: set[str], out: list[str], new_keys: bool = F
         for i, (x, y) in enumerate(zip(a, b)):
             _diff(x, y, f"{where}[{i}]", ignore, out, new_keys)
     elif a != b and not (isinstance(a, str) and isinstance(b, str) and where.endswith(
-            ("target", "draft"))):  # model names carry temporary folder names
-        out.append(f"{where}: {a!r} != {b!r}")
+            ("target", "draft", ".run_key"))):  # model names carry folder names; run_key
+        out.append(f"{where}: {a!r} != {b!r}")  # hashes them (run_key_parts are compared)
 
 
 def compare(before: str, after: str, ignore: set[str], new_keys: bool) -> int:
