@@ -2368,12 +2368,13 @@ def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Te
 
 def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.Generator],
                  config: LoopConfig, names: list[str], reads: Drafter
-                 ) -> tuple[Slots, torch.Tensor, TargetView | None]:
+                 ) -> tuple[list[int], Slots, TargetView | None]:
     """The prefill, as every engine runs it: the target reads each whole prompt and samples the
     first continuation token from its last position (one uniform of the row's stream); no
-    drafter is involved, and that token is no draft position. -> the target's cache of the
-    prompts, the first tokens (B,), and what a drafter that reads the target is shown of the
-    prefill (`reads`: which drafter, for its hooks)."""
+    drafter is involved, and that token is no draft position. -> the first tokens (B,), the
+    target's cache of the prompts whose first token leaves room to go on (not EOS, not the
+    whole budget), and what a drafter that reads the target is shown of their prefill
+    (`reads`: which drafter, for its hooks)."""
     c = config
     # a drafter that reads the target is shown every position's state (asked for the last
     # logits only, some models skip the other positions)
@@ -2382,8 +2383,16 @@ def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.G
         slots, logits = prefill(target, prompts, c.device, last_only=not reads.reads_target)
     check_finite(logits, "target", lambda b: f"{names[b]}, its last prompt position (prefill)")
     p = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
-    first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0])  # (B,)
-    return slots, first, view_of(seen, slots, got)
+    first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0]).tolist()  # (B,)
+    view = view_of(seen, slots, got)
+    live = [b for b, t in enumerate(first) if t not in c.eos and c.budget > 1]
+    if live and len(live) < len(prompts):  # a first token that ends its row: out of the batch
+        keep = torch.tensor(live, device=c.device)
+        select_slots(slots, keep)
+        width = max(len(prompts[b]) for b in live)  # the view's columns the rows left hold
+        view = view and TargetView(view.hidden[keep, -width:], slots,
+                                   {i: v[keep, -width:] for i, v in view.layers.items()})
+    return first, slots, view
 
 
 @torch.no_grad()
@@ -2402,25 +2411,16 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     gens = row_generators(c.seed, keys, phase=2)
     stats = [RowStats.empty(c.gamma) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
-    slots, pending, view = first_tokens(target, rows, gens, c, names, drafter)
-    live = []  # batch rows still generating, in tensor-row order
-    for b, t in enumerate(pending.tolist()):
-        stats[b].tokens.append(t)
-        progress.update(1)
-        if t not in c.eos and c.budget > 1:
-            live.append(b)
-    if live and len(live) < len(rows):  # a first token that is EOS (or fills the budget)
-        keep = torch.tensor(live, device=c.device)  # ends its row before any cycle
-        select_slots(slots, keep)
-        pending = pending[keep]
-        width = max(len(rows[b]) for b in live)  # the view's columns the rows left hold
-        view = view and TargetView(view.hidden[keep, -width:], slots,
-                                   {i: v[keep, -width:] for i, v in view.layers.items()})
+    first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
+    for row, t in zip(stats, first):
+        row.tokens.append(t)
+    progress.update(len(first))
+    live = [b for b, t in enumerate(first) if t not in c.eos and c.budget > 1]  # in tensor order
     # The target's cache holds every emitted token but the newest ("pending") one, at position
     # npos; the drafter's session starts from the prompts and that pending token.
-    session = drafter.start([rows[b] + [stats[b].tokens[0]] for b in live], view, c) \
-        if live else None
-    npos = torch.tensor([len(rows[b]) for b in live], device=c.device)  # (B,)
+    pending = torch.tensor([first[b] for b in live], dtype=torch.long, device=c.device)  # (B,)
+    npos = torch.tensor([len(rows[b]) for b in live], dtype=torch.long, device=c.device)
+    session = drafter.start([rows[b] + [first[b]] for b in live], view, c) if live else None
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * c.gamma + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
