@@ -5,12 +5,14 @@
 Measures the speculative-decoding acceptance rate of a target/draft pair, and the speedup it
 buys, with plain forward passes on the machine you have. Two independent routes:
 
-  * teacher-forced: alpha_t = sum_v min(p_t(v), q_t(v)) at every position of a continuation
-    sampled from the target (one forward of each model per sequence);
-  * simulated (--simulate): the real speculative-sampling loop, draft proposals accepted with
-    probability min(1, p/q), rejections resampled from normalise((p - q)+).
+  * teacher-forced (distributional): alpha_t = sum_v min(p_t(v), q_t(v)) at every position of
+    a continuation sampled from the target (one forward of each model per sequence);
+  * simulated (generative, --simulate): the real speculative-sampling loop, draft proposals
+    accepted with probability min(1, p/q), rejections resampled from normalise((p - q)+).
 Both also run the serving engines' rule (--proposal argmax): the drafter proposes its argmax
-x, accepted with probability p(x), a rejection resampled from p without x.
+x, accepted with probability p(x), a rejection resampled from p without x. As every engine
+does, the first continuation token is the target's own, sampled from its prefill; drafting
+starts after it.
 
 Papers: Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative
 Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -21,33 +23,43 @@ al.; Chen et al. swap the letters). gamma = draft block, the tokens proposed per
 Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix both models
 share), N scored positions, H hidden width, G = gamma.
 
-The file reads top to bottom:
-  types                SamplingParams, Settings, TokenSequence; the drafter interface (Drafter:
-                       score -> Scores per drafting step, start -> a Session that proposes and
-                       advances each cycle); the results (RowStats, PromptResult) and the report
-                       of parts (RunInfo, TeacherForced, Simulated, GammaRow, AcceptanceReport)
+The file reads top to bottom, every name defined before the code that uses it. Above THE LINE,
+the library: one setting in, per-prompt sums out; no signals, ranks, sweeps, prints or files
+but the checkpoints drafters read.
+  types                SamplingParams, Settings, TokenSequence, LoopConfig; the drafter interface
+                       (Drafter: score -> Scores per drafting step, start -> a Session that
+                       proposes and advances each cycle; from_name / from_checkpoint /
+                       from_model: how each kind is recognised and loaded)
   sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows); prefill
-                       fills it PREFILL_CHUNK tokens a forward
-  teacher-forced       sample_continuations, teacher_forced (long rows in chunks, logits only
-                       from the first scored position), position_stats, target_pass,
-                       score_batch
-  drafters             ModelDrafter (a separate model or an early-exit view), NgramDrafter
-                       (prompt lookup), MtpDrafter (the target's MTP layers), AssistantDrafter
-                       (a Gemma-4 sidecar): each a Drafter and its Session, nothing else
-  simulation           propose -> verify -> accept -> advance, one cycle at a time, many prompts
-                       as one batch (simulate_batch, run_simulation)
-  statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost
-  report               PromptResult sums -> summarise -> AcceptanceReport -> format_report
-  pictures and files   plot_reports, write_atomic
-  measurement          costs, measure_side (one batch, every drafter), collect, measure_drafts,
-                       measure_acceptance, run_key and resuming
-  training             TrainingMeter, AcceptanceCallback (a transformers TrainerCallback)
-  loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences,
-                       at_context_lengths (documents cut at --context-lengths)
-  many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop
-                       the ranks tell each other through the store), gather_results
+                       fills it PREFILL_CHUNK tokens a forward; what a model is (vocab_width,
+                       params_per_token, eos_ids)
+  teacher-forced       teacher_forced (long rows in chunks), sample_continuations,
+                       position_stats (alpha_t = sum min(p, q), a chunk of positions at a time)
+  drafters             each a Drafter, its Session and its checkpoint formats: ModelDrafter (a
+                       draft model, or an early_exit_draft of the target), NgramDrafter (prompt
+                       lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
+                       Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
+                       heads); DRAFTERS lists them, find_drafter asks them in turn
+  simulation           the first token from the prefill, then propose -> verify -> accept ->
+                       advance, one cycle at a time, many prompts as one batch (simulate_batch)
+  statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
+                       the timed costs (measure_costs, clamp_costs)
+  report               PromptResult (per-prompt sums) -> teacher_forced_fields,
+                       simulation_fields -> AcceptanceReport of parts (RunInfo, TeacherForced,
+                       Simulated, GammaRow) -> format_report
+  measurement          Measurement: one setting's batches, each scored against every drafter
+                       and simulated, into PromptResults; measure_drafts, measure_acceptance;
+                       TrainingMeter
+Below THE LINE, the run, which calls up into the library:
+  loading and data     load_model_and_tokenizer, load_texts, build_sequences, at_context_lengths
+  training             AcceptanceCallback (a transformers TrainerCallback)
+  files                write_atomic, plot_reports, resume_results
+  many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop the
+                       ranks tell each other through the store), gather_results
+  the sweep            Plan (what the run fixes), collect (this process's batches of one
+                       setting), run_setting (one setting, every drafter)
   command line         build_parser (by topic), cli_reports, main
 """
 from __future__ import annotations
@@ -56,6 +68,7 @@ import abc
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import io
@@ -68,7 +81,7 @@ import re
 import sys
 import tempfile
 import time
-import dataclasses
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -77,17 +90,18 @@ from torch import nn
 
 __all__ = [
     # measure
-    "measure_acceptance", "measure_drafts", "Settings", "SamplingParams", "run_simulation",
-    "LoopConfig",
+    "measure_acceptance", "measure_drafts", "Measurement", "Settings", "SamplingParams",
+    "run_simulation", "LoopConfig",
     # reports
     "AcceptanceReport", "RunInfo", "TeacherForced", "Simulated", "GammaRow", "format_report",
     "plot_reports",
     # models and data
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
     "TokenSequence", "build_documents", "at_context_lengths",
-    # drafters: the interface, and the kinds here
-    "Drafter", "Session", "Scores", "Proposal", "TargetView", "ModelDrafter", "NgramDrafter",
-    "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter", "head_drafter",
+    # drafters: the interface, the kinds here, and the registry that finds them
+    "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "ModelDrafter",
+    "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
+    "DRAFTERS", "find_drafter", "head_drafter",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -96,7 +110,7 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------
-# types: what the parts hand each other (settings, prompts, the drafter interface, results)
+# types: what the parts hand each other (settings, prompts, the drafter interface)
 
 
 class UsageError(ValueError):
@@ -106,6 +120,11 @@ class UsageError(ValueError):
 class StepError(RuntimeError):
     """An unforeseen failure inside torch or transformers, with the step and model named:
     main prints one line and exits with status 3 (--traceback shows the whole chain)."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 @contextlib.contextmanager
@@ -119,9 +138,27 @@ def step(what: str):
         raise StepError(f"{what} failed: {type(e).__name__}: {_one_line(e)[:300]}") from e
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
+@contextlib.contextmanager
+def _quiet_loggers(*names: str, bars: bool = False):
+    """Silence the loaders' warnings (and, with bars, their progress bars) for a while, then put
+    the caller's settings back: importing specdec must not change anyone's logging."""
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    hf_logging = None  # set when we switched transformers' bars off and owe them back
+    if bars and "transformers" in names:
+        from transformers.utils import logging as hf_logging
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+        else:
+            hf_logging = None
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+        if hf_logging is not None:
+            hf_logging.enable_progress_bar()
 
 
 PROPOSAL_RULES = ("sample", "argmax")
@@ -156,6 +193,8 @@ class SamplingParams:
 
 
 GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+
+
 SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
 # forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
@@ -219,16 +258,6 @@ class TokenSequence(NamedTuple):
     truncated: bool = False
 
 
-class TargetView(NamedTuple):
-    """What a drafter that reads the target (reads_target) is shown after each target pass:
-    its final hidden states at the positions just fed (B, t, H), and its cache."""
-
-    hidden: torch.Tensor
-    slots: Slots
-    layers: dict[int, torch.Tensor] | None = None  # inputs of the target layers the drafter
-    # reads (Drafter.layers), at the same positions (B, t, H)
-
-
 class LoopConfig(NamedTuple):
     """What a simulation fixes for every cycle of every prompt."""
 
@@ -239,6 +268,15 @@ class LoopConfig(NamedTuple):
     eos: frozenset[int]
     device: torch.device
     seed: int = 0
+
+
+class TargetView(NamedTuple):
+    """What a drafter that reads the target (reads_target) is shown after each target pass:
+    its final hidden states at the positions just fed (B, t, H), and its cache."""
+
+    hidden: torch.Tensor
+    slots: Slots
+    layers: dict[int, torch.Tensor] | None = None  # inputs of the target layers the drafter
 
 
 class Proposal(NamedTuple):
@@ -299,6 +337,15 @@ class Session(abc.ABC):
         """Keep only these batch rows (finished rows leave the batch)."""
 
 
+class DraftOptions(NamedTuple):
+    """What the command line tells the drafters it makes from the target alone (from_name)."""
+
+    tokenizer: Any = None  # the target's (an n-gram lookup never copies its EOS ids)
+    ngram_max: int = 2  # --ngram-max
+    ngram_min: int = 1  # --ngram-min
+    mtp_steps: int | None = None  # --mtp-steps
+
+
 class Drafter(abc.ABC):
     """What proposes tokens. A drafter that reads the target (reads_target: MTP layers,
     assistant sidecars) is shown the target's final hidden states: score's `states` (B, T, H)
@@ -341,242 +388,41 @@ class Drafter(abc.ABC):
         """What drafts each offset 1..gamma, where the report should say (None: one thing)."""
         return None
 
+    def networks(self) -> list[nn.Module]:
+        """The networks it runs besides the target: the run key names them, and a draft
+        model's window is checked against long contexts."""
+        return []
 
-@dataclass
-class RowStats:
-    """What one prompt's simulated cycles produced."""
-
-    accepted: int = 0  # draft tokens accepted (all cycles)
-    examined: int = 0  # draft tokens examined: up to and including the first rejection
-    cycles: int = 0  # cycles run
-    censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
-    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
-    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
-    unproposed: list[int] = field(default_factory=list)  # cycles that accepted every proposal
-    # and had none at offset j (a drafter proposing fewer than G): they end there
-    proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
-    tokens: list[int] = field(default_factory=list)  # emitted tokens
+    # Each kind recognises and loads itself; find_drafter asks the kinds of DRAFTERS in turn.
 
     @classmethod
-    def empty(cls, gamma: int) -> RowStats:
-        return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
-                   proposed=[0] * (gamma + 1))
-
-
-@dataclass
-class PromptResult:
-    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
-    is the same whether its prompts came from one batch, several processes or a JSON file."""
-
-    index: int
-    category: str | None = None
-    positions: int = 0  # positions of the continuation (or prompt) looked at
-    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
-    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
-    top1_sum: float = 0.0  # positions where the two argmaxes agree
-    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
-    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
-    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
-    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
-    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
-    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
-    coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
-    # it has one of its own (EAGLE-3's draft vocabulary)
-    sim: RowStats | None = None
-
-
-RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
-
-
-@dataclass
-class RunInfo:
-    """What a report measured, and how: models, sampling, block, costs, context."""
-
-    target: str
-    draft: str
-    temperature: float
-    top_k: int
-    top_p: float
-    gamma: int
-    cost_ratio: float  # one draft step in target steps
-    cost_ratio_source: str
-    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
-    proposal: str = "sample"  # the proposal rule the numbers are for: sample (Leviathan et
-    # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
-    # with p(x))
-    drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
-    system_prompt: str | None = None  # the system message the prompts carried (None: the
-    # chat template's own choice)
-    context: dict[str, Any] | None = None  # --context-lengths: "length" L (each prompt is the
-    # first L tokens of a document), "documents" (prompt i is document documents[i] of the
-    # data), "shorter" (documents with fewer than L tokens, left out), "longest" (tokens of
-    # the longest document)
-    vocab: int = 0
-    truncated_prompts: int = 0
-    partial: bool = False
-    progress_note: str | None = None
-    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
-    # per prompt, for analyses of one's own and to resume: the sums of PromptResult
-    per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    run_key: str | None = None  # what --resume matches: the hash of run_key_parts
-    run_key_parts: dict[str, Any] | None = None  # what the numbers depend on, by name: models
-    # (config, weights files), dtype, device kind, sampling (the whole temperature sweep),
-    # settings, prompts (see run_key_parts)
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TeacherForced:
-    """The teacher-forced route's numbers (under the run's proposal rule)."""
-
-    alpha: float | None = None
-    alpha_std: float | None = None  # std of the per-sequence means
-    alpha_stderr: float | None = None  # standard error of alpha, sequences as units
-    alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
-    scored_positions: int = 0
-    n_sequences: int = 0
-    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
-    # step's teacher-forced alpha, step k against the target's token k ahead
-    alpha_by_rule: dict[str, float] | None = None  # alpha under each proposal rule
-    tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
-    est_speedup_by_rule: dict[str, float] | None = None
-    proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
-    # always; an n-gram lookup proposes only after a match); alpha is over those positions
-    scored_on: str = "continuation"  # "continuation" (sampled apart), "simulation" (the text
-    # the simulation emitted) or "prompt"
-    estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
-    expected_accepted: float | None = None
-    expected_accepted_iid: float | None = None
-    expected_accepted_positional: float | None = None
-    tokens_per_cycle: float | None = None
-    tokens_per_cycle_ci: tuple[float, float] | None = None
-    est_speedup: float | None = None
-    est_speedup_ci: tuple[float, float] | None = None
-    greedy_agreement: float | None = None  # top-1 agreement of the two models
-    p_argmax_q: float | None = None  # mean p(argmax q): alpha under the engines' rule
-    alpha_by_category: dict[str, float] | None = None
-    sequences_by_category: dict[str, int] | None = None
-    proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
-    best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
-    draft_vocab_coverage: float | None = None  # mean p mass on a draft vocabulary of its own
-
-
-@dataclass
-class Simulated:
-    """The simulated route's numbers (--simulate: the real speculative-sampling loop)."""
-
-    alpha: float | None = None  # accepted / examined draft tokens
-    alpha_stderr: float | None = None
-    alpha_ci: tuple[float, float] | None = None
-    accepted_tokens: int | None = None
-    examined_tokens: int | None = None
-    cycles: int | None = None
-    censored_cycles: int | None = None  # cycles cut by an accepted EOS
-    mean_accepted_length: float | None = None  # product-limit estimate, see product_limit
-    tokens_per_cycle: float | None = None
-    tokens_per_cycle_ci: tuple[float, float] | None = None
-    est_speedup: float | None = None
-    est_speedup_ci: tuple[float, float] | None = None
-    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
-    reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
-    accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
-    unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
-    proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
-    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
-    generated_tokens: int | None = None
-    tokens_per_verify_pass: float | None = None  # generated tokens (the prefill's included) /
-    # cycles: SGLang's per-request spec_accept_length, about 1/cycles above tokens per cycle
-    simulated_prompts: int | None = None
-
-
-@dataclass
-class GammaRow:
-    """One block size of the best-gamma table: both routes' tokens per cycle and speedup."""
-
-    gamma: int
-    tokens_per_cycle: float  # teacher-forced
-    est_speedup: float
-    simulated_tokens_per_cycle: float | None = None  # None past the simulated gamma
-    simulated_est_speedup: float | None = None
-
-    def to_dict(self, simulated: bool) -> dict[str, Any]:
-        row = {"gamma": self.gamma, "tokens_per_cycle": self.tokens_per_cycle,
-               "est_speedup": self.est_speedup}
-        if simulated:
-            row.update(sim_tokens_per_cycle=self.simulated_tokens_per_cycle,
-                       sim_est_speedup=self.simulated_est_speedup)
-        return row
-
-    def __getitem__(self, key: str) -> Any:  # rows read as the JSON's dicts
-        return self.to_dict(True)[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.to_dict(True).get(key, default)
-
-
-# The simulated route's JSON keys: its fields, these with the prefix they have always had.
-SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
-                  "alpha_ci": "empirical_alpha_ci",
-                  "tokens_per_cycle": "empirical_tokens_per_cycle",
-                  "tokens_per_cycle_ci": "empirical_tokens_per_cycle_ci",
-                  "est_speedup": "empirical_est_speedup",
-                  "est_speedup_ci": "empirical_est_speedup_ci"}
-
-
-@dataclass
-class AcceptanceReport:
-    """A report of parts: what was run, the teacher-forced route, the simulated route (None
-    without simulate) and the best-gamma table. to_dict() is the flat JSON (every part's
-    fields at the top level, the simulated ones as SIMULATED_JSON names them), and the flat
-    names read as attributes too (report.alpha, report.empirical_alpha, ...)."""
-
-    run: RunInfo
-    teacher_forced: TeacherForced = field(default_factory=TeacherForced)
-    simulated: Simulated | None = None
-    gamma_table: list[GammaRow] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        flat = {**asdict(self.run), **asdict(self.teacher_forced)}
-        sim = asdict(self.simulated or Simulated())
-        flat.update({SIMULATED_JSON.get(k, k): v for k, v in sim.items()})
-        flat["gamma_table"] = [row.to_dict(self.simulated is not None)
-                               for row in self.gamma_table] or None
-        return flat
+    def from_name(cls, name: str, target: nn.Module, options: DraftOptions) -> Drafter | None:
+        """The drafter a command-line name makes from the target alone (`ngram`, `mtp`);
+        None: not this kind's name."""
+        return None
 
     @classmethod
-    def from_dict(cls, flat: dict[str, Any]) -> AcceptanceReport:
-        """A report back from its JSON (to_dict's output)."""
-        def part(kind: type, rename: dict[str, str] | None = None) -> Any:
-            names = [f.name for f in dataclasses.fields(kind)]
-            return kind(**{n: flat[(rename or {}).get(n, n)] for n in names
-                           if (rename or {}).get(n, n) in flat})
-        simulated = part(Simulated, SIMULATED_JSON)
-        table = [GammaRow(r["gamma"], r["tokens_per_cycle"], r["est_speedup"],
-                          r.get("sim_tokens_per_cycle"), r.get("sim_est_speedup"))
-                 for r in flat.get("gamma_table") or []]
-        return cls(part(RunInfo), part(TeacherForced),
-                   simulated if simulated.cycles is not None else None, table)
+    def from_checkpoint(cls, folder: str, config: dict[str, Any], target: nn.Module
+                        ) -> Drafter | None:
+        """A draft head saved in `folder` (its config.json: `config`), for `target`; None:
+        not this kind's checkpoint."""
+        return None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """A flat name set on the report sets its part's field."""
-        if name in AcceptanceReport.__dataclass_fields__:
-            return object.__setattr__(self, name, value)
-        for part in (self.run, self.teacher_forced):
-            if name in part.__dataclass_fields__:
-                return setattr(part, name, value)
-        raise AttributeError(f"AcceptanceReport has no field {name!r} to set")
+    @classmethod
+    def from_model(cls, name: str, model: nn.Module, target: nn.Module) -> Drafter | None:
+        """A loaded causal LM as this kind's drafter; None: not this kind's model."""
+        return None
 
-    def __getattr__(self, name: str) -> Any:
-        """The flat names of to_dict as attributes."""
-        if name.startswith("_") or name in ("run", "teacher_forced", "simulated"):
-            raise AttributeError(name)
-        for part in (self.run, self.teacher_forced):
-            if name in part.__dataclass_fields__:
-                return getattr(part, name)
-        simulated = {SIMULATED_JSON.get(k, k): k for k in Simulated.__dataclass_fields__}
-        if name in simulated:
-            return None if self.simulated is None else getattr(self.simulated, simulated[name])
-        raise AttributeError(f"AcceptanceReport has no field {name!r}")
+
+class Quiet:
+    """Where the library reports progress when nobody watches: nowhere. The run hands the
+    library a progress bar with the same two methods instead."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, desc: str) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,7 +499,7 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# forward passes over KV slots
+# forward passes over KV slots, and what a model is (where, how wide, how costly per token)
 #
 # Rows of a batch hold sequences of different lengths, and during simulation they accept
 # different numbers of drafted tokens. Rather than cropping caches row by row, every row's cache
@@ -662,6 +508,8 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
 
 PREFILL_CHUNK = 512  # tokens per row fed per forward when a long input fills a cache (prefill,
 # teacher_forced): attention scores (t, S) and logits (B, t, V) a chunk at a time
+
+
 CHUNKED_ATTENTION = ("eager",)  # attention kinds whose long teacher-forced passes go in chunks
 
 
@@ -712,6 +560,23 @@ def sliding_layout(model: nn.Module) -> tuple[int | None, bool]:
     return int(window), len(types) > 1
 
 
+def visible(live: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor,
+            window: int | None = None) -> torch.Tensor:
+    """(B, t, S) whether each query at query_pos (B, t) sees each slot of live, pos (B, S):
+    a live slot at its position or before, and within `window` positions (None: any)."""
+    seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])
+    if window:
+        seen &= pos[:, None, :] > query_pos[:, :, None] - window
+    return seen
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, t, S) booleans -> the (B, 1, t, S) additive mask attention layers take: 0 where a
+    query may look, the dtype's most negative number where it may not."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
+
+
 def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
                    query_pos: torch.Tensor) -> Any:
     """What `model` takes as attention_mask for queries at query_pos (B, t) over slots whose
@@ -733,16 +598,6 @@ def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
     return near
 
 
-def visible(live: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor,
-            window: int | None = None) -> torch.Tensor:
-    """(B, t, S) whether each query at query_pos (B, t) sees each slot of live, pos (B, S):
-    a live slot at its position or before, and within `window` positions (None: any)."""
-    seen = live[:, None, :].bool() & (pos[:, None, :] <= query_pos[:, :, None])
-    if window:
-        seen &= pos[:, None, :] > query_pos[:, :, None] - window
-    return seen
-
-
 def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
               window: int | None = None) -> torch.Tensor:
     """Append slots (B, t) for tokens at positions pos (dead where live is 0), before the
@@ -750,13 +605,6 @@ def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
     slots.live = torch.cat([slots.live, live.long()], 1)
     slots.pos = torch.cat([slots.pos, pos], 1)
     return visible(slots.live, slots.pos, pos, window)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, t, S) booleans -> the (B, 1, t, S) additive mask attention layers take: 0 where a
-    query may look, the dtype's most negative number where it may not."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
 
 
 def feed(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
@@ -784,18 +632,18 @@ def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
     return logits[:, -1:] if last_only else logits
 
 
-def settle_slots(slots: Slots, keep: torch.Tensor, most: int, k: int) -> None:
-    """Of the last k slots, row b keeps its first keep[b] (B,) live and the rest die; columns
-    dead in every row (beyond `most` = max(keep), known on the host) are cropped off."""
-    slots.live[:, -k:] = (torch.arange(k, device=keep.device) < keep[:, None]).long()
-    drop_slots(slots, k - min(most, k))
-
-
 def drop_slots(slots: Slots, k: int) -> None:
     """Crop the last k slots off every row."""
     if k:
         slots.cache.crop(-k)  # negative: the number of slots to drop
         slots.live, slots.pos = slots.live[:, :-k], slots.pos[:, :-k]
+
+
+def settle_slots(slots: Slots, keep: torch.Tensor, most: int, k: int) -> None:
+    """Of the last k slots, row b keeps its first keep[b] (B,) live and the rest die; columns
+    dead in every row (beyond `most` = max(keep), known on the host) are cropped off."""
+    slots.live[:, -k:] = (torch.arange(k, device=keep.device) < keep[:, None]).long()
+    drop_slots(slots, k - min(most, k))
 
 
 def select_slots(slots: Slots, rows: torch.Tensor) -> None:
@@ -867,6 +715,29 @@ def final_states(model: nn.Module, wanted: bool = True):
         handle.remove()
 
 
+_LAYER_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
+                "transformer.layers", "model.language_model.layers", "transformer.blocks")
+
+
+def _layer_path(model: nn.Module) -> list[str]:
+    for path in _LAYER_PATHS:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList):
+            return path.split(".")
+    raise UsageError(f"--draft-layers: cannot find the decoder layer list of "
+                     f"{type(model).__name__} (looked for {', '.join(_LAYER_PATHS)})")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """A causal LM's list of decoder layers, wherever its family keeps it (_LAYER_PATHS)."""
+    layers: Any = model
+    for part in _layer_path(model):
+        layers = getattr(layers, part)
+    return layers
+
+
 @contextlib.contextmanager
 def layer_inputs(model: nn.Module, layers: Sequence[int]):
     """Collect the hidden states entering the given decoder layers (the input of layer i, what
@@ -876,15 +747,13 @@ def layer_inputs(model: nn.Module, layers: Sequence[int]):
     if not layers:
         yield seen
         return
-    decoder_layers: Any = model
-    for part in _layer_path(model):
-        decoder_layers = getattr(decoder_layers, part)
+    layers_of = decoder_layers(model)
 
     def keep(i: int) -> Callable:
         def hook(module, args, kwargs):
             seen[i].append(args[0] if args else kwargs["hidden_states"])
         return hook
-    handles = [decoder_layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+    handles = [layers_of[i].register_forward_pre_hook(keep(i), with_kwargs=True)
                for i in seen]  # once a layer, however often `layers` names it
     try:
         yield seen
@@ -892,16 +761,17 @@ def layer_inputs(model: nn.Module, layers: Sequence[int]):
         for h in handles:
             h.remove()
 
+
+def non_finite(name: str, where: str) -> FloatingPointError:
+    return FloatingPointError(f"the {name} model produced non-finite logits at {where}; try "
+                              f"--dtype float32 or check the checkpoint")
+
+
 def check_finite(x: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
     """Refuse NaN/inf outputs: x is (R, ..., V); where(r) names row r for the user."""
     ok = torch.isfinite(x).reshape(x.shape[0], -1).all(1)  # (R,)
     if not ok.all():
         raise non_finite(name, where(int((~ok).nonzero()[0])))
-
-
-def non_finite(name: str, where: str) -> FloatingPointError:
-    return FloatingPointError(f"the {name} model produced non-finite logits at {where}; try "
-                              f"--dtype float32 or check the checkpoint")
 
 
 def length_batches(seqs: Sequence[Any], size: int) -> list[list[int]]:
@@ -912,25 +782,63 @@ def length_batches(seqs: Sequence[Any], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bars are optional
-        enabled = False
-    if not enabled:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+def model_device(model: nn.Module) -> torch.device | None:
+    """Where a model's first weights are (None if none are anywhere but on disk)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), None)
 
 
-class _NoBar:
-    def update(self, n=1):
-        pass
+def params_per_token(model: nn.Module) -> int:
+    """Parameters a model multiplies per token: all but embedding lookups, head counted once."""
+    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+               for p in m.parameters()}
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in lookups:
+            total += p.numel()
+        seen.add(id(p))
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) in lookups:  # tied head: a matmul, not a lookup
+        total += head.weight.numel()
+    return total
 
-    def set_description(self, desc):
-        pass
 
-    def close(self):
-        pass
+def vocab_width(model: nn.Module) -> int:
+    """Rows of the output head: the width of the logits."""
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "weight"):
+        return head.weight.shape[0]
+    return int(model.config.vocab_size)
+
+
+def eos_ids(model: nn.Module, tok: Any = None) -> set[int]:
+    """Token ids that end a generation (the generation config's, config's and tokenizer's)."""
+    ids: set[int] = set()
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(getattr(model, "config", None), "eos_token_id", None),
+                  getattr(tok, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def resolve_device(name: str | None = "auto") -> torch.device:
+    """auto picks cuda, then mps, then cpu."""
+    if name in (None, "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
+    if name == "mps" and not (getattr(torch.backends, "mps", None)
+                              and torch.backends.mps.is_available()):
+        raise UsageError("--device mps: MPS is not available here; use --device cpu")
+    if name not in ("cpu", "cuda", "mps") and not name.startswith("cuda:"):
+        raise UsageError(f"unknown device {name!r}: use auto, cpu, cuda or mps")
+    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1020,54 +928,52 @@ def _probe(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_continuations(target: nn.Module, seqs: Sequence[TokenSequence],
-                         sampling: SamplingParams, n_tokens: int, *, device: torch.device,
-                         vocab: int, eos: set[int] | frozenset[int], seed: int = 0,
-                         batch_size: int = 8, indices: Sequence[int] | None = None,
-                         bar: Any = None) -> list[list[int]]:
-    """Sample up to n_tokens from the target after each prompt (stopping at EOS), KV-cached.
-
-    indices[i] names prompt i's random stream (default i), so any batching gives the same draws.
-    """
-    indices = list(range(len(seqs))) if indices is None else list(indices)
-    bar = bar or _NoBar()
-    conts: list[list[int]] = [[] for _ in seqs]
-    for batch in length_batches(seqs, batch_size):
-        gens = row_generators(seed, [indices[i] for i in batch], phase=1)
-        slots, logits = prefill(target, [seqs[i].ids for i in batch], device)
-        next_pos = slots.pos[:, -1:] + 1  # (B, 1)
-        alive = [True] * len(batch)
-        for n in range(n_tokens):
-            check_finite(logits, "target", lambda r: f"prompt {indices[batch[r]]}, "
-                                                     f"continuation token {n + 1}")
-            probs = processed_probs(logits[:, -1, :vocab], sampling)  # (B, V)
-            token = sample_from(probs, draw_uniforms(gens, 1, device)[:, 0])  # (B,)
-            for b, t in enumerate(token.tolist()):
-                if alive[b]:
-                    conts[batch[b]].append(t)
-                    alive[b] = t not in eos
-            bar.update(len(batch))
-            if not any(alive) or n == n_tokens - 1:
-                break
-            logits = extend(target, slots, token[:, None], next_pos)
-            next_pos = next_pos + 1
+def sample_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], config: LoopConfig,
+                         indices: Sequence[int] | None = None, progress: Any = None
+                         ) -> list[list[int]]:
+    """Sample up to config.budget tokens from the target after each prompt of one batch
+    (stopping at EOS), KV-cached: the text speculative decoding would produce, its first token
+    the prefill's. indices[i] names prompt i's random stream (default i), so any batching
+    gives the same draws."""
+    indices = list(range(len(prompts))) if indices is None else list(indices)
+    progress, c = progress or Quiet(), config
+    conts: list[list[int]] = [[] for _ in prompts]
+    gens = row_generators(c.seed, indices, phase=1)
+    slots, logits = prefill(target, prompts, c.device)
+    next_pos = slots.pos[:, -1:] + 1  # (B, 1)
+    alive = [True] * len(prompts)
+    for n in range(c.budget):
+        check_finite(logits, "target", lambda r: f"prompt {indices[r]}, "
+                                                 f"continuation token {n + 1}")
+        probs = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
+        token = sample_from(probs, draw_uniforms(gens, 1, c.device)[:, 0])  # (B,)
+        for b, t in enumerate(token.tolist()):
+            if alive[b]:
+                conts[b].append(t)
+                alive[b] = t not in c.eos
+        progress.update(len(prompts))
+        if not any(alive) or n == c.budget - 1:
+            break
+        logits = extend(target, slots, token[:, None], next_pos)
+        next_pos = next_pos + 1
     return conts
 
 
 @torch.no_grad()
-def position_stats(target: nn.Module, scores: Scores, states_p: torch.Tensor,
-                   sampling: SamplingParams, vocab: int, route_p: bool, chunk: int | None = None,
+def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
+                   sampling: SamplingParams, vocab: int, chunk: int | None = None,
                    where: Callable[[int], str] = lambda n: f"scored position {n}"
                    ) -> dict[str, torch.Tensor]:
-    """Per-position numbers (N,) from the target's scored outputs and a drafter's Scores, a
-    chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q) and whether the
-    drafter proposed anything there (all zero where it did not). Only a (chunk, V) slice of
-    fp32 probabilities exists at a time, whatever N and V are. where(n) names scored position
-    n in error messages."""
+    """Per-position numbers (N,) from the target's logits at the scored positions
+    (p_logits(start, stop): positions start..stop-1, (n, V)) and a drafter's Scores there, a
+    chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q) and whether the drafter
+    proposed anything there (all zero where it did not). Only a (chunk, V) slice of fp32
+    probabilities exists at a time, whatever N and V are. where(n) names scored position n in
+    error messages."""
     chunk = chunk or max(16, (1 << 24) // vocab)
     alpha, top1, p_of_q, covered = [], [], [], []
-    for s in range(0, states_p.shape[0], chunk):
-        lp = head_logits(target, states_p[s:s + chunk], route_p)[..., :vocab]  # (n, V)
+    for s in range(0, scores.proposed.shape[0], chunk):
+        lp = p_logits(s, s + chunk)[..., :vocab]  # (n, V)
         check_finite(lp, "target", lambda n: where(s + n))
         p = processed_probs(lp, sampling)
         q = scores.q(s, s + chunk, lambda n: where(s + n)).to(p.device)  # (n, V); a draft
@@ -1109,28 +1015,6 @@ class TargetPass(NamedTuple):
             at_spans(self.states, self.spans, device, shift, self.first)
 
 
-def target_pass(target: nn.Module, route_p: bool, batch: list[int],
-                sequences: Sequence[TokenSequence], sampling: SamplingParams,
-                settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                bar: Any, conts: list[list[int]] | None = None) -> TargetPass:
-    """The target's continuation of each prompt of a batch (the text speculative decoding
-    would produce; `conts` when the simulation has written it already), then one
-    teacher-forced target pass over prompt + continuation."""
-    sub, n_tokens = [sequences[i] for i in batch], settings.continuation_tokens
-    if conts is None:
-        bar.set_description("continuations")
-        with step("sampling the target's continuations"):
-            conts = (sample_continuations(target, sub, sampling, n_tokens, device=device,
-                                          vocab=vocab, eos=eos, seed=settings.seed,
-                                          batch_size=len(sub), indices=batch, bar=bar)
-                     if n_tokens else [[] for _ in sub])
-    rows, spans = scored_rows(sub, conts)
-    first = 0 if route_p else min(s for s, _ in spans)
-    with step("the target's teacher-forced pass"):
-        return TargetPass(batch, rows, spans, teacher_forced(target, rows, device, route_p,
-                                                             first), first=first)
-
-
 def scored_rows(prompts: Sequence[TokenSequence], conts: Sequence[list[int]]
                 ) -> tuple[list[list[int]], list[tuple[int, int]]]:
     """Each prompt with its continuation, and the span of positions that predict the
@@ -1152,43 +1036,13 @@ def emitted_pass(batch: list[int], sequences: Sequence[TokenSequence],
     return TargetPass(batch, rows, spans, torch.cat(fed) if fed else torch.zeros(0), compact=True)
 
 
-def score_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
-                side: TargetPass, sampling: SamplingParams, vocab: int, device: torch.device
-                ) -> list[list[list[dict[str, torch.Tensor]]]]:
-    """Teacher-forced alpha_t at every scored position, against one target pass shared by all
-    drafters -> per drafter, per prompt, per drafting step, position_stats' numbers."""
-    out = []
-    for drafter in drafters:
-        with step(f"the teacher-forced pass of draft {drafter.name}"):
-            reads = side.states if drafter.reads_target and route_p else None
-            steps = drafter.score(side.rows, side.spans, reads, sampling, vocab, device)
-            # step k+1 is scored against the target's distribution k positions later
-            per_step = [stats_by_prompt(target, scores, side.at(k, device), side.spans, k,
-                                        side.batch, sampling, vocab, route_p)
-                        for k, scores in enumerate(steps)]
-        out.append([[stats[j] for stats in per_step] for j in range(len(side.batch))])
-    return out
-
-
-def stats_by_prompt(target: nn.Module, scores: Scores, states_p: torch.Tensor,
-                    spans: Sequence[tuple[int, int]], shift: int, batch: list[int],
-                    sampling: SamplingParams, vocab: int, route_p: bool
-                    ) -> list[dict[str, torch.Tensor]]:
-    """position_stats over a batch's scored positions (the first `shift` of each row dropped:
-    a later step's), split back into one dict per prompt."""
-    sizes = [max(0, e - s - shift) for s, e in spans]
-    labels = [(i, t) for i, (s, e) in zip(batch, spans) for t in range(s + shift, e)]
-    per_pos = position_stats(target, scores, states_p, sampling, vocab, route_p,
-                             where=lambda n: "prompt {}, position {}".format(*labels[n]))
-    split = {key: values.split(sizes) for key, values in per_pos.items()}
-    return [{key: v[j] for key, v in split.items()} for j in range(len(batch))]
-
-
 # ----------------------------------------------------------------------------------------------
 # drafters: what proposes the tokens the target verifies
 #
 # Each kind is a Drafter (teacher-forced: score -> Scores per drafting step; simulated: start ->
-# a Session that proposes, then advances by what each cycle committed) and one small Session.
+# a Session that proposes, then advances by what each cycle committed), one small Session, and
+# what it is recognised and loaded from (from_name, from_checkpoint, from_model: the formats
+# teams publish, next to the network that reads them). DRAFTERS lists the kinds.
 
 
 def q_head(logits_of: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
@@ -1219,27 +1073,55 @@ def left_pad_states(states: Sequence[torch.Tensor | None], width: int, size: int
                         for h in states])
 
 
-class ModelDrafter(Drafter):
-    """A draft model (or an early-exit view of the target) with a KV cache of its own."""
+def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
+                heads: Any, device: torch.device, support: torch.Tensor | None = None
+                ) -> list[Scores]:
+    """Scores of a drafter whose step k+1 at slot j (B, T, H: outs[k]) drafts row[j + 2 + k]:
+    at scored position t (which predicts row[t + 1]) that is its output at slot t - 1, for
+    positions t < end - k; position 0 has no slot before it and proposes nothing. heads: one
+    Scores.head, or one per step."""
+    scores = []
+    for k, out in enumerate(outs):
+        picked, made = [], []
+        for b, (s, e) in enumerate(spans):
+            h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
+            if s == 0 and e - k > 0:
+                h = torch.cat([torch.zeros_like(out[b, :1]), h])
+            picked.append(h.to(device))
+            made.append(torch.arange(len(h), device=device) + s > 0)
+        head = heads[k] if isinstance(heads, (list, tuple)) else heads
+        scores.append(Scores(torch.cat(picked), torch.cat(made), head, support))
+    return scores
 
-    def __init__(self, name: str, model: nn.Module):
-        self.name, self.model, self.width = name, model, vocab_width(model)
-        self.route: bool | None = None  # head_route, found on the first rows scored
 
-    def score(self, rows, spans, states, sampling, vocab, device):
-        device = model_device(self.model) or device
-        if self.route is None:
-            self.route = head_route(self.model, _probe(rows, device))
-        out = scored_outputs(self.model, rows, spans, device, self.route)  # (N, ...)
-        return [Scores(out, torch.ones(len(out), dtype=torch.bool, device=out.device),
-                       model_head(self.model, self.route, sampling, vocab))]
+def read_weights(folder: str, names: Sequence[str] | None = None,
+                 keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
+    """The tensors `keep` wants (by name) in a checkpoint folder's safetensors or PyTorch files
+    (or in the files `names`): read one by one where the format allows (safetensors), so the
+    heads of a full model never load the model."""
+    found = sorted(os.listdir(folder))
+    names = list(names) if names else ([n for n in found if n.endswith(".safetensors")] or
+                                       [n for n in found if n.endswith((".bin", ".pt", ".pth"))])
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                weights.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights.update({k: v for k, v in loaded.items() if keep(k)})
+    if not weights:
+        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights specdec reads")
+    return weights
 
-    def start(self, prompts, view, config):
-        return ModelSession(self.model, prompts, config)
 
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
+def on_target(net: nn.Module, target: nn.Module) -> nn.Module:
+    """A draft head in eval mode, frozen, on the target's device and in its dtype."""
+    device = model_device(target) or torch.device("cpu")
+    net = net.to(device=device, dtype=next(target.parameters()).dtype)
+    return net.eval().requires_grad_(False)
 
 
 class ModelSession(Session):
@@ -1293,6 +1175,79 @@ class ModelSession(Session):
         self.full = [self.full[r] for r in rows.tolist()]
 
 
+class ModelDrafter(Drafter):
+    """A draft model (or an early-exit view of the target) with a KV cache of its own."""
+
+    def __init__(self, name: str, model: nn.Module):
+        self.name, self.model, self.width = name, model, vocab_width(model)
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        device = model_device(self.model) or device
+        if self.route is None:
+            self.route = head_route(self.model, _probe(rows, device))
+        out = scored_outputs(self.model, rows, spans, device, self.route)  # (N, ...)
+        return [Scores(out, torch.ones(len(out), dtype=torch.bool, device=out.device),
+                       model_head(self.model, self.route, sampling, vocab))]
+
+    def start(self, prompts, view, config):
+        return ModelSession(self.model, prompts, config)
+
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self):
+        return [self.model]
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        return cls(name, model)  # any causal LM: the kind tried last
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object with dicts of its own (children, parameters, buffers, hooks) that
+    hold the same tensors, so changing one module's structure leaves the other's alone."""
+    clone = copy.copy(module)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):
+            setattr(clone, name, copy.copy(value))
+    # accelerate (device maps) binds forward to the original instance: the copy runs its own
+    # class's forward; its children keep their hooks, which place each layer's work
+    for name in ("forward", "_old_forward", "_hf_hook"):
+        clone.__dict__.pop(name, None)
+    return clone
+
+
+def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
+    """A self-speculative draft: the first n_layers decoder layers + final norm + head of `model`.
+
+    Shares every weight with `model` (no copy in memory); `model` itself is left unchanged.
+    """
+    path, parent = _layer_path(model), decoder_layers(model)
+    total = len(parent)
+    if not 1 <= n_layers <= total:
+        raise UsageError(f"--draft-layers must be between 1 and {total} for this model "
+                         f"({total} decoder layers), got {n_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    draft = node = _shallow_copy(model)
+    copies = [draft]  # the modules on the path to the layer list, now the draft's own
+    for part in path[:-1]:
+        node = _shallow_copy(getattr(node, part))
+        setattr(copies[-1], part, node)
+        copies.append(node)
+    setattr(node, path[-1], nn.ModuleList(list(parent)[:n_layers]))
+    for m in copies:
+        if hasattr(m, "config"):
+            m.config = config
+    if getattr(model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft
+
+
 def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
                  eos: set[int] | frozenset[int], end: int | None = None) -> list[int]:
     """Prompt lookup, as transformers' PromptLookupCandidateGenerator does it, in seq[:end]:
@@ -1317,6 +1272,38 @@ def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, star
         for n in sizes:
             if end + 1 >= n:
                 first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
+
+
+class NgramSession(Session):
+    """Each row's committed tokens and its n-gram index."""
+
+    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.seqs = [list(seq) for seq in prompts]
+        self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
+        for seq, first in zip(self.seqs, self.firsts):
+            index_ngrams(seq, first, drafter.sizes, 0)
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        found = [ngram_lookup(seq, first, d.sizes, c.gamma, d.eos)
+                 for seq, first in zip(self.seqs, self.firsts)]
+        tokens = torch.tensor([f + [0] * (c.gamma - len(f)) for f in found], dtype=torch.long)
+        count = torch.tensor([len(f) for f in found])
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(c.gamma) < count[:, None])[..., None]  # (B, G, V)
+        return Proposal(tokens.to(c.device), q.to(c.device),
+                        torch.ones(len(found), dtype=torch.bool, device=c.device),
+                        count.to(c.device))
+
+    def advance(self, n_acc, committed, view):
+        for seq, first, new in zip(self.seqs, self.firsts, committed):
+            seq += new
+            index_ngrams(seq, first, self.drafter.sizes, len(seq) - len(new))
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.firsts = [self.seqs[r] for r in keep], [self.firsts[r] for r in keep]
 
 
 class NgramDrafter(Drafter):
@@ -1356,37 +1343,11 @@ class NgramDrafter(Drafter):
     def param_cost(self, target):
         return 0.0, "no network: a lookup in the text costs nothing next to a target step"
 
-
-class NgramSession(Session):
-    """Each row's committed tokens and its n-gram index."""
-
-    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        self.seqs = [list(seq) for seq in prompts]
-        self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
-        for seq, first in zip(self.seqs, self.firsts):
-            index_ngrams(seq, first, drafter.sizes, 0)
-
-    def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
-        found = [ngram_lookup(seq, first, d.sizes, c.gamma, d.eos)
-                 for seq, first in zip(self.seqs, self.firsts)]
-        tokens = torch.tensor([f + [0] * (c.gamma - len(f)) for f in found], dtype=torch.long)
-        count = torch.tensor([len(f) for f in found])
-        q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.gamma) < count[:, None])[..., None]  # (B, G, V)
-        return Proposal(tokens.to(c.device), q.to(c.device),
-                        torch.ones(len(found), dtype=torch.bool, device=c.device),
-                        count.to(c.device))
-
-    def advance(self, n_acc, committed, view):
-        for seq, first, new in zip(self.seqs, self.firsts, committed):
-            seq += new
-            index_ngrams(seq, first, self.drafter.sizes, len(seq) - len(new))
-
-    def keep(self, rows):
-        keep = rows.tolist()
-        self.seqs, self.firsts = [self.seqs[r] for r in keep], [self.firsts[r] for r in keep]
+    @classmethod
+    def from_name(cls, name, target, options):
+        if name != "ngram":
+            return None
+        return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer))
 
 
 def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
@@ -1405,6 +1366,99 @@ def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
                      f"layers with full or sliding-window attention only")
 
 
+class CommittedStates(Session):
+    """A session whose network reads each committed token with the target's state one
+    position before it (the MTP layers, EAGLE-3) and caches what it computed there: every pass
+    it is shown (start's prefill, each cycle's verify) runs the newly committed tokens through
+    it once (absorb), so a cycle costs the same at any context length, up to attention.
+    held[b]: the target states row b has had = its pending token's position, T (host)."""
+
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
+        self.config, self.held = config, [len(p) - 1 for p in prompts]
+        ids, live, pos = left_pad([p[1:] for p in prompts], config.device)  # x_1..x_T
+        if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
+            self.absorb(ids, self.states_of(view), live, pos + 1)
+
+    def states_of(self, view: TargetView) -> torch.Tensor:
+        """What the session reads of a target pass, at its positions (B, t, ...)."""
+        raise NotImplementedError
+
+    def absorb(self, ids: torch.Tensor, states: torch.Tensor, live: torch.Tensor,
+               pos: torch.Tensor) -> None:
+        """Run newly committed tokens ids (B, t) at positions pos (live: 1 where a row has
+        one, the padding on the left) into the cache; states (B, t, ...) are the target's one
+        position before each."""
+        raise NotImplementedError
+
+    def advance(self, n_acc, committed, view):
+        c = self.config
+        ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
+        fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
+        states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
+                                 ids.shape[1], fed.shape[-1], c.device)  # (B, W, ...)
+        held = torch.tensor(self.held, device=c.device)  # (B,) T
+        self.absorb(ids, states, live, held[:, None] + 1 + pos)
+        self.held = [h + len(new) for h, new in zip(self.held, committed)]
+
+    def ready(self) -> torch.Tensor:
+        """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
+        return torch.tensor([h > 0 for h in self.held], device=self.config.device)
+
+    def keep(self, rows):
+        self.held = [self.held[r] for r in rows.tolist()]
+
+
+class MtpSession(CommittedStates):
+    """The MTP layers over the committed tokens and the target's final hidden states: each
+    drafting step k has a cache of its own history (slots[k], Slots whose positions are those
+    of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
+    runs step 1 nowhere (its draft comes from last[0]) and step k+1 over its k slots that read
+    drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
+
+    def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
+                 config: LoopConfig):
+        self.drafter, rows = drafter, len(prompts)
+        steps = min(config.gamma, drafter.steps)
+        self.slots = [new_slots(rows, config.device) for _ in range(steps)]
+        weight = next(drafter.mtp.parameters())
+        self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
+                                 device=config.device) for _ in range(steps)]
+        super().__init__(prompts, view, config)
+
+    def states_of(self, view):
+        return view.hidden
+
+    def absorb(self, ids, states, live, pos):
+        self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
+
+    def propose(self, pending, npos, u):
+        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
+            return Proposal.none(len(pending), c)
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+        tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
+        for k, slots in enumerate(self.slots):
+            if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
+                at = npos[:, None] + 1 + torch.arange(k, device=npos.device)  # (B, k)
+                hidden = torch.cat([self.last[k - 1][:, None], tail], 1)  # (B, k, H)
+                tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
+                drop_slots(slots, k)  # they read drafts: never part of the history
+            out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
+            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
+            ds.append(sample_from(qs[-1], u[:, k]))
+        steps, pad = len(qs), c.gamma - len(qs)  # offsets past the last step: none proposed
+        q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(q, (0, 0, 0, pad)),
+                        torch.ones_like(ready), ready.long() * steps)
+
+    def keep(self, rows):
+        for slots in self.slots:
+            select_slots(slots, rows)
+        self.last = [last[rows] for last in self.last]
+        super().keep(rows)
+
+
 class MtpDrafter(Drafter):
     """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE, Mellum and the
     other transformers 5.x models whose config has num_mtp_layers), run through transformers'
@@ -1416,7 +1470,7 @@ class MtpDrafter(Drafter):
     a one-layer model for several tokens (vLLM num_speculative_tokens, SGLang
     --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each step attends its
     own history over the committed positions (step 1's is what transformers, vLLM and SGLang
-    cache; see docs/design.md for reused layers), cached: a session runs each committed
+    cache; see docs/drafters.md for reused layers), cached: a session runs each committed
     token through every step once (MtpSession), a cycle only the steps' drafted positions."""
 
     reads_target = True
@@ -1527,193 +1581,19 @@ class MtpDrafter(Drafter):
     def start(self, prompts, view, config):
         return MtpSession(self, prompts, view, config)
 
+    def networks(self):
+        return [self.mtp]
+
+    @classmethod
+    def from_name(cls, name, target, options):
+        return cls.of(target, options.mtp_steps) if name == "mtp" else None
+
     def param_cost(self, target):
         layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
         head = target.get_output_embeddings().weight.numel()
         return ((layer + head) / params_per_token(target),
                 "parameters per token: one MTP layer and the output head, against the target "
                 "(every MoE expert counted: prefer measure for MoE models)")
-
-
-class CommittedStates(Session):
-    """A session whose network reads each committed token with the target's state one
-    position before it (the MTP layers, EAGLE-3) and caches what it computed there: every pass
-    it is shown (start's prefill, each cycle's verify) runs the newly committed tokens through
-    it once (absorb), so a cycle costs the same at any context length, up to attention.
-    held[b]: the target states row b has had = its pending token's position, T (host)."""
-
-    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
-        self.config, self.held = config, [len(p) - 1 for p in prompts]
-        ids, live, pos = left_pad([p[1:] for p in prompts], config.device)  # x_1..x_T
-        if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
-            self.absorb(ids, self.states_of(view), live, pos + 1)
-
-    def states_of(self, view: TargetView) -> torch.Tensor:
-        """What the session reads of a target pass, at its positions (B, t, ...)."""
-        raise NotImplementedError
-
-    def absorb(self, ids: torch.Tensor, states: torch.Tensor, live: torch.Tensor,
-               pos: torch.Tensor) -> None:
-        """Run newly committed tokens ids (B, t) at positions pos (live: 1 where a row has
-        one, the padding on the left) into the cache; states (B, t, ...) are the target's one
-        position before each."""
-        raise NotImplementedError
-
-    def advance(self, n_acc, committed, view):
-        c = self.config
-        ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
-        fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
-        states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
-                                 ids.shape[1], fed.shape[-1], c.device)  # (B, W, ...)
-        held = torch.tensor(self.held, device=c.device)  # (B,) T
-        self.absorb(ids, states, live, held[:, None] + 1 + pos)
-        self.held = [h + len(new) for h, new in zip(self.held, committed)]
-
-    def ready(self) -> torch.Tensor:
-        """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
-        return torch.tensor([h > 0 for h in self.held], device=self.config.device)
-
-    def keep(self, rows):
-        self.held = [self.held[r] for r in rows.tolist()]
-
-
-class MtpSession(CommittedStates):
-    """The MTP layers over the committed tokens and the target's final hidden states: each
-    drafting step k has a cache of its own history (slots[k], Slots whose positions are those
-    of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
-    runs step 1 nowhere (its draft comes from last[0]) and step k+1 over its k slots that read
-    drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
-
-    def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
-                 config: LoopConfig):
-        self.drafter, rows = drafter, len(prompts)
-        steps = min(config.gamma, drafter.steps)
-        self.slots = [new_slots(rows, config.device) for _ in range(steps)]
-        weight = next(drafter.mtp.parameters())
-        self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
-                                 device=config.device) for _ in range(steps)]
-        super().__init__(prompts, view, config)
-
-    def states_of(self, view):
-        return view.hidden
-
-    def absorb(self, ids, states, live, pos):
-        self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
-
-    def propose(self, pending, npos, u):
-        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
-        if not any(self.held):
-            return Proposal.none(len(pending), c)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
-        tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
-        for k, slots in enumerate(self.slots):
-            if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
-                at = npos[:, None] + 1 + torch.arange(k, device=npos.device)  # (B, k)
-                hidden = torch.cat([self.last[k - 1][:, None], tail], 1)  # (B, k, H)
-                tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
-                drop_slots(slots, k)  # they read drafts: never part of the history
-            out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
-            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]))
-        steps, pad = len(qs), c.gamma - len(qs)  # offsets past the last step: none proposed
-        q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
-        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
-                        nn.functional.pad(q, (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
-
-    def keep(self, rows):
-        for slots in self.slots:
-            select_slots(slots, rows)
-        self.last = [last[rows] for last in self.last]
-        super().keep(rows)
-
-
-class AssistantDrafter(Drafter):
-    """A Gemma-4 assistant sidecar (Gemma4AssistantForCausalLM), drafting as transformers'
-    SinglePositionMultiTokenCandidateGenerator does: no cache of its own; each step reads the
-    target's embedding of the newest token joined to a hidden state (first the target's final
-    hidden state at the position before, then its own projected output), at one fixed
-    position, attending the keys and values of the target's cache (its last layer of each
-    attention type). Two differences, both for exactness: it attends only the target's
-    committed positions (transformers also lets it see keys of rejected drafts still in the
-    cache), and at T > 0 it samples from its processed distribution, which is the q the test
-    uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
-
-    reads_target = True
-
-    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant"):
-        if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
-            raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
-                             f"target, not {type(target).__name__}")
-        self.target, self.assistant, self.name = target, assistant, name
-        self.width = vocab_width(target)
-        config = target.config.get_text_config(decoder=True)
-        modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
-        self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
-                                 if lt == t and m != "reuse") for t in set(config.layer_types)}
-        # the assistant's own window (its config is what transformers' mask reads)
-        self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
-
-    @staticmethod
-    def recognises(model: nn.Module) -> bool:
-        return type(model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
-
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-             slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step for queries (B, t): the newest tokens, the hidden states they come
-        with, at positions pos; keys: the target's cache slots before each query's position.
-        -> (its output (B, t, H_a), for head(); the projected state for the next step)."""
-        a = self.assistant
-        x = torch.cat([self.target.get_input_embeddings()(tokens), hidden.to(slots.pos.device)],
-                      -1)
-        x = a.pre_projection(x)
-        seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
-        # Gemma4AssistantForCausalLM's sliding mask is |q - kv| <= W on the shared cache: the
-        # last W + 1 keys, positions q - W - 1 .. q - 1 (the target's own is k > q - W)
-        near = slots.pos[:, None, :] >= pos[:, :, None] - (self.window or 1 << 30) - 1
-        masks = {"full_attention": additive_mask(seen, x.dtype),
-                 "sliding_attention": additive_mask(seen & near, x.dtype)}
-        kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
-              for t, i in self.kv_layers.items()}
-        out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
-                      shared_kv_states=kv, use_cache=False,
-                      output_hidden_states=True).last_hidden_state  # (no query skipped)
-        return out, a.post_projection(out)
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
-        a = self.assistant
-        return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
-                else a.lm_head(out))
-
-    def head(self, sampling: SamplingParams, vocab: int
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
-        return q_head(self.logits, sampling, vocab)
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        with final_states(self.target) as seen:
-            slots, _ = prefill(self.target, rows, device, last_only=False)
-        ids, live, pos = left_pad(rows, device)
-        fed = torch.cat(seen, 1)  # (B, T, H): the prefill's chunks joined
-        before = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)
-        # position t predicts row[t + 1]; queries read the target's cache, never each other,
-        # so a chunk of them at a time keeps the masks (B, t, S), not (B, T, T)
-        out = torch.cat([self.step(ids[:, c], before[:, c], pos[:, c], slots)[0]
-                         for c in column_chunks(ids.shape[1])], 1)  # (B, T, H_a)
-        width, picked, made = ids.shape[1], [], []
-        for b, (s, e) in enumerate(spans):
-            at = width - len(rows[b])  # row b's first slot
-            picked.append(out[b, at + s:at + e].to(device))
-            made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
-        return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
-
-    def start(self, prompts, view, config):
-        return AssistantSession(self, prompts, view, config)
-
-    def param_cost(self, target):
-        return (params_per_token(self.assistant) / params_per_token(target),
-                "parameters per token, assistant/target")
 
 
 class LastState(Session):
@@ -1771,6 +1651,100 @@ class AssistantSession(LastState):
     def advance(self, n_acc, committed, view):
         super().advance(n_acc, committed, view)
         self.slots = view.slots
+
+
+class AssistantDrafter(Drafter):
+    """A Gemma-4 assistant sidecar (Gemma4AssistantForCausalLM), drafting as transformers'
+    SinglePositionMultiTokenCandidateGenerator does: no cache of its own; each step reads the
+    target's embedding of the newest token joined to a hidden state (first the target's final
+    hidden state at the position before, then its own projected output), at one fixed
+    position, attending the keys and values of the target's cache (its last layer of each
+    attention type). Two differences, both for exactness: it attends only the target's
+    committed positions (transformers also lets it see keys of rejected drafts still in the
+    cache), and at T > 0 it samples from its processed distribution, which is the q the test
+    uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
+
+    reads_target = True
+
+    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant"):
+        if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
+            raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
+                             f"target, not {type(target).__name__}")
+        self.target, self.assistant, self.name = target, assistant, name
+        self.width = vocab_width(target)
+        config = target.config.get_text_config(decoder=True)
+        modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
+        self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
+                                 if lt == t and m != "reuse") for t in set(config.layer_types)}
+        # the assistant's own window (its config is what transformers' mask reads)
+        self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        """A Gemma4AssistantForCausalLM (or its unified form) loaded as --draft."""
+        if type(model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+            return cls(target, model, name)
+        return None
+
+    def networks(self):
+        return [self.assistant]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step for queries (B, t): the newest tokens, the hidden states they come
+        with, at positions pos; keys: the target's cache slots before each query's position.
+        -> (its output (B, t, H_a), for head(); the projected state for the next step)."""
+        a = self.assistant
+        x = torch.cat([self.target.get_input_embeddings()(tokens), hidden.to(slots.pos.device)],
+                      -1)
+        x = a.pre_projection(x)
+        seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
+        # Gemma4AssistantForCausalLM's sliding mask is |q - kv| <= W on the shared cache: the
+        # last W + 1 keys, positions q - W - 1 .. q - 1 (the target's own is k > q - W)
+        near = slots.pos[:, None, :] >= pos[:, :, None] - (self.window or 1 << 30) - 1
+        masks = {"full_attention": additive_mask(seen, x.dtype),
+                 "sliding_attention": additive_mask(seen & near, x.dtype)}
+        kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
+              for t, i in self.kv_layers.items()}
+        out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
+                      shared_kv_states=kv, use_cache=False,
+                      output_hidden_states=True).last_hidden_state  # (no query skipped)
+        return out, a.post_projection(out)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
+        a = self.assistant
+        return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
+                else a.lm_head(out))
+
+    def head(self, sampling: SamplingParams, vocab: int
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
+        return q_head(self.logits, sampling, vocab)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        with final_states(self.target) as seen:
+            slots, _ = prefill(self.target, rows, device, last_only=False)
+        ids, live, pos = left_pad(rows, device)
+        fed = torch.cat(seen, 1)  # (B, T, H): the prefill's chunks joined
+        before = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)
+        # position t predicts row[t + 1]; queries read the target's cache, never each other,
+        # so a chunk of them at a time keeps the masks (B, t, S), not (B, T, T)
+        out = torch.cat([self.step(ids[:, c], before[:, c], pos[:, c], slots)[0]
+                         for c in column_chunks(ids.shape[1])], 1)  # (B, T, H_a)
+        width, picked, made = ids.shape[1], [], []
+        for b, (s, e) in enumerate(spans):
+            at = width - len(rows[b])  # row b's first slot
+            picked.append(out[b, at + s:at + e].to(device))
+            made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
+        return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
+
+    def start(self, prompts, view, config):
+        return AssistantSession(self, prompts, view, config)
+
+    def param_cost(self, target):
+        return (params_per_token(self.assistant) / params_per_token(target),
+                "parameters per token, assistant/target")
 
 
 class Eagle3Net(nn.Module):
@@ -1853,9 +1827,54 @@ class Eagle3Net(nn.Module):
         return full
 
 
+class Eagle3Session(CommittedStates):
+    """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
+    drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
+    (slots) and its output at the pending token's position (last), where each cycle's steps
+    start (Eagle3Net.later adds and drops their keys)."""
+
+    def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        self.drafter, fc = drafter, drafter.net.fc.weight
+        self.slots = new_slots(len(prompts), config.device)
+        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=config.device)
+        super().__init__(prompts, view, config)
+
+    def states_of(self, view):
+        return torch.cat([view.layers[i] for i in self.drafter.layers], -1)
+
+    def absorb(self, ids, states, live, pos):
+        net = self.drafter.net
+        out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
+        self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
+
+    def propose(self, pending, npos, u):
+        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
+            return Proposal.none(len(pending), c)
+        at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
+        seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+
+        def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
+            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
+            ds.append(sample_from(qs[-1], u[:, k]))
+            return ds[-1][:, None]
+
+        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.gamma, draw)
+        draw(c.gamma - 1, outs[-1])
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
+                        torch.ones_like(ready), ready.long() * c.gamma)
+
+    def keep(self, rows):
+        select_slots(self.slots, rows)
+        self.last = self.last[rows]
+        super().keep(rows)
+
+
 class Eagle3Drafter(Drafter):
     """An EAGLE-3 draft head (SpecForge, vLLM/speculators and the original EAGLE-3 checkpoints:
-    eagle3_checkpoint), reading the target's hidden states at three layers. Teacher-forced,
+    from_checkpoint), reading the target's hidden states at three layers. Teacher-forced,
     step k is fed the target's own continuation; in the simulation step 1 reads the committed
     positions' fused features and later steps the layer's own last output and draft (see
     Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
@@ -1918,72 +1937,104 @@ class Eagle3Drafter(Drafter):
                 "parameters per token: the EAGLE-3 layer, fc and its draft-vocabulary head, "
                 "against the target")
 
+    def networks(self):
+        return [self.net]
 
-class Eagle3Session(CommittedStates):
-    """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
-    drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
-    (slots) and its output at the pending token's position (last), where each cycle's steps
-    start (Eagle3Net.later adds and drops their keys)."""
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """An EAGLE-3 head from its checkpoint: speculators' (config speculators_model_type
+        eagle3, the layer's settings in transformer_layer_config, weights layers.0.*,
+        norm_before_residual by default) or SpecForge's and the original EAGLE-3's (a
+        Llama-like config with an Eagle3 architecture and draft_vocab_size, weights
+        midlayer.*). Both: fc, norm, lm_head, d2t (draft id -> target id offset), t2d;
+        embed_tokens when present, else the target's. Refuses, in one line, a head that does
+        not fit the target."""
+        speculators = config.get("speculators_model_type") == "eagle3"
+        if not speculators and "Eagle3" not in " ".join(config.get("architectures") or []):
+            return None
+        from transformers import LlamaConfig
+        layer = dict(config.get("transformer_layer_config") or config) if speculators \
+            else config
+        cfg = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures",)})
+        cfg._attn_implementation = "sdpa"
+        w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
+             for k, v in read_weights(folder).items() if not k.startswith("verifier")}
+        w = {("d2t" if k == "draft_id_to_target_id" else k): v for k, v in w.items()}
+        n_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+        layers = (config.get("eagle_aux_hidden_state_layer_ids")
+                  or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                  or [2, n_layers // 2, n_layers - 3])
+        draft_vocab = cls.check(w, config, cfg, target, layers, folder)
+        embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
+            else target.get_input_embeddings()
+        net = Eagle3Net(cfg, target.config.get_text_config(decoder=True).hidden_size,
+                        draft_vocab, bool(config.get("norm_before_residual", speculators)),
+                        embed)
+        if "embed_tokens.weight" in w:
+            embed.weight.data.copy_(w.pop("embed_tokens.weight"))
+        w.pop("t2d", None)
+        w.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        missing, unexpected = net.load_state_dict(w, strict=False)
+        missing = [k for k in missing if not k.startswith(("embed.", "rotary."))]
+        if missing or unexpected:
+            raise UsageError(f"{folder}: not an EAGLE-3 checkpoint specdec can read (missing "
+                             f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
+        return cls(target, on_target(net, target), layers, folder)
 
-    def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
-        self.drafter, fc = drafter, drafter.net.fc.weight
-        self.slots = new_slots(len(prompts), config.device)
-        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=config.device)
-        super().__init__(prompts, view, config)
-
-    def states_of(self, view):
-        return torch.cat([view.layers[i] for i in self.drafter.layers], -1)
-
-    def absorb(self, ids, states, live, pos):
-        net = self.drafter.net
-        out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
-        self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
-
-    def propose(self, pending, npos, u):
-        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
-        if not any(self.held):
-            return Proposal.none(len(pending), c)
-        at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
-        seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
-
-        def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
-            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]))
-            return ds[-1][:, None]
-
-        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.gamma, draw)
-        draw(c.gamma - 1, outs[-1])
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
-                        torch.ones_like(ready), ready.long() * c.gamma)
-
-    def keep(self, rows):
-        select_slots(self.slots, rows)
-        self.last = self.last[rows]
-        super().keep(rows)
+    @staticmethod
+    def check(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any, target: nn.Module,
+              layers: Sequence[int], name: str) -> int:
+        """One clear line for an EAGLE-3 head that does not fit the target; else its draft
+        vocabulary's size."""
+        tcfg = target.config.get_text_config(decoder=True)
+        t_hidden, n_layers, vocab = tcfg.hidden_size, tcfg.num_hidden_layers, vocab_width(target)
+        draft_vocab = int(config.get("draft_vocab_size") or w.get("lm_head.weight",
+                                                                  torch.empty(0)).shape[0])
+        if "fc.weight" not in w:
+            raise UsageError(f"{name}: an EAGLE-3 head without fc.weight; is it an EAGLE-1/2 "
+                             f"head?")
+        if w["fc.weight"].shape != (cfg.hidden_size, 3 * t_hidden):
+            raise UsageError(f"{name}: its fc reads {w['fc.weight'].shape[1]} features, but "
+                             f"three layers of this target give 3 x {t_hidden}: a head for "
+                             f"another target")
+        if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
+            raise UsageError(f"{name}: aux hidden-state layers {list(layers)} do not fit a "
+                             f"target of {n_layers} layers")
+        if "d2t" not in w and draft_vocab != vocab:
+            raise UsageError(f"{name}: a draft vocabulary of {draft_vocab} ids without the d2t "
+                             f"mapping to the target's {vocab}")
+        if "d2t" in w and (len(w["d2t"]) != draft_vocab or int((
+                torch.arange(len(w["d2t"])) + w["d2t"].cpu()).max()) >= vocab):
+            raise UsageError(f"{name}: its d2t maps draft ids past the target's vocabulary of "
+                             f"{vocab}: a head for another target")
+        return draft_vocab
 
 
 class MedusaNet(nn.Module):
     """Medusa-1 heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
     with Multiple Decoding Heads"): head k is residual blocks x + SiLU(W x + b) on the target's
     last hidden state, then an output head; it predicts the token k + 2 ahead of that state's
-    position (the target's own head predicts the next one). The output head is each head's
-    own, one shared by all (vLLM's original_lm_head), or the target's (FasterDecoding's
-    Medusa-2 head-only files: `shared` given); over a token_map of target ids (vLLM's
-    truncated vocabulary) or the whole vocabulary."""
+    position (the target's own head predicts the next one). Made from its tensors under
+    medusa_name's names: blocks.K.L.weight|bias; lm_heads.K.weight, each head's own or one all
+    share (vLLM's original_lm_head), or none, when every head ends in the target's own
+    (`shared`: FasterDecoding's Medusa-2 head-only files); token_map, when the rows are a
+    truncated vocabulary of target ids (vLLM's)."""
 
-    def __init__(self, hidden: int, vocab: int, heads: int, layers: int, bias: bool,
-                 own_heads: int, shared: nn.Module | None = None):
+    def __init__(self, w: dict[str, torch.Tensor], shared: nn.Module):
         super().__init__()
+        blocks = {tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")}
+        heads, layers = 1 + max(k for k, _ in blocks), 1 + max(j for _, j in blocks)
+        hidden = w["blocks.0.0.weight"].shape[1]
         self.blocks = nn.ModuleList(
-            nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(layers))
-            for _ in range(heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False)
-                                      for _ in range(own_heads))
+            nn.ModuleList(nn.Linear(hidden, hidden, bias="blocks.0.0.bias" in w)
+                          for _ in range(layers)) for _ in range(heads))
+        own = [w[k] for k in sorted(w) if k.startswith("lm_heads.")]
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, len(v), bias=False) for v in own)
         self.outer = [shared]  # the target's head: a plain list, so never moved or counted
-        self.register_buffer("token_map", torch.arange(vocab), persistent=False)  # row i:
-        # target id token_map[i] (set by the loader for a truncated vocabulary)
+        rows = len(own[0]) if own else shared.weight.shape[0]
+        self.register_buffer("token_map", w.get("token_map", torch.arange(rows)).long(),
+                             persistent=False)  # row i: target id token_map[i]
+        self.load_state_dict({k: v for k, v in w.items() if k != "token_map"})
 
     def out(self, k: int) -> nn.Module:
         """Head k's output head: its own, the one all share, or the target's."""
@@ -2007,8 +2058,53 @@ class MedusaNet(nn.Module):
         return full
 
 
+class MedusaSession(LastState):
+    """The last state, which every head reads."""
+
+    def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        super().__init__(prompts, view, config)
+        self.drafter = drafter
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        ready, hidden = self.stacked()
+        if hidden is None:
+            return Proposal.none(len(pending), c)
+        hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
+        steps, qs, ds = min(c.gamma, d.steps), [], []
+        for k in range(steps):
+            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
+                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
+            ds.append(sample_from(qs[-1], u[:, k]))
+        pad = c.gamma - steps  # offsets past the last head: nothing proposed
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
+                        torch.ones_like(ready), ready.long() * steps)
+
+
+MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
+
+
+def medusa_name(key: str, vllm: bool) -> str | None:
+    """A Medusa checkpoint's tensor name -> MedusaNet's (blocks.K.L.weight|bias, lm_heads.K.weight,
+    lm_head.weight: one head all share, out.K.L.weight: FasterDecoding's output head at index
+    L of head K, token_map), or None for the base model's own tensors. FasterDecoding writes
+    K.L.linear.* and K.<L>.weight (head-only files, medusa_head.state_dict()), prefixed
+    medusa_head. in full models; vLLM blocks.K.layers.L.*, lm_heads.K.*, maybe prefixed
+    medusa_heads."""
+    k = re.sub(r"^(model\.)?medusa_heads?\.", "", key)
+    for pattern, name in ((r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"(\d+)\.(\d+)\.weight", r"out.\1.\2.weight"),
+                          (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"lm_heads\.\d+\.weight|token_map", r"\g<0>")):
+        if re.fullmatch(pattern, k):
+            return re.sub(pattern, name, k)
+    return "lm_head.weight" if vllm and k == "lm_head.weight" else None
+
+
 class MedusaDrafter(Drafter):
-    """Medusa-1 heads (every layout FasterDecoding and vLLM publish: medusa_checkpoint),
+    """Medusa-1 heads (every layout FasterDecoding and vLLM publish: from_checkpoint),
     measured as the chain engines run them: top-1 (or a sample, under Leviathan's rule) of
     each head, head k drafting offset k. The heads read only the target's state, never the
     drafted tokens. Trees of candidates are out of scope."""
@@ -2051,55 +2147,95 @@ class MedusaDrafter(Drafter):
             self.net.out(0).weight.numel()
         return head / params_per_token(target), "parameters per token: one Medusa head"
 
+    def networks(self):
+        return [self.net]
 
-class MedusaSession(LastState):
-    """The last state, which every head reads."""
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """Medusa-1 heads in every layout teams publish them:
+          * FasterDecoding's head-only files (medusa_lm_head.pt or .safetensors, keys
+            K.L.linear.* and K.<L>.weight; since its Medusa-2 code no K.<L>: every head then
+            ends in the target's own lm_head), config medusa_num_heads (which its loader
+            overrides: the heads are counted in the weights);
+          * FasterDecoding's full models: medusa_head.* beside the base model's tensors (only
+            the heads are read);
+          * vLLM's Medusa format (model_type medusa or MedusaModel: blocks.K.layers.L.*,
+            lm_heads.K.*; original_lm_head: one lm_head shared by every head; token_map: a
+            truncated vocabulary, its q zero elsewhere)."""
+        archs = " ".join(config.get("architectures") or [])
+        vllm = config.get("model_type") == "medusa" or "MedusaModel" in archs
+        if not (vllm or "medusa_num_heads" in config or "Medusa" in archs):
+            return None
+        files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
+        w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
+            k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
+        heads = cls.check(w, config, target, folder)
+        own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
+        if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
+            own = {0: w.get("lm_head.weight", own.get(0))}
+        if own and sorted(own) not in ([0], list(range(heads))):
+            raise UsageError(f"{folder}: its output heads {sorted(own)} do not match its "
+                             f"{heads} Medusa heads")
+        state = {k: v for k, v in w.items() if k.startswith("blocks.") or k == "token_map"}
+        state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
+        return cls(target, on_target(MedusaNet(state, target.get_output_embeddings()), target),
+                   folder)
 
-    def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
-        super().__init__(prompts, view, config)
-        self.drafter = drafter
+    @staticmethod
+    def check(w: dict[str, torch.Tensor], config: dict[str, Any], target: nn.Module,
+              name: str) -> int:
+        """One clear line for Medusa tensors that do not fit the target; else the number of
+        heads."""
+        blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
+        heads, layers = len({k for k, _ in blocks}), len({j for _, j in blocks})
+        if not heads or blocks != [(k, j) for k in range(heads) for j in range(layers)]:
+            raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no residual "
+                             f"blocks K.L in its weights)")
+        hidden = target.config.get_text_config(decoder=True).hidden_size
+        outs = [v for k, v in w.items() if k.startswith(("out.", "lm_heads.", "lm_head."))]
+        width = w["blocks.0.0.weight"].shape[1]
+        if width != hidden or any(v.shape[1] != hidden for v in outs):
+            raise UsageError(f"{name}: Medusa heads of width {width} do not fit this target "
+                             f"(hidden size {hidden})")
+        rows = outs[0].shape[0] if outs else vocab_width(target)
+        if rows != vocab_width(target) and len(w.get("token_map", ())) != rows:
+            raise UsageError(f"{name}: Medusa heads over {rows} tokens without a token_map do "
+                             f"not fit this target's vocabulary of {vocab_width(target)}")
+        return heads
 
-    def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
-        ready, hidden = self.stacked()
-        if hidden is None:
-            return Proposal.none(len(pending), c)
-        hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
-        steps, qs, ds = min(c.gamma, d.steps), [], []
-        for k in range(steps):
-            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
-                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, k]))
-        pad = c.gamma - steps  # offsets past the last head: nothing proposed
-        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
-                        nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
 
 
-def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
-                heads: Any, device: torch.device, support: torch.Tensor | None = None
-                ) -> list[Scores]:
-    """Scores of a drafter whose step k+1 at slot j (B, T, H: outs[k]) drafts row[j + 2 + k]:
-    at scored position t (which predicts row[t + 1]) that is its output at slot t - 1, for
-    positions t < end - k; position 0 has no slot before it and proposes nothing. heads: one
-    Scores.head, or one per step."""
-    scores = []
-    for k, out in enumerate(outs):
-        picked, made = [], []
-        for b, (s, e) in enumerate(spans):
-            h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
-            if s == 0 and e - k > 0:
-                h = torch.cat([torch.zeros_like(out[b, :1]), h])
-            picked.append(h.to(device))
-            made.append(torch.arange(len(h), device=device) + s > 0)
-        head = heads[k] if isinstance(heads, (list, tuple)) else heads
-        scores.append(Scores(torch.cat(picked), torch.cat(made), head, support))
-    return scores
+# The kinds of drafter, in the order find_drafter asks them: the names first, then the
+# checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
+# causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
+# __all__.
+DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
+                                       AssistantDrafter, ModelDrafter)
 
-def model_device(model: nn.Module) -> torch.device | None:
-    """Where a model's first weights are (None if none are anywhere but on disk)."""
-    return next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+
+def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
+    """The draft head a checkpoint folder holds, as the kind that recognises its config loads
+    it (EAGLE-3, Medusa); None: no kind's checkpoint."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    return next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
+                 if d), None)
+
+
+def find_drafter(name: str, target: nn.Module, options: DraftOptions,
+                 load: Callable[[str], nn.Module]) -> Drafter:
+    """The drafter `name` stands for, as the kinds of DRAFTERS recognise it: a name the target
+    alone makes (ngram, mtp), a draft head's checkpoint folder (EAGLE-3, Medusa), or else a
+    model that load(name) loads (a Gemma-4 assistant, any causal LM)."""
+    found = next((d for kind in DRAFTERS for d in [kind.from_name(name, target, options)] if d),
+                 None) or head_drafter(name, target)
+    if found is not None:
+        return found
+    model = load(name)
+    return next(d for kind in DRAFTERS for d in [kind.from_model(name, model, target)] if d)
 
 
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
@@ -2107,35 +2243,59 @@ def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
     return draft if isinstance(draft, Drafter) else ModelDrafter(name, draft)
 
 
-def params_per_token(model: nn.Module) -> int:
-    """Parameters a model multiplies per token: all but embedding lookups, head counted once."""
-    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
-               for p in m.parameters()}
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen and id(p) not in lookups:
-            total += p.numel()
-        seen.add(id(p))
-    head = model.get_output_embeddings()
-    if head is not None and id(head.weight) in lookups:  # tied head: a matmul, not a lookup
-        total += head.weight.numel()
-    return total
-
-
-def vocab_width(model: nn.Module) -> int:
-    """Rows of the output head: the width of the logits."""
-    head = model.get_output_embeddings()
-    if head is not None and hasattr(head, "weight"):
-        return head.weight.shape[0]
-    return int(model.config.vocab_size)
+def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
+    """The vocabulary a drafter is measured on: the prefix both logit widths share (a drafter
+    without a vocabulary of its own, such as n-gram lookup, takes the target's)."""
+    width = vocab_width(target)
+    return width if drafter.width is None else min(width, drafter.width)
 
 
 # ----------------------------------------------------------------------------------------------
 # simulation: the real speculative-sampling loop, many prompts as one batch
 
 
-def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, gamma: int,
-                 budget: int, eos: set[int] | frozenset[int], count: int | None = None) -> bool:
+@dataclass
+class RowStats:
+    """What one prompt's simulated cycles produced."""
+
+    accepted: int = 0  # draft tokens accepted (all cycles)
+    examined: int = 0  # draft tokens examined: up to and including the first rejection
+    cycles: int = 0  # cycles run
+    censored: int = 0  # of those, cycles cut by an accepted EOS (offsets after it unobserved)
+    reached: list[int] = field(default_factory=list)  # cycles that examined offset j (1..G)
+    accepted_at: list[int] = field(default_factory=list)  # cycles that accepted offset j
+    unproposed: list[int] = field(default_factory=list)  # cycles that accepted every proposal
+    # and had none at offset j (a drafter proposing fewer than G): they end there
+    proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
+    tokens: list[int] = field(default_factory=list)  # emitted tokens
+
+    @classmethod
+    def empty(cls, gamma: int) -> RowStats:
+        return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
+                   proposed=[0] * (gamma + 1))
+
+
+class Cycle(NamedTuple):
+    """One row's cycle, read back from the device in the cycle's one host sync."""
+
+    n_acc: int  # drafts accepted
+    new: int  # the token the target added after them
+    count: int  # drafts proposed
+    drafted: list[int]  # (G,) the drafts, padded after count
+    finite_p: bool  # the target's logits were finite
+    finite_q: bool  # the drafter's were
+
+    @classmethod
+    def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
+             finite_p: torch.Tensor) -> list[Cycle]:
+        gamma = proposal.tokens.shape[1]
+        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
+        host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
+                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
+        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[-2]), bool(h[-1])) for h in host]
+
+
+def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
     """Account one cycle of one row; returns True when the row is finished.
 
     Every cycle counts at each draft offset it examined (reached, accepted_at), which is all
@@ -2144,9 +2304,9 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
     and only the tokens up to it are emitted. The token budget only truncates what is
     emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
-    count = gamma if count is None else count  # tokens proposed this cycle
-    emitted = drafted[:n_acc] + [new_token]
-    cut = next((i + 1 for i, t in enumerate(drafted[:n_acc]) if t in eos), None)
+    n_acc, count, gamma, eos = cycle.n_acc, cycle.count, config.gamma, config.eos
+    emitted = cycle.drafted[:n_acc] + [cycle.new]
+    cut = next((i + 1 for i, t in enumerate(cycle.drafted[:n_acc]) if t in eos), None)
     if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
         examined = accepted = cut
         emitted = emitted[:cut]
@@ -2155,7 +2315,7 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
         if n_acc == count < gamma:  # every proposal accepted, and none at the next offset
             row.unproposed[count] += 1
     row.proposed[count] += 1
-    row.tokens += emitted[:budget - len(row.tokens)]
+    row.tokens += emitted[:config.budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
     for j in range(examined):
@@ -2163,18 +2323,17 @@ def record_cycle(row: RowStats, drafted: list[int], n_acc: int, new_token: int, 
         row.accepted_at[j] += j < accepted
     row.cycles += 1
     row.censored += cut is not None
-    return cut is not None or len(row.tokens) >= budget or emitted[-1] in eos
+    return cut is not None or len(row.tokens) >= config.budget or emitted[-1] in eos
 
 
 def verify(target: nn.Module, slots: Slots, pending: torch.Tensor, npos: torch.Tensor,
-           drafted: torch.Tensor, sampling: SamplingParams, vocab: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           drafted: torch.Tensor, config: LoopConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the pending token and the G drafted ones -> p (B, G+1, V) and
     (B,) whether the target's logits were finite."""
     x = torch.cat([pending[:, None], drafted], 1)  # (B, G+1)
     pos = npos[:, None] + torch.arange(x.shape[1], device=x.device)
     logits = extend(target, slots, x, pos)  # (B, G+1, V_target)
-    return (processed_probs(logits[..., :vocab], sampling),
+    return (processed_probs(logits[..., :config.vocab], config.sampling),
             torch.isfinite(logits).flatten(1).all(1))
 
 
@@ -2198,26 +2357,6 @@ def accept(p: torch.Tensor, proposal: Proposal, u: torch.Tensor
     return n_acc, new
 
 
-class Cycle(NamedTuple):
-    """One row's cycle, read back from the device in the cycle's one host sync."""
-
-    n_acc: int  # drafts accepted
-    new: int  # the token the target added after them
-    count: int  # drafts proposed
-    drafted: list[int]  # (G,) the drafts, padded after count
-    finite_p: bool  # the target's logits were finite
-    finite_q: bool  # the drafter's were
-
-    @classmethod
-    def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
-             finite_p: torch.Tensor) -> list[Cycle]:
-        gamma = proposal.tokens.shape[1]
-        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
-        host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
-                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
-        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[-2]), bool(h[-1])) for h in host]
-
-
 def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Tensor]]
             ) -> TargetView | None:
     """What a drafter that reads the target is shown of the pass just made: the states of its
@@ -2229,12 +2368,13 @@ def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Te
 
 def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.Generator],
                  config: LoopConfig, names: list[str], reads: Drafter
-                 ) -> tuple[Slots, torch.Tensor, TargetView | None]:
+                 ) -> tuple[list[int], Slots, TargetView | None]:
     """The prefill, as every engine runs it: the target reads each whole prompt and samples the
     first continuation token from its last position (one uniform of the row's stream); no
-    drafter is involved, and that token is no draft position. -> the target's cache of the
-    prompts, the first tokens (B,), and what a drafter that reads the target is shown of the
-    prefill (`reads`: which drafter, for its hooks)."""
+    drafter is involved, and that token is no draft position. -> the first tokens (B,), the
+    target's cache of the prompts whose first token leaves room to go on (not EOS, not the
+    whole budget), and what a drafter that reads the target is shown of their prefill
+    (`reads`: which drafter, for its hooks)."""
     c = config
     # a drafter that reads the target is shown every position's state (asked for the last
     # logits only, some models skip the other positions)
@@ -2243,44 +2383,44 @@ def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.G
         slots, logits = prefill(target, prompts, c.device, last_only=not reads.reads_target)
     check_finite(logits, "target", lambda b: f"{names[b]}, its last prompt position (prefill)")
     p = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
-    first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0])  # (B,)
-    return slots, first, view_of(seen, slots, got)
-
-
-@torch.no_grad()
-def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]],
-                   gens: list[torch.Generator], config: LoopConfig, names: list[str],
-                   bar: Any, states: list[list[torch.Tensor]] | None = None
-                   ) -> list[RowStats]:
-    """Speculative sampling from every prompt of one batch until each has config.budget
-    tokens or ends with EOS. gens[b] is prompt b's random stream; names[b] names it in errors.
-    The first token comes from the target's prefill (first_tokens), then the cycles run.
-    states: when given, states[b] collects the target's final hidden states at the positions
-    each verify pass committed for prompt b ((n_acc + 1, H) a cycle): those that predict the
-    emitted tokens after the first, as a teacher-forced pass over the emitted text computes
-    them."""
-    c = config
-    stats = [RowStats.empty(c.gamma) for _ in prompts]
-    slots, pending, view = first_tokens(target, prompts, gens, c, names, drafter)
-    live = []  # batch rows still generating, in tensor-row order
-    for b, t in enumerate(pending.tolist()):
-        stats[b].tokens.append(t)
-        bar.update(1)
-        if t not in c.eos and c.budget > 1:
-            live.append(b)
-    if not live:
-        return stats
-    if len(live) < len(prompts):  # a first token that is EOS (or fills the budget) ends a row
+    first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0]).tolist()  # (B,)
+    view = view_of(seen, slots, got)
+    live = [b for b, t in enumerate(first) if t not in c.eos and c.budget > 1]
+    if live and len(live) < len(prompts):  # a first token that ends its row: out of the batch
         keep = torch.tensor(live, device=c.device)
         select_slots(slots, keep)
-        pending = pending[keep]
         width = max(len(prompts[b]) for b in live)  # the view's columns the rows left hold
         view = view and TargetView(view.hidden[keep, -width:], slots,
                                    {i: v[keep, -width:] for i, v in view.layers.items()})
+    return first, slots, view
+
+
+@torch.no_grad()
+def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[int]],
+                   config: LoopConfig, progress: Any = None,
+                   states: dict[int, torch.Tensor | None] | None = None) -> dict[int, RowStats]:
+    """Speculative sampling from every prompt of one batch until each has config.budget
+    tokens or ends with EOS; prompts[i] is prompt i's ids, and i names its random stream and
+    it in errors. The first token comes from the target's prefill (first_tokens), then the
+    cycles run. states: when given, states[i] gets the target's final hidden states at the
+    positions the verify passes committed ((n_acc + 1, H) a cycle, cut at the budget): those
+    that predict the emitted tokens after the first, as a teacher-forced pass over the
+    emitted text computes them (None: no cycle ran)."""
+    c, keys, progress = config, list(prompts), progress or Quiet()
+    rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
+    gens = row_generators(c.seed, keys, phase=2)
+    stats = [RowStats.empty(c.gamma) for _ in rows]
+    kept: list[list[torch.Tensor]] = [[] for _ in rows]
+    first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
+    for row, t in zip(stats, first):
+        row.tokens.append(t)
+    progress.update(len(first))
+    live = [b for b, t in enumerate(first) if t not in c.eos and c.budget > 1]  # in tensor order
     # The target's cache holds every emitted token but the newest ("pending") one, at position
     # npos; the drafter's session starts from the prompts and that pending token.
-    session = drafter.start([prompts[b] + [stats[b].tokens[0]] for b in live], view, c)
-    npos = torch.tensor([len(prompts[b]) for b in live], device=c.device)  # (B,)
+    pending = torch.tensor([first[b] for b in live], dtype=torch.long, device=c.device)  # (B,)
+    npos = torch.tensor([len(rows[b]) for b in live], dtype=torch.long, device=c.device)
+    session = drafter.start([rows[b] + [first[b]] for b in live], view, c) if live else None
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * c.gamma + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
@@ -2288,24 +2428,21 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
         # 2. verify: one target forward scores the pending token and all G proposals
         with final_states(target, drafter.reads_target or states is not None) as seen, \
                 layer_inputs(target, drafter.layers) as got:
-            p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c.sampling,
-                                 c.vocab)
+            p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c)
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, c.gamma:])
         cycles = Cycle.read(n_acc, new, proposal, finite_p)
-        if states is not None:
-            for r, (b, cyc) in enumerate(zip(live, cycles)):
-                states[b].append(seen[-1][r, :cyc.n_acc + 1])
         still = []
         for r, (b, cyc) in enumerate(zip(live, cycles)):
             for name, ok in (("target", cyc.finite_p), ("draft", cyc.finite_q)):
                 if not ok:
                     raise non_finite(name, f"{names[b]}, position {int(npos[r])} (simulation)")
+            if states is not None:
+                kept[b].append(seen[-1][r, :cyc.n_acc + 1])
             before = len(stats[b].tokens)
-            if not record_cycle(stats[b], cyc.drafted, cyc.n_acc, cyc.new, c.gamma, c.budget,
-                                c.eos, cyc.count):
+            if not record_cycle(stats[b], cyc, c):
                 still.append(r)
-            bar.update(len(stats[b].tokens) - before)
+            progress.update(len(stats[b].tokens) - before)
         # 4. advance: rejected slots die; the new token is pending
         settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), c.gamma)
         session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
@@ -2319,28 +2456,23 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: list[list[int]]
             session.keep(keep)
             pending, npos = pending[keep], npos[keep]
             live = [live[r] for r in still]
-    return stats
+    if states is not None:  # the last cycle may pass the budget
+        states.update({k: torch.cat(fed)[:len(row.tokens) - 1] if fed else None
+                       for k, row, fed in zip(keys, stats, kept)})
+    return dict(zip(keys, stats))
 
 
 def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
-                   indices: Sequence[int] | None = None, bar: Any = None,
-                   states: dict[int, torch.Tensor] | None = None) -> dict[int, RowStats]:
+                   indices: Sequence[int] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
-    by indices[i] (default i), which also names prompt i's random stream. states: when given,
-    filled with each prompt's target hidden states that predict its emitted tokens (E, H)."""
+    by indices[i] (default i), which also names prompt i's random stream."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
-        keys = [indices[i] for i in batch]
-        kept: list[list[torch.Tensor]] | None = None if states is None else [[] for _ in batch]
-        stats = simulate_batch(target, drafter, [list(seqs[i].ids) for i in batch],
-                               row_generators(config.seed, keys, phase=2), config,
-                               [f"prompt {k}" for k in keys], bar or _NoBar(), kept)
-        rows.update(zip(keys, stats))
-        for k, row, fed in zip(keys, stats, kept or []):  # the last cycle may pass the budget
-            states[k] = torch.cat(fed)[:len(row.tokens) - 1] if fed else None
+        rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
+                                                     for i in batch}, config))
     return rows
 
 
@@ -2389,6 +2521,15 @@ def expected_accepted_positional(alphas: Sequence[torch.Tensor], gamma: int) -> 
     return sum(s for s, _ in pairs) / count if count else None
 
 
+def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
+    """alpha pooled the way a cycle examines a drafter's steps: E[accepted] / E[examined] for a
+    cycle whose offset k accepts with alphas[..., k-1], for the first min(gamma, steps) offsets
+    (examined: up to and including the first rejection). (..., steps) -> (...). Equal to the
+    alpha of every step when they are all equal; what the simulation's alpha estimates."""
+    reach = alphas[..., :gamma].cumprod(-1)  # P(offsets 1..k accepted)
+    return reach.sum(-1) / (1 + reach[..., :-1].sum(-1))
+
+
 def est_speedup(tokens_per_cycle: float, gamma: int, cost_ratio: float,
                 verify_cost: float = 1.0) -> float:
     """Tokens per cycle over the cycle's cost in target-step units: gamma draft steps plus one
@@ -2421,6 +2562,14 @@ def bootstrap_weights(n: int, n_boot: int, seed: int) -> torch.Tensor:
         1, idx, torch.ones(n_boot, n, dtype=torch.float64))
 
 
+def quantile_interval(stats: torch.Tensor, probs: tuple[float, float] = (0.025, 0.975)
+                      ) -> tuple[float, float]:
+    """The interval between two quantiles (a central 95% by default) of bootstrap statistics
+    (n_boot,)."""
+    lo, hi = torch.quantile(stats.double(), torch.tensor(probs, dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tensor,
                  level: float = 0.95) -> tuple[float, float] | None:
     """Percentile interval of sum(num)/sum(den) over resampled units (weights from above).
@@ -2436,14 +2585,6 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tens
     stats = (top / bottom)[bottom > 0]
     return quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel() \
         else None
-
-
-def quantile_interval(stats: torch.Tensor, probs: tuple[float, float] = (0.025, 0.975)
-                      ) -> tuple[float, float]:
-    """The interval between two quantiles (a central 95% by default) of bootstrap statistics
-    (n_boot,)."""
-    lo, hi = torch.quantile(stats.double(), torch.tensor(probs, dtype=torch.float64)).tolist()
-    return lo, hi
 
 
 def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
@@ -2498,11 +2639,6 @@ def cycle_numbers(accepted: float | None, accepted_ci: Sequence[float] | None, g
             None if tpc_ci is None else tuple(cost.speedup(x, gamma, proposed) for x in tpc_ci))
 
 
-def block_of(proposed: Sequence[float], g: int) -> list[float]:
-    """Cycles proposing k tokens (k = 0..gamma) as a block of g would have them: min(k, g)."""
-    return list(proposed[:g]) + [sum(proposed[g:])]
-
-
 class Run(NamedTuple):
     """How a drafter's proposals run, for the teacher-forced estimate: it proposes at a share
     `rate` of positions; without a step limit (steps None) every offset accepts with alpha
@@ -2527,739 +2663,35 @@ class Run(NamedTuple):
         return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
 
 
-# ----------------------------------------------------------------------------------------------
-# the report: per-prompt sums -> AcceptanceReport -> text
-
-
-def prompt_result(index: int, category: str | None, stats: dict[str, torch.Tensor],
-                  gammas: Sequence[int], later: Sequence[dict[str, torch.Tensor]] = (),
-                  rule: str = "sample", steps: int | None = None) -> PromptResult:
-    """A PromptResult from position_stats' per-position numbers of one prompt (and of the
-    drafter's later steps, if it has a number of them). Windows run over every position, a
-    position without a proposal counting as alpha_t = 0."""
-    key = RULE_KEYS[rule]
-    if steps is None:
-        windows = {g: window_sum(stats[key], g) for g in gammas}
-    else:
-        chain = [h[key] for h in (stats, *later)]
-        windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
-    alpha = stats["alpha"].double()
-    return PromptResult(index, category, alpha.numel(), int(stats["proposed"].sum()),
-                        alpha.sum().item(), stats["top1"].double().sum().item(),
-                        stats["p_argmax_q"].double().sum().item(), windows,
-                        [h["alpha"].double().sum().item() for h in later],
-                        [int(h["proposed"].sum()) for h in later],
-                        [h["p_argmax_q"].double().sum().item() for h in later],
-                        stats["coverage"].double().sum().item() if "coverage" in stats
-                        else None)
-
-
-def step_alphas(prompts: Sequence[PromptResult], rule: str,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Each drafting step's teacher-forced alpha under a proposal rule, pooled over the prompts'
-    positions: (steps,); with bootstrap weights (n_boot, prompts), one row per resample."""
-    sums = torch.tensor([[rule_sums(r, rule)[0], *rule_sums(r, rule)[1]] for r in prompts],
-                        dtype=torch.float64)  # (P, steps)
-    counts = torch.tensor([[r.scored, *r.head_scored] for r in prompts], dtype=torch.float64)
-    if weights is not None:
-        sums, counts = weights @ sums, weights @ counts  # (n_boot, steps)
-    else:
-        sums, counts = sums.sum(0), counts.sum(0)
-    return sums / counts.clamp_min(1)
-
-
-def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
-    """alpha pooled the way a cycle examines a drafter's steps: E[accepted] / E[examined] for a
-    cycle whose offset k accepts with alphas[..., k-1], for the first min(gamma, steps) offsets
-    (examined: up to and including the first rejection). (..., steps) -> (...). Equal to the
-    alpha of every step when they are all equal; what the simulation's alpha estimates."""
-    reach = alphas[..., :gamma].cumprod(-1)  # P(offsets 1..k accepted)
-    return reach.sum(-1) / (1 + reach[..., :-1].sum(-1))
-
-
-def pooled_alpha(scored: Sequence[PromptResult], rule: str, gamma: int,
-                 weights: torch.Tensor) -> dict[str, Any]:
-    """A stepped drafter's headline alpha (chain_alpha of its steps at the run's gamma) with its
-    bootstrap interval and standard error (prompts resampled, every step along), and the std of
-    the per-sequence values (sequences with a position at every step it uses)."""
-    per_seq = [chain_alpha(step_alphas([r], rule), gamma).item() for r in scored
-               if all(n for n in [r.scored, *r.head_scored][:gamma])]
-    boot = chain_alpha(step_alphas(scored, rule, weights), gamma)  # (n_boot,)
-    return {"alpha": chain_alpha(step_alphas(scored, rule), gamma).item(),
-            "alpha_ci": quantile_interval(boot) if len(scored) > 1 else None,
-            "alpha_stderr": boot.std().item() if len(scored) > 1 else None,
-            "alpha_std": torch.tensor(per_seq).std().item() if len(per_seq) > 1 else 0.0}
-
-
-def teacher_forced_fields(results: Sequence[PromptResult], gamma: int, estimator: str,
-                          cost: Cost, seed: int, rule: str = "sample", steps: int | None = None
-                          ) -> tuple[TeacherForced | None, list[GammaRow]]:
-    """The distributional section of a report, under the proposal rule `rule`. alpha pools the
-    prompts' scored positions; a drafter that proposes at a share pi of positions only (n-gram
-    lookup) accepts pi * E[run] per cycle, and its cycles without a proposal cost one plain
-    target step; a drafter of `steps` steps (MTP) runs with each step's own alpha, and
-    proposes min(gamma, steps) tokens a cycle."""
-    looked = [r for r in results if r.positions]
-    scored = [r for r in looked if r.scored]
-    if not looked:
-        return None, []
-    if not scored:  # a drafter that never proposed: every cycle is one plain target step
-        return TeacherForced(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
-                             tokens_per_cycle=1.0, est_speedup=1.0), []
-    sums, counts = [rule_sums(r, rule)[0] for r in scored], [r.scored for r in scored]
-    n_pos = sum(counts)
-    alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
-    run = run_of(looked, rule, rate, steps)
-    means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
-    weights = bootstrap_weights(len(scored), N_BOOT, seed)
-    alpha_ci = bootstrap_ci(sums, counts, weights)
-    exp_iid = run.accepted(alpha, gamma)
-    win_sums, win_counts = zip(*(r.windows[gamma] for r in scored))
-    exp_pos = sum(win_sums) / sum(win_counts) if sum(win_counts) else None
-    used = "positional" if estimator == "positional" and exp_pos is not None else "iid"
-    if used == "positional":
-        expected, acc_ci = exp_pos, bootstrap_ci(win_sums, win_counts, weights)
-    else:
-        expected = exp_iid
-        acc_ci = None if alpha_ci is None else [run.accepted(a, gamma) for a in alpha_ci]
-    headline = {"alpha": alpha, "alpha_ci": alpha_ci, "alpha_stderr": ratio_stderr(sums, counts),
-                "alpha_std": means.std().item() if len(means) > 1 else 0.0}
-    if steps is not None:  # steps of their own: alpha pooled as a cycle examines them
-        headline = pooled_alpha(scored, rule, gamma, weights)
-        if used == "iid" and len(scored) > 1:  # every step resampled, not the first alone
-            boot = step_alphas(scored, rule, weights)  # (n_boot, steps)
-            acc_ci = quantile_interval(rate * boot[:, :gamma].cumprod(-1).sum(-1))
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost,
-                                                 run.proposing(gamma))
-    table = gamma_rows(scored, alpha, run, used, cost)
-    rules = rule_fields(looked, n_pos, rate, gamma, cost, steps)
-    return TeacherForced(
-        **headline, scored_positions=n_pos, n_sequences=len(scored), proposal_rate=rate,
-        alpha_by_head=None if steps is None else [alpha] + run.later, estimator=used,
-        expected_accepted=expected, expected_accepted_iid=exp_iid,
-        expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
-        est_speedup=speed, est_speedup_ci=speed_ci,
-        greedy_agreement=sum(r.top1_sum for r in scored) / n_pos,
-        p_argmax_q=rules["alpha_by_rule"]["argmax"],
-        best_gamma=max(table, key=lambda row: row.est_speedup).gamma if table else None,
-        draft_vocab_coverage=None if looked[0].coverage_sum is None else
-        sum(r.coverage_sum for r in looked) / sum(r.positions for r in looked),
-        **rules, **category_fields(looked, rate < 1, rule, gamma, steps)), table
-
-
-def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
-    """A prompt's sums of alpha_t under a proposal rule: the first offset's, the later steps'."""
-    if rule == "argmax":
-        return r.p_argmax_q_sum, r.head_p_argmax_q_sums
-    return r.alpha_sum, r.head_alpha_sums
-
-
-def run_of(looked: Sequence[PromptResult], rule: str, rate: float, steps: int | None) -> Run:
-    """The Run of a drafter under a rule: its later steps' teacher-forced alphas pooled."""
-    n = len(looked[0].head_scored)
-    later = [sum(rule_sums(r, rule)[1][k] for r in looked)
-             / max(1, sum(r.head_scored[k] for r in looked)) for k in range(n)]
-    return Run(rate, later, steps)
-
-
-def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: int,
-                cost: Cost, steps: int | None) -> dict[str, Any]:
-    """alpha, tokens per cycle and speedup under each proposal rule (i.i.d. estimator), for the
-    report's line that sets the engines' argmax rule beside Leviathan's (a stepped drafter's
-    alpha pooled over its steps: chain_alpha)."""
-    out: dict[str, dict[str, float]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
-                                        "est_speedup_by_rule": {}}
-    for rule in PROPOSAL_RULES:
-        alpha = sum(rule_sums(r, rule)[0] for r in looked) / n_pos
-        run = run_of(looked, rule, rate, steps)
-        tpc = run.accepted(alpha, gamma) + 1
-        out["alpha_by_rule"][rule] = alpha if steps is None else \
-            chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item()
-        out["tokens_per_cycle_by_rule"][rule] = tpc
-        out["est_speedup_by_rule"][rule] = cost.speedup(tpc, gamma, run.proposing(gamma))
-    return out
-
-
-def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample",
-                    gamma: int = 1, steps: int | None = None) -> dict[str, Any]:
-    """alpha and the number of sequences per category, where the prompts have categories (and
-    the share of positions with a proposal, for a drafter that does not always propose; a
-    stepped drafter's alpha pooled over its steps at gamma: chain_alpha)."""
-    names = sorted({r.category for r in looked if r.scored and r.category is not None})
-    if not names:
-        return {}
-    members = {c: [r for r in looked if r.category == c] for c in names}
-    fields = {"alpha_by_category": {c: chain_alpha(step_alphas(rs, rule), gamma).item()
-                                    if steps is not None else
-                                    sum(rule_sums(r, rule)[0] for r in rs)
-                                    / sum(r.scored for r in rs) for c, rs in members.items()},
-              "sequences_by_category": {c: sum(1 for r in rs if r.scored)
-                                        for c, rs in members.items()}}
-    if abstains:
-        fields["proposal_rate_by_category"] = {
-            c: sum(r.scored for r in rs) / sum(r.positions for r in rs)
-            for c, rs in members.items()}
-    return fields
-
-
-def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
-               cost: Cost) -> list[GammaRow]:
-    """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
-    table = []
-    for g in sorted(cost.verify):
-        if estimator == "positional":
-            count = sum(r.windows[g][1] for r in scored)
-            e = sum(r.windows[g][0] for r in scored) / count if count else None
-        else:
-            e = run.accepted(alpha, g)
-        if e is not None:
-            table.append(GammaRow(g, e + 1, cost.speedup(e + 1, g, run.proposing(g))))
-    return table
-
-
-def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: int
-                      ) -> Simulated:
-    """The simulated section of a report, from the per-prompt simulation statistics. The
-    accepted length is the product-limit estimate: at offset j, the cycles at risk are those
-    that examined it plus those that had accepted everything and proposed nothing there."""
-    acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
-    cycles = sum(r.cycles for r in rows)
-    weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
-    counts = torch.tensor([[r.reached, r.accepted_at, r.unproposed] for r in rows],
-                          dtype=torch.float64)  # (prompts, 3, G)
-    reached, took, unproposed = counts.sum(0).long().tolist()
-    at_risk = counts[:, 0] + counts[:, 2]  # (prompts, G)
-    length = product_limit(at_risk.sum(0), counts[:, 1].sum(0)).item() if cycles else None
-    length_ci = None
-    if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
-        length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
-    proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
-    split = None if proposed[gamma] == cycles else proposed
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
-    return Simulated(
-        accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
-        censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
-        generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
-        tokens_per_verify_pass=sum(len(r.tokens) for r in rows) / cycles if cycles else None,
-        alpha=sum(acc) / sum(exam) if sum(exam) else None,
-        alpha_stderr=ratio_stderr(acc, exam), alpha_ci=bootstrap_ci(acc, exam, weights),
-        mean_accepted_length=length, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
-        est_speedup=speed, est_speedup_ci=speed_ci,
-        reached_by_draft_offset=reached, accepted_by_draft_offset=took,
-        unproposed_by_draft_offset=unproposed,
-        alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
-        accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
-
-
-def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
-                         ) -> None:
-    """The simulation speaks for blocks up to its own: the product-limit estimate over its
-    first g offsets is the accepted length of a block of g."""
-    at_risk = torch.tensor(sim.reached_by_draft_offset, dtype=torch.float64) + torch.tensor(
-        sim.unproposed_by_draft_offset, dtype=torch.float64)
-    took = torch.tensor(sim.accepted_by_draft_offset, dtype=torch.float64)
-    proposed = sim.proposed_by_cycle
-    for row in table:
-        if row.gamma > gamma:
-            continue
-        e = product_limit(at_risk[:row.gamma], took[:row.gamma]).item()
-        split = None if proposed[-1] == sim.cycles else block_of(proposed, row.gamma)
-        row.simulated_tokens_per_cycle = e + 1
-        row.simulated_est_speedup = cost.speedup(e + 1, row.gamma, split)
-
-
-def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
-    """The JSON's per-prompt sums: everything a report is computed from."""
-    out = []
-    for r in sorted(results, key=lambda r: r.index):
-        if not r.positions and r.sim is None:
-            continue
-        row = {k: v for k, v in asdict(r).items() if k not in ("sim", "windows")}
-        row["windows"] = {str(g): list(w) for g, w in r.windows.items()}
-        if r.sim is not None:
-            row.update({k: v for k, v in asdict(r.sim).items() if k != "tokens"},
-                       generated=len(r.sim.tokens))
-        out.append(row)
-    return out
-
-
-def summarise(results: Sequence[PromptResult], *, target_name: str, drafter: Drafter,
-              sampling: SamplingParams, settings: Settings, cost: Cost, vocab: int,
-              sequences: Sequence[TokenSequence], interrupted: bool) -> AcceptanceReport:
-    """One drafter's per-prompt results -> its report (text notes included)."""
-    results = sorted(results, key=lambda r: r.index)  # the order bootstrap units are drawn in
-    run = RunInfo(target=target_name, draft=drafter.name, temperature=sampling.temperature,
-                  top_k=sampling.top_k, top_p=sampling.top_p, gamma=settings.gamma,
-                  cost_ratio=cost.ratio, cost_ratio_source=cost.source,
-                  verify_cost=cost.verify[settings.gamma], proposal=sampling.proposal,
-                  drafted_by=drafter.drafted_by(settings.gamma), vocab=vocab,
-                  truncated_prompts=sum(s.truncated for s in sequences), costs=cost.timings,
-                  per_prompt=per_prompt_rows(results))
-    tf, table = teacher_forced_fields(results, settings.gamma, settings.estimator, cost,
-                                      settings.seed, sampling.proposal, drafter.steps)
-    if tf is None and not interrupted:  # (no position at all to look at)
-        raise UsageError("nothing to score: no scored position in any sequence; use longer "
-                         "prompts or --continuation-tokens > 0")
-    tf = tf or TeacherForced()
-    tf.scored_on = ("prompt" if settings.continuation_tokens == 0 else "simulation"
-                    if settings.simulate and not settings.separate_continuation
-                    else "continuation")
-    done = [r.sim for r in results if r.sim is not None]
-    sim = None
-    if settings.simulate and done:
-        sim = simulation_fields(done, settings.gamma, cost, settings.seed)
-        add_simulated_gammas(table, sim, settings.gamma, cost)
-    if interrupted:
-        simulated = f", {len(done)} of {len(sequences)} prompts simulated" \
-            if settings.simulate else ""
-        run.partial = True
-        run.progress_note = (f"interrupted: {tf.n_sequences} of {len(sequences)} sequences "
-                             f"scored{simulated}")
-    run.notes = report_notes(run, sampling, settings.continuation_tokens) + list(cost.notes)
-    return AcceptanceReport(run, tf, sim, table)
-
-
-def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
-    """The warnings printed under a report."""
-    notes = []
-    if n_tokens == 0:
-        notes.append("PROMPT TOKENS SCORED (--continuation-tokens 0): the draft is judged on "
-                     "human text, not on what the target would write; alpha can differ a lot "
-                     "from serving")
-    if sampling.greedy:
-        notes.append("temperature 0: acceptance is exact top-1 agreement; it over-states "
-                     "acceptance under sampling")
-    if report.truncated_prompts:
-        notes.append(f"{report.truncated_prompts} prompt(s) longer than --max-length were cut "
-                     f"from the left (their ends kept)")
-    if report.cost_ratio_source.startswith("parameters"):
-        notes.append("cost ratio from parameter counts: a rough guide; memory-bound serving and "
-                     "the verify pass's real cost can differ (--cost-ratio measure times them)")
-    return notes
-
-
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
-    return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
-
-
-def _interval(ci: Sequence[float] | None) -> str:
-    return "" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
-
-
-RULE = "  " + "─" * 66
-
-
-SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt tokens",
-             "simulation": "the text the simulation emitted"}
-
-
-def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str]:
-    std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
-    est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
-    return [
-        f"  teacher-forced (distributional), on {SCORED_ON[t.scored_on]}",
-        f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
-        f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
-        *([] if t.proposal_rate in (None, 1) else [
-            f"    proposals made at             {t.proposal_rate:.1%} of the positions "
-            f"(alpha: where one was made)"]),
-        f"    E[accepted draft tokens]      {_num(t.expected_accepted, '.3f')}  of {run.gamma}"
-        f"   ({est} estimator)",
-        f"    E[tokens per cycle]           {_num(t.tokens_per_cycle, '.3f')}"
-        f"{_ci(t.tokens_per_cycle_ci)}",
-        f"    est. speedup                  {_num(t.est_speedup, '5.2f') + 'x':>6}   {cost}"
-        f"{_ci(t.est_speedup_ci, '.2f')}",
-        *_other_rule_lines(t, run),
-        *([] if t.draft_vocab_coverage is None else [
-            f"    draft vocabulary covers       {t.draft_vocab_coverage:.3f} of p's mass "
-            f"(the rest can never be accepted)"]),
-        *([] if t.alpha_by_head is None else [
-            "    alpha by step                 "
-            + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
-            + "   (step k against the target's token k ahead; alpha above pools them as "
-              "a cycle examines them)"])]
-
-
-def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
-    """The other proposal rule's numbers beside the report's own (teacher-forced, i.i.d.)."""
-    if not t.alpha_by_rule or run.temperature == 0:  # greedy: both rules are top-1 agreement
-        return []
-    other = "argmax" if run.proposal == "sample" else "sample"
-    who = (f"engines' rule: argmax proposal, accepted with p(x) ({ENGINES})" if other == "argmax"
-           else "Leviathan's rule: proposal sampled from q, accepted with min(1, p/q)")
-    return [f"    {who}",
-            f"      alpha {t.alpha_by_rule[other]:.3f}   tokens per cycle "
-            f"{t.tokens_per_cycle_by_rule[other]:.3f}   est. speedup "
-            f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
-
-
-def short_label(drafter: str) -> str:
-    """What drafts an offset, in the report's 6-wide columns: "layer 2" -> "L2", "head 3" ->
-    "H3" (a column always keeps a space before it)."""
-    return drafter.replace("layer ", "L").replace("head ", "H")[:5]
-
-
-def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
-    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset)
-    reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset)
-    return [
-        RULE, "  simulated (generative): the real speculative-sampling loop — the number to "
-              "trust",
-        f"    acceptance rate  alpha        {_num(s.alpha, '.3f')}{_ci(s.alpha_ci)}",
-        f"    examined draft tokens         {s.examined_tokens:,} ({s.accepted_tokens:,} "
-        f"accepted) from {s.simulated_prompts} prompts",
-        f"    mean accepted length          {_num(s.mean_accepted_length, '.3f')}  "
-        f"of {run.gamma}   ({s.cycles:,} cycles, {s.censored_cycles} cut by EOS)",
-        *([] if s.proposed_by_cycle[-1] == s.cycles else [
-            f"    cycles with a proposal        {s.cycles - s.proposed_by_cycle[0]:,} of "
-            f"{s.cycles:,}; "
-            f"{sum(k * n for k, n in enumerate(s.proposed_by_cycle)) / s.cycles:.2f} tokens "
-            f"proposed per cycle"]),
-        f"    tokens per cycle              {_num(s.tokens_per_cycle, '.3f')}"
-        f"{_ci(s.tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
-        f"    tokens per verify pass        {_num(s.tokens_per_verify_pass, '.3f')}   (the "
-        f"prefill's token counted too: SGLang's per-request spec_accept_length)",
-        f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
-        f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
-        f"    alpha by draft offset 1..{run.gamma:<3}{offsets}",
-        f"    cycles reaching it         {reached}",
-        "      (a steep fall = the draft degrades as it runs ahead)",
-        "    P(accepted length >= j)    "
-        + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset),
-        "      (per cycle: the engines' per-position acceptance rate)",
-        *([] if run.drafted_by is None else [
-            "    drafted by                 " + "".join(f"{short_label(d):>6}"
-                                                    for d in run.drafted_by)
-            + "   (L = MTP layer, H = Medusa head)"])]
-
-
-def _gamma_lines(r: AcceptanceReport) -> list[str]:
-    table, best = r.gamma_table, r.teacher_forced.best_gamma
-    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f} "
-                   f"(* = highest est. speedup, teacher-forced)",
-             "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
-             "    tokens/cycle     " + "".join(f"{row.tokens_per_cycle:>7.2f}" for row in table),
-             "    est. speedup     " + "".join(
-                 f"{row.est_speedup:>6.2f}{'*' if row.gamma == best else ' '}" for row in table)]
-    if any(row.simulated_tokens_per_cycle is not None for row in table):
-        lines += ["    sim tokens/cycle " + "".join(
-                      f"{_num(row.simulated_tokens_per_cycle, '.2f'):>7}" for row in table),
-                  "    sim speedup      " + "".join(
-                      f"{_num(row.simulated_est_speedup, '.2f'):>7}" for row in table)]
-    return lines
-
-
-def format_report(r: AcceptanceReport) -> str:
-    """The text report, notes underneath."""
-    run, t = r.run, r.teacher_forced
-    sampling = f"temperature={run.temperature:g}"
-    if run.top_k:
-        sampling += f"  top_k={run.top_k}"
-    if run.top_p < 1:
-        sampling += f"  top_p={run.top_p:g}"
-    cost = f"(cost_ratio={run.cost_ratio:.2f}, rough)"
-    rule = "" if run.temperature == 0 else (
-        "    proposal: sampled from q" if run.proposal == "sample"
-        else "    proposal: argmax of q (engines' rule)")
-    lines = [f"  speculative-decoding acceptance  —  {run.draft}  ⇒  {run.target}",
-             f"  sampling: {sampling}    gamma (draft block): {run.gamma}    "
-             f"vocabulary: first {run.vocab:,} ids{rule}"]
-    if run.system_prompt is not None:
-        lines.append(f"  system prompt: {run.system_prompt!r}")
-    if run.context is not None:
-        c = run.context
-        lines.append(f"  context: the first {c['length']:,} tokens of {len(c['documents'])} "
-                     f"documents" + (f" ({c['shorter']} shorter ones left out)"
-                                     if c["shorter"] else ""))
-    if run.partial:
-        lines.append(f"  PARTIAL RESULT — {run.progress_note}")
-    lines += [RULE] + _teacher_forced_lines(t, run, cost)
-    if r.simulated is not None and r.simulated.reached_by_draft_offset is not None:
-        lines += _simulated_lines(r.simulated, run, cost)
-    if r.gamma_table:
-        lines += _gamma_lines(r)
-    if t.alpha_by_category:
-        lines += [RULE, "  alpha by category (teacher-forced)"]
-        rates = t.proposal_rate_by_category or {}
-        lines += [f"    {name:<16} {a:.3f}   ({t.sequences_by_category[name]} sequences"
-                  + (f", proposals at {rates[name]:.0%} of positions" if name in rates else "")
-                  + ")" for name, a in t.alpha_by_category.items()]
-    lines.append(RULE)
-    lines += [f"  note: {n}" for n in run.notes]
-    verify = "1" if run.verify_cost == 1 else f"{run.verify_cost:.2f}"
-    some = "" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
-                                                  "does not)"
-    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
-                 f"{some}, cost_ratio from {run.cost_ratio_source}: an indication, not a "
-                 f"benchmark")
-    return "\n".join(lines)
-
-
-def format_summary(reports: Sequence[AcceptanceReport]) -> str:
-    """One row per (draft, temperature), best estimated speedup first."""
-    def speed(r: AcceptanceReport) -> float:
-        best = next((row for row in r.gamma_table or [] if row["gamma"] == r.best_gamma), None)
-        return -1.0 if best is None else best["est_speedup"]
-
-    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
-             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
-             f"{'best gamma':>10} {'speedup':>8}"]
-    for r in sorted(reports, key=speed, reverse=True):
-        ci = _interval(r.alpha_ci)
-        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
-        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
-                     f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
-                     f"{_num(r.best_gamma, 'd'):>10} "
-                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
-    return "\n".join(lines)
-
-
-def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
-    """--context-lengths: per (draft, system prompt, temperature), a row per context length:
-    prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
-    the engines'-rule alpha, tokens per cycle and speedup (teacher-forced, i.i.d.)."""
-    groups: dict[tuple, list[AcceptanceReport]] = {}
-    for r in reports:
-        groups.setdefault((r.draft, r.system_prompt, r.temperature), []).append(r)
-    sim = any(r.simulated is not None for r in reports)
-    lines = []
-    for (draft, system, t), rs in groups.items():
-        by_length = {r.run.context["length"]: r for r in rs}
-        longest = rs[0].run.context["longest"]
-        lines += [f"  acceptance by context length — {draft}, T={t:g}"
-                  + ("" if system is None else f", system prompt {system!r}")
-                  + " (95% CI over prompts)",
-                  f"    {'context':>8} {'prompts':>7} {'shorter':>7} {'alpha':>6} "
-                  f"{'95% CI':>15} {'engines':>7} {'tok/cyc':>7} {'speedup':>7}"
-                  + (f" {'sim alpha':>9} {'95% CI':>15} {'sim tok/cyc':>11}" if sim else "")]
-        for n in sorted(set(lengths)):
-            r = by_length.get(n)
-            if r is None:
-                why = (f"no document has {n:,} tokens (the longest has {longest:,})"
-                       if n > longest else "not measured (the run stopped first)")
-                lines.append(f"    {n:>8,} {0:>7} {'-':>7}   {why}")
-                continue
-            tf, s, c = r.teacher_forced, r.simulated, r.run.context
-            lines.append(
-                f"    {n:>8,} {len(c['documents']):>7} {c['shorter']:>7} "
-                f"{_num(tf.alpha, '.3f'):>6} {_interval(tf.alpha_ci):>15} "
-                f"{_num((tf.alpha_by_rule or {}).get('argmax'), '.3f'):>7} "
-                f"{_num(tf.tokens_per_cycle, '.2f'):>7} "
-                f"{_num(tf.est_speedup, '.2f') + 'x':>7}"
-                + ("" if not sim else
-                   f" {_num(s and s.alpha, '.3f'):>9} {_interval(s and s.alpha_ci):>15} "
-                   f"{_num(s and s.tokens_per_cycle, '.2f'):>11}"))
-    lines.append("    (engines = alpha under the engines' rule, argmax proposal accepted with "
-                 "p(x); tok/cyc and speedup: teacher-forced, at the run's gamma)")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# pictures and files: --plot (matplotlib, imported only when asked), whole-or-nothing writes
-
-
-PLOT_SIZE = (12, 8)  # inches, at 100 dpi: a 1200 x 800 PNG
-
-
-def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson interval of a binomial proportion accepted / n."""
-    centre = (accepted + z * z / 2) / (n + z * z)
-    half = z * math.sqrt(accepted * (n - accepted) / n + z * z / 4) / (n + z * z)
-    return centre - half, centre + half
-
-
-def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
-    """Draw the run to a PNG: one report's offsets, gamma curves and categories; for several
-    context lengths, alpha and tokens per cycle against the length; for several drafts or
-    temperatures, one comparison. Written whole or not at all."""
-    import matplotlib
-    matplotlib.use("Agg")  # no screen needed
-    from matplotlib import pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=PLOT_SIZE, dpi=100)
-    if len({r.run.context["length"] for r in reports if r.run.context}) > 1:
-        _plot_context(axes, reports)
-    elif len(reports) == 1:
-        _plot_offsets(axes[0][0], reports[0])
-        _plot_gammas(axes[0][1], axes[1][0], reports[0])
-        _plot_categories(axes[1][1], reports[0])
-    else:
-        _plot_comparison(axes, reports)
-    fig.tight_layout()
-    try:
-        write_atomic(path, lambda f: fig.savefig(f, format="png"))
-    finally:
-        plt.close(fig)
-
-
-def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
-    ax.set_title(f"alpha by draft offset — {r.draft[-40:]}, T={r.temperature:g}", fontsize=10)
-    if r.reached_by_draft_offset is None:  # no simulation: the teacher-forced alpha(s)
-        heads = r.alpha_by_head or [r.alpha or 0.0]
-        ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
-    else:
-        js = range(1, r.gamma + 1)
-        rates = [a or 0.0 for a in r.alpha_by_draft_offset]
-        lows, highs = zip(*(wilson(t, n) if n else (0.0, 0.0) for t, n in zip(
-            r.accepted_by_draft_offset, r.reached_by_draft_offset)))
-        ax.bar(js, rates, color="tab:orange", label="simulated, 95% interval",
-               yerr=[[a - lo for a, lo in zip(rates, lows)],
-                     [hi - a for a, hi in zip(rates, highs)]], capsize=4)
-        for j, n in zip(js, r.reached_by_draft_offset):
-            ax.annotate(f"{n:,} cycles", (j, 1.02), ha="center", fontsize=8)
-        ax.set_xticks(list(js))
-    if r.alpha is not None:
-        ax.axhline(r.alpha, color="tab:blue", linestyle="--", label="teacher-forced alpha")
-    ax.set_ylim(0, 1.12)
-    ax.set_xlabel("draft offset j (P(accept j | j reached))")
-    ax.legend(loc="lower left", fontsize=8)
-
-
-def _plot_gammas(tokens_ax: Any, speed_ax: Any, r: AcceptanceReport) -> None:
-    table = r.gamma_table or []
-    gs = [row["gamma"] for row in table]
-    for ax, key, label in ((tokens_ax, "tokens_per_cycle", "tokens per cycle"),
-                           (speed_ax, "est_speedup", "est. speedup")):
-        ax.plot(gs, [row[key] for row in table], "o-", label="teacher-forced")
-        sim = [(row["gamma"], row["sim_" + key]) for row in table
-               if row.get("sim_" + key) is not None]
-        if sim:
-            ax.plot(*zip(*sim), "s--", label="simulated")
-        ax.axvline(r.gamma, color="grey", linestyle=":", label=f"gamma = {r.gamma}")
-        ax.set_xlabel("gamma (draft block)")
-        ax.set_title(label, fontsize=10)
-        ax.legend(fontsize=8)
-    speed_ax.axhline(1.0, color="black", linewidth=0.8)
-
-
-def _plot_categories(ax: Any, r: AcceptanceReport) -> None:
-    ax.set_title("alpha by category (teacher-forced)", fontsize=10)
-    cats = r.alpha_by_category or {}
-    if not cats:
-        ax.text(0.5, 0.5, "no categories in this data", ha="center", va="center")
-        ax.set_axis_off()
-        return
-    names = list(cats)
-    ax.barh(names, [cats[c] for c in names], color="tab:green")
-    for i, c in enumerate(names):
-        ax.annotate(f"{r.sequences_by_category[c]} seq.", (cats[c], i), fontsize=8,
-                    va="center")
-    ax.set_xlim(0, 1.15)
-
-
-def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
-    drafts = list(dict.fromkeys(r.draft for r in reports))
-    temps = sorted({r.temperature for r in reports})
-    width = 0.8 / len(temps)
-    for k, t in enumerate(temps):  # drafts side by side, one bar per temperature
-        xs, ys, errs = [], [], [[], []]
-        for i, d in enumerate(drafts):
-            r = next((r for r in reports if r.draft == d and r.temperature == t), None)
-            if r is None or r.alpha is None:
-                continue
-            lo, hi = r.alpha_ci or (r.alpha, r.alpha)
-            xs.append(i + k * width)
-            ys.append(r.alpha)
-            errs[0].append(r.alpha - lo)
-            errs[1].append(hi - r.alpha)
-        axes[0][0].bar(xs, ys, width, yerr=errs, capsize=3, label=f"T={t:g}")
-    axes[0][0].set_xticks([i + 0.4 - width / 2 for i in range(len(drafts))])
-    axes[0][0].set_xticklabels([d[-24:] for d in drafts], fontsize=7, rotation=15)
-    axes[0][0].set_title("alpha (teacher-forced, 95% interval over prompts)", fontsize=10)
-    axes[0][0].legend(fontsize=8)
-    for d in drafts:  # alpha and speedup against temperature
-        mine = sorted((r for r in reports if r.draft == d), key=lambda r: r.temperature)
-        axes[0][1].plot([r.temperature for r in mine], [r.alpha for r in mine], "o-",
-                        label=d[-24:])
-        axes[1][0].plot([r.temperature for r in mine],
-                        [r.simulated.alpha if r.simulated and r.simulated.alpha is not None
-                         else float("nan")
-                         for r in mine], "s--", label=d[-24:])
-        axes[1][1].plot([r.temperature for r in mine], [r.est_speedup for r in mine], "o-",
-                        label=d[-24:])
-    for ax, title in ((axes[0][1], "alpha (teacher-forced) against temperature"),
-                      (axes[1][0], "alpha (simulated) against temperature"),
-                      (axes[1][1], "est. speedup at the chosen gamma")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("temperature")
-        ax.legend(fontsize=7)
-    axes[1][1].axhline(1.0, color="black", linewidth=0.8)
-
-
-def _plot_context(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
-    """--context-lengths: both routes' alpha, the engines'-rule alpha and tokens per cycle
-    against the context length (one line per draft and temperature), and the prompts each
-    length had."""
-    groups: dict[str, list[AcceptanceReport]] = {}
-    for r in reports:
-        if r.run.context is not None:
-            groups.setdefault(f"{os.path.basename(r.draft)[-40:]}, T={r.temperature:g}",
-                              []).append(r)
-    for label, rs in groups.items():
-        rs = sorted(rs, key=lambda r: r.run.context["length"])
-        ls = [r.run.context["length"] for r in rs]
-        for ax, route, key in ((axes[0][0], "teacher_forced", "alpha"),
-                               (axes[0][1], "simulated", "alpha"),
-                               (axes[1][0], "teacher_forced", "tokens_per_cycle")):
-            parts = [getattr(r, route) for r in rs]
-            if all(p is None for p in parts):
-                continue
-            ys = [getattr(p, key) if p is not None and getattr(p, key) is not None
-                  else float("nan") for p in parts]
-            cis = [getattr(p, key + "_ci", None) if p is not None else None for p in parts]
-            errs = [[y - ci[0] if ci else 0 for y, ci in zip(ys, cis)],
-                    [ci[1] - y if ci else 0 for y, ci in zip(ys, cis)]]
-            ax.errorbar(ls, ys, yerr=errs, fmt="o-", capsize=3, label=label)
-        axes[0][0].plot(ls, [(r.teacher_forced.alpha_by_rule or {}).get("argmax", float("nan"))
-                             for r in rs], "x:", label=f"{label}, engines' rule")
-    lengths = sorted({r.run.context["length"] for r in reports if r.run.context})
-    counts = {r.run.context["length"]: len(r.run.context["documents"]) for r in reports
-              if r.run.context}
-    axes[1][1].bar([str(n) for n in lengths], [counts[n] for n in lengths], color="tab:grey")
-    for ax, title in ((axes[0][0], "alpha (teacher-forced, 95% interval) against context"),
-                      (axes[0][1], "alpha (simulated, 95% interval) against context"),
-                      (axes[1][0], "tokens per cycle (teacher-forced) against context")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
-        ax.set_xlabel("context length (prompt tokens)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    if all(r.simulated is None for r in reports):
-        axes[0][1].text(0.5, 0.5, "no simulation (run with --simulate)", ha="center",
-                        va="center", transform=axes[0][1].transAxes)
-        axes[0][1].set_axis_off()
-    axes[1][1].set_title("prompts measured at each length (documents that long)", fontsize=10)
-    axes[1][1].set_xlabel("context length (prompt tokens)")
-
-
-def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
-    """write(binary file) into a temporary file beside PATH, then rename it: PATH holds either
-    its old content or the whole new file, never half of one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON so that PATH holds either its old content or the whole new file."""
-    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
-
-
-# ----------------------------------------------------------------------------------------------
-# measurement: costs, one batch at a time, the library's entry points, resuming
+def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
+               ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
+    """(run, setup) for timing one drafting step after `ids`: setup opens a fresh session (the
+    target's prefill, the drafter's start) and makes the target pass that verifies ids[-1];
+    run follows that pass as a cycle's advance does (committing ids[-1] again, one token, which
+    drafters with a cache of their own run through it) and proposes one token."""
+    config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
+                        device)
+    n = len(ids)
+    last = torch.tensor([ids[-1]], device=device)
+    u = torch.full((1, 1), 0.5, device=device)
+
+    def setup() -> tuple[Session, TargetView | None]:
+        with final_states(target, drafter.reads_target) as seen, \
+                layer_inputs(target, drafter.layers) as got:
+            slots, _ = prefill(target, [list(ids[:-1])], device,
+                               last_only=not drafter.reads_target)
+        session = drafter.start([list(ids)], view_of(seen, slots, got), config)
+        with final_states(target, drafter.reads_target) as seen, \
+                layer_inputs(target, drafter.layers) as got:
+            extend(target, slots, last[:, None], torch.tensor([[n - 1]], device=device))
+        return session, view_of(seen, slots, got)
+
+    def run(ready: tuple[Session, TargetView | None]) -> torch.Tensor:
+        session, view = ready
+        session.advance(torch.zeros(1, dtype=torch.long, device=device), [[ids[-1]]], view)
+        return session.propose(last, torch.tensor([n], device=device), u).q
+
+    return run, setup
 
 
 @torch.no_grad()
@@ -3332,37 +2764,6 @@ def clamp_costs(measured: dict[str, Any], floor: float) -> tuple[float, dict[int
     return ratio, verify, notes
 
 
-def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
-               ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
-    """(run, setup) for timing one drafting step after `ids`: setup opens a fresh session (the
-    target's prefill, the drafter's start) and makes the target pass that verifies ids[-1];
-    run follows that pass as a cycle's advance does (committing ids[-1] again, one token, which
-    drafters with a cache of their own run through it) and proposes one token."""
-    config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
-                        device)
-    n = len(ids)
-    last = torch.tensor([ids[-1]], device=device)
-    u = torch.full((1, 1), 0.5, device=device)
-
-    def setup() -> tuple[Session, TargetView | None]:
-        with final_states(target, drafter.reads_target) as seen, \
-                layer_inputs(target, drafter.layers) as got:
-            slots, _ = prefill(target, [list(ids[:-1])], device,
-                               last_only=not drafter.reads_target)
-        session = drafter.start([list(ids)], view_of(seen, slots, got), config)
-        with final_states(target, drafter.reads_target) as seen, \
-                layer_inputs(target, drafter.layers) as got:
-            extend(target, slots, last[:, None], torch.tensor([[n - 1]], device=device))
-        return session, view_of(seen, slots, got)
-
-    def run(ready: tuple[Session, TargetView | None]) -> torch.Tensor:
-        session, view = ready
-        session.advance(torch.zeros(1, dtype=torch.long, device=device), [[ids[-1]]], view)
-        return session.propose(last, torch.tensor([n], device=device), u).q
-
-    return run, setup
-
-
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
@@ -3383,254 +2784,727 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
     return Cost(float(how), ones, "given")
 
 
-def vocab_groups(target: nn.Module, drafters: Sequence[Drafter]) -> dict[int, list[int]]:
-    """Drafters by the vocabulary they are measured on, min(target width, drafter width): each
-    group gets the continuations and target passes it would get alone, so a drafter's numbers
-    never depend on which other drafters share the run."""
-    groups: dict[int, list[int]] = {}
-    for k, d in enumerate(drafters):
-        groups.setdefault(shared_vocab(target, d), []).append(k)
-    return groups
+# ----------------------------------------------------------------------------------------------
+# the report: per-prompt sums -> the report's parts -> text
+#
+# A prompt's measurement is a PromptResult of sums, so prompts pool by adding: a report is the
+# same whether its prompts came from one batch, several processes or a JSON file. The report is
+# a few small parts (RunInfo, TeacherForced, Simulated, the GammaRow table), each field in one
+# place; AcceptanceReport.to_dict() is the flat JSON, and its flat names read as attributes.
 
 
-def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
-    """The vocabulary a drafter is measured on: the prefix both logit widths share (a drafter
-    without a vocabulary of its own, such as n-gram lookup, takes the target's)."""
-    width = vocab_width(target)
-    return width if drafter.width is None else min(width, drafter.width)
+@dataclass
+class RunInfo:
+    """What a report measured, and how: models, sampling, block, costs, context."""
+
+    target: str
+    draft: str
+    temperature: float
+    top_k: int
+    top_p: float
+    gamma: int
+    cost_ratio: float  # one draft step in target steps
+    cost_ratio_source: str
+    verify_cost: float  # the (gamma+1)-token verify pass in target steps (1 unless measured)
+    proposal: str = "sample"  # the proposal rule the numbers are for: sample (Leviathan et
+    # al.: x ~ q, accepted with min(1, p/q)) or argmax (the engines': x = argmax q, accepted
+    # with p(x))
+    drafted_by: list[str] | None = None  # what drafts each offset 1..gamma (MTP: its layers)
+    system_prompt: str | None = None  # the system message the prompts carried (None: the
+    # chat template's own choice)
+    context: dict[str, Any] | None = None  # --context-lengths: "length" L (each prompt is the
+    # first L tokens of a document), "documents" (prompt i is document documents[i] of the
+    # data), "shorter" (documents with fewer than L tokens, left out), "longest" (tokens of
+    # the longest document)
+    vocab: int = 0
+    truncated_prompts: int = 0
+    partial: bool = False
+    progress_note: str | None = None
+    costs: dict[str, Any] | None = None  # the timings behind a measured cost ratio
+    # per prompt, for analyses of one's own and to resume: the sums of PromptResult
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    run_key: str | None = None  # what --resume matches: the hash of run_key_parts
+    run_key_parts: dict[str, Any] | None = None  # what the numbers depend on, by name: models
+    # (config, weights files), dtype, device kind, sampling (the whole temperature sweep),
+    # settings, prompts (see run_key_parts)
+    notes: list[str] = field(default_factory=list)
 
 
-def measure_side(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
-                 side: TargetPass, sequences: Sequence[TokenSequence], sampling: SamplingParams,
-                 settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                 into: Sequence[dict[int, PromptResult]], bar: Any,
-                 sims: list[dict[int, RowStats]] | None = None) -> None:
-    """Measure one batch against every drafter, given the target's side of it (made once for
-    them all): teacher-forced scoring, then, with settings.simulate, the simulation (`sims`
-    when it ran already, each drafter's); results land in into[k][prompt index] as each step
-    finishes, so an interrupted batch keeps what it completed (its simulation only whole: the
-    rows that finish first are the fast-accepting ones, so a cut batch would bias a partial
-    report upwards)."""
-    bar.set_description("teacher-forced")
-    for d, results, per_prompt in zip(drafters, into, score_batch(
-            target, route_p, drafters, side, sampling, vocab, device)):
-        for i, steps in zip(side.batch, per_prompt):
-            results[i] = prompt_result(i, sequences[i].category, steps[0], settings.gammas,
-                                       steps[1:], sampling.proposal, d.steps)
-    if settings.simulate:
-        sims = sims or simulate_side(target, drafters, side.batch, sequences, sampling,
-                                     settings, eos, device, vocab, bar)
-        for results, rows in zip(into, sims):
-            for i, row in rows.items():
-                results[i].sim = row
+@dataclass
+class TeacherForced:
+    """The teacher-forced route's numbers (under the run's proposal rule). A field whose
+    metadata names a PromptResult sum ("mean_of") is that sum pooled over the prompts' "per"
+    count (pooled_means): a new per-position number is a PromptResult field, a field here and
+    the line that prints it."""
+
+    alpha: float | None = None
+    alpha_std: float | None = None  # std of the per-sequence means
+    alpha_stderr: float | None = None  # standard error of alpha, sequences as units
+    alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    scored_positions: int = 0
+    n_sequences: int = 0
+    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
+    # step's teacher-forced alpha, step k against the target's token k ahead
+    alpha_by_rule: dict[str, float] | None = None  # alpha under each proposal rule
+    tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
+    est_speedup_by_rule: dict[str, float] | None = None
+    proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
+    # always; an n-gram lookup proposes only after a match); alpha is over those positions
+    scored_on: str = "continuation"  # "continuation" (sampled apart), "simulation" (the text
+    # the simulation emitted) or "prompt"
+    estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
+    expected_accepted: float | None = None
+    expected_accepted_iid: float | None = None
+    expected_accepted_positional: float | None = None
+    tokens_per_cycle: float | None = None
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    est_speedup: float | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    greedy_agreement: float | None = field(  # top-1 agreement of the two models
+        default=None, metadata={"mean_of": "top1_sum", "per": "scored"})
+    p_argmax_q: float | None = None  # mean p(argmax q): alpha under the engines' rule
+    alpha_by_category: dict[str, float] | None = None
+    sequences_by_category: dict[str, int] | None = None
+    proposal_rate_by_category: dict[str, float] | None = None  # drafters that abstain
+    best_gamma: int | None = None  # the table's gamma with the highest teacher-forced speedup
+    draft_vocab_coverage: float | None = field(  # mean p mass on a draft vocabulary of its
+        default=None, metadata={"mean_of": "coverage_sum", "per": "positions"})  # own
 
 
-def simulate_side(target: nn.Module, drafters: Sequence[Drafter], batch: list[int],
-                  sequences: Sequence[TokenSequence], sampling: SamplingParams,
-                  settings: Settings, eos: frozenset[int], device: torch.device, vocab: int,
-                  bar: Any, states: dict[int, torch.Tensor] | None = None
-                  ) -> list[dict[int, RowStats]]:
-    """The simulation of one batch with each drafter (its budget: continuation_tokens);
-    states: see run_simulation (one drafter)."""
-    bar.set_description("simulation")
-    config = LoopConfig(sampling, settings.gamma, settings.continuation_tokens, vocab, eos,
-                        device, settings.seed)
-    out = []
-    for d in drafters:
-        with step(f"the simulation with draft {d.name}"):
-            out.append(run_simulation(target, d, [sequences[i] for i in batch], config,
-                                      batch_size=len(batch), indices=batch, bar=bar,
-                                      states=states))
+@dataclass
+class Simulated:
+    """The simulated route's numbers (--simulate: the real speculative-sampling loop)."""
+
+    alpha: float | None = None  # accepted / examined draft tokens
+    alpha_stderr: float | None = None
+    alpha_ci: tuple[float, float] | None = None
+    accepted_tokens: int | None = None
+    examined_tokens: int | None = None
+    cycles: int | None = None
+    censored_cycles: int | None = None  # cycles cut by an accepted EOS
+    mean_accepted_length: float | None = None  # product-limit estimate, see product_limit
+    tokens_per_cycle: float | None = None
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    est_speedup: float | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    alpha_by_draft_offset: list[float | None] | None = None  # P(accept j | j reached)
+    reached_by_draft_offset: list[int] | None = None  # cycles that examined offset j
+    accepted_by_draft_offset: list[int] | None = None  # cycles that accepted offset j
+    unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
+    proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
+    accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
+    generated_tokens: int | None = None
+    tokens_per_verify_pass: float | None = None  # generated tokens (the prefill's included) /
+    # cycles: SGLang's per-request spec_accept_length, about 1/cycles above tokens per cycle
+    simulated_prompts: int | None = None
+
+
+@dataclass
+class GammaRow:
+    """One block size of the best-gamma table: both routes' tokens per cycle and speedup."""
+
+    gamma: int
+    tokens_per_cycle: float  # teacher-forced
+    est_speedup: float
+    simulated_tokens_per_cycle: float | None = None  # None past the simulated gamma
+    simulated_est_speedup: float | None = None
+
+    def to_dict(self, simulated: bool) -> dict[str, Any]:
+        row = {"gamma": self.gamma, "tokens_per_cycle": self.tokens_per_cycle,
+               "est_speedup": self.est_speedup}
+        if simulated:
+            row.update(sim_tokens_per_cycle=self.simulated_tokens_per_cycle,
+                       sim_est_speedup=self.simulated_est_speedup)
+        return row
+
+    def __getitem__(self, key: str) -> Any:
+        """Deprecated: rows read as the JSON's dicts (row["gamma"]), as before the report had
+        parts; read the fields (row.gamma) or to_dict()."""
+        warnings.warn("reading a GammaRow as a dict is deprecated: use its fields "
+                      "(row.gamma, row.tokens_per_cycle, ...) or row.to_dict(True)",
+                      DeprecationWarning, stacklevel=2)
+        return self.to_dict(True)[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Deprecated, as __getitem__."""
+        warnings.warn("reading a GammaRow as a dict is deprecated: use its fields",
+                      DeprecationWarning, stacklevel=2)
+        return self.to_dict(True).get(key, default)
+
+
+SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
+                  "alpha_ci": "empirical_alpha_ci",
+                  "tokens_per_cycle": "empirical_tokens_per_cycle",
+                  "tokens_per_cycle_ci": "empirical_tokens_per_cycle_ci",
+                  "est_speedup": "empirical_est_speedup",
+                  "est_speedup_ci": "empirical_est_speedup_ci"}
+
+
+@dataclass(frozen=True)  # its parts are set and changed; report.alpha = ... is refused
+class AcceptanceReport:
+    """A report of parts: what was run, the teacher-forced route, the simulated route (None
+    without simulate) and the best-gamma table. to_dict() is the flat JSON (every part's
+    fields at the top level, the simulated ones as SIMULATED_JSON names them), and the flat
+    names read as attributes too (report.alpha, report.empirical_alpha, ...): a read-only view;
+    a field is set on its part (report.run.notes, report.teacher_forced.alpha)."""
+
+    run: RunInfo
+    teacher_forced: TeacherForced = field(default_factory=TeacherForced)
+    simulated: Simulated | None = None
+    gamma_table: list[GammaRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        flat = {**asdict(self.run), **asdict(self.teacher_forced)}
+        sim = asdict(self.simulated or Simulated())
+        flat.update({SIMULATED_JSON.get(k, k): v for k, v in sim.items()})
+        flat["gamma_table"] = [row.to_dict(self.simulated is not None)
+                               for row in self.gamma_table] or None
+        return flat
+
+    @classmethod
+    def from_dict(cls, flat: dict[str, Any]) -> AcceptanceReport:
+        """A report back from its JSON (to_dict's output)."""
+        def part(kind: type, rename: dict[str, str] | None = None) -> Any:
+            names = [f.name for f in dataclasses.fields(kind)]
+            return kind(**{n: flat[(rename or {}).get(n, n)] for n in names
+                           if (rename or {}).get(n, n) in flat})
+        simulated = part(Simulated, SIMULATED_JSON)
+        table = [GammaRow(r["gamma"], r["tokens_per_cycle"], r["est_speedup"],
+                          r.get("sim_tokens_per_cycle"), r.get("sim_est_speedup"))
+                 for r in flat.get("gamma_table") or []]
+        return cls(part(RunInfo), part(TeacherForced),
+                   simulated if simulated.cycles is not None else None, table)
+
+    def __getattr__(self, name: str) -> Any:
+        """The flat names of to_dict as attributes."""
+        if name.startswith("_") or name in ("run", "teacher_forced", "simulated"):
+            raise AttributeError(name)
+        for part in (self.run, self.teacher_forced):
+            if name in part.__dataclass_fields__:
+                return getattr(part, name)
+        simulated = {SIMULATED_JSON.get(k, k): k for k in Simulated.__dataclass_fields__}
+        if name in simulated:
+            return None if self.simulated is None else getattr(self.simulated, simulated[name])
+        raise AttributeError(f"AcceptanceReport has no field {name!r}")
+
+
+RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
+
+
+@dataclass
+class PromptResult:
+    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
+    is the same whether its prompts came from one batch, several processes or a JSON file.
+    Each of position_stats' numbers k is summed into the field k_sum (of): a new per-position
+    number is its field here."""
+
+    index: int
+    category: str | None = None
+    positions: int = 0  # positions of the continuation (or prompt) looked at
+    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
+    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
+    top1_sum: float = 0.0  # positions where the two argmaxes agree
+    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
+    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
+    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
+    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
+    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
+    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
+    coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
+    # it has one of its own (EAGLE-3's draft vocabulary, Medusa's token map)
+    sim: RowStats | None = None
+
+    @classmethod
+    def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
+           gammas: Sequence[int], rule: str = "sample", stepped: bool = False) -> PromptResult:
+        """From position_stats' numbers for one prompt, per drafting step (steps[0] the first;
+        stepped: the later ones have alphas of their own, MTP). Windows run over every
+        position, a position without a proposal counting as alpha_t = 0."""
+        first, later, key = steps[0], steps[1:], RULE_KEYS[rule]
+        if not stepped:
+            windows = {g: window_sum(first[key], g) for g in gammas}
+        else:
+            chain = [h[key] for h in steps]
+            windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
+        return cls(index=index, category=category, positions=first["alpha"].numel(),
+                   scored=int(first["proposed"].sum()), windows=windows,
+                   head_alpha_sums=[h["alpha"].double().sum().item() for h in later],
+                   head_scored=[int(h["proposed"].sum()) for h in later],
+                   head_p_argmax_q_sums=[h["p_argmax_q"].double().sum().item() for h in later],
+                   **{f"{k}_sum": v.double().sum().item() for k, v in first.items()
+                      if k != "proposed"})
+
+    def row(self) -> dict[str, Any]:
+        """The JSON's per-prompt row: every sum a report is computed from."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows")}
+        out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
+        if self.sim is not None:
+            out.update({k: v for k, v in asdict(self.sim).items() if k != "tokens"},
+                       generated=len(self.sim.tokens))
+        return out
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> PromptResult:
+        """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
+        version did not write takes its default."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim"}
+        sim = None
+        if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
+            sim = RowStats(**{f.name: row[f.name] for f in dataclasses.fields(RowStats)
+                              if f.name != "tokens"}, tokens=[-1] * row["generated"])
+        return cls(**{k: row[k] for k in names if k in row}, sim=sim,
+                   windows={int(g): tuple(w) for g, w in row["windows"].items()})
+
+
+def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
+    """A prompt's sums of alpha_t under a proposal rule: the first offset's, the later steps'."""
+    if rule == "argmax":
+        return r.p_argmax_q_sum, r.head_p_argmax_q_sums
+    return r.alpha_sum, r.head_alpha_sums
+
+
+def step_alphas(prompts: Sequence[PromptResult], rule: str,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each drafting step's teacher-forced alpha under a proposal rule, pooled over the prompts'
+    positions: (steps,); with bootstrap weights (n_boot, prompts), one row per resample."""
+    sums = torch.tensor([[rule_sums(r, rule)[0], *rule_sums(r, rule)[1]] for r in prompts],
+                        dtype=torch.float64)  # (P, steps)
+    counts = torch.tensor([[r.scored, *r.head_scored] for r in prompts], dtype=torch.float64)
+    if weights is not None:
+        sums, counts = weights @ sums, weights @ counts  # (n_boot, steps)
+    else:
+        sums, counts = sums.sum(0), counts.sum(0)
+    return sums / counts.clamp_min(1)
+
+
+def pooled_alpha(scored: Sequence[PromptResult], rule: str, gamma: int,
+                 weights: torch.Tensor) -> dict[str, Any]:
+    """A stepped drafter's headline alpha (chain_alpha of its steps at the run's gamma) with its
+    bootstrap interval and standard error (prompts resampled, every step along), and the std of
+    the per-sequence values (sequences with a position at every step it uses)."""
+    per_seq = [chain_alpha(step_alphas([r], rule), gamma).item() for r in scored
+               if all(n for n in [r.scored, *r.head_scored][:gamma])]
+    boot = chain_alpha(step_alphas(scored, rule, weights), gamma)  # (n_boot,)
+    return {"alpha": chain_alpha(step_alphas(scored, rule), gamma).item(),
+            "alpha_ci": quantile_interval(boot) if len(scored) > 1 else None,
+            "alpha_stderr": boot.std().item() if len(scored) > 1 else None,
+            "alpha_std": torch.tensor(per_seq).std().item() if len(per_seq) > 1 else 0.0}
+
+
+def pooled_means(looked: Sequence[PromptResult]) -> dict[str, float | None]:
+    """TeacherForced's fields that pool a PromptResult sum (their metadata: which sum, over
+    which count), None where the sum is not measured for this drafter."""
+    out: dict[str, float | None] = {}
+    for f in dataclasses.fields(TeacherForced):
+        if "mean_of" in f.metadata:
+            sums = [getattr(r, f.metadata["mean_of"]) for r in looked]
+            count = sum(getattr(r, f.metadata["per"]) for r in looked)
+            out[f.name] = None if None in sums or not count else sum(sums) / count
     return out
 
 
-def measure_batch(target: nn.Module, route_p: bool, drafters: Sequence[Drafter],
-                  batch: list[int], sequences: Sequence[TokenSequence],
-                  sampling: SamplingParams, settings: Settings, eos: frozenset[int],
-                  device: torch.device, results: list[dict[int, PromptResult]], bar: Any) -> None:
-    """Measure one batch of prompts against every drafter, into results[k][prompt index]:
-    per vocabulary group, the target's continuation (the text speculative decoding would
-    produce) and teacher-forced pass, then measure_side. With simulate, each drafter's
-    simulation runs first and its output is that drafter's continuation: speculative sampling
-    is lossless, so what it emits is an exact sample from the target, and the two routes
-    score the same text (a target pass per drafter, the continuation's own pass saved);
-    separate_continuation samples one continuation apart, shared by every drafter. A drafter
-    that needs the target's outputs only where they predict the text (one drafting step, no
-    reading of the target's states) takes them from its simulation's verify passes, which
-    computed them (emitted_pass): no target pass of its own."""
-    for vocab, members in vocab_groups(target, drafters).items():
-        if settings.simulate and not settings.separate_continuation:
-            for k in members:  # each drafter's own text, and the target's outputs over it
-                d = drafters[k]
-                kept = {} if route_p and d.steps is None and not d.reads_target else None
-                sims = simulate_side(target, [d], batch, sequences, sampling, settings, eos,
-                                     device, vocab, bar, kept)
-                conts = [sims[0][i].tokens for i in batch]
-                side = (emitted_pass(batch, sequences, conts, kept) if kept is not None else
-                        target_pass(target, route_p, batch, sequences, sampling, settings,
-                                    eos, device, vocab, bar, conts))
-                measure_side(target, route_p, [d], side, sequences, sampling, settings, eos,
-                             device, vocab, [results[k]], bar, sims)
-            continue
-        side = target_pass(target, route_p, batch, sequences, sampling, settings, eos, device,
-                           vocab, bar)
-        measure_side(target, route_p, [drafters[k] for k in members], side, sequences,
-                     sampling, settings, eos, device, vocab, [results[k] for k in members], bar)
+def run_of(looked: Sequence[PromptResult], rule: str, rate: float, steps: int | None) -> Run:
+    """The Run of a drafter under a rule: its later steps' teacher-forced alphas pooled."""
+    n = len(looked[0].head_scored)
+    later = [sum(rule_sums(r, rule)[1][k] for r in looked)
+             / max(1, sum(r.head_scored[k] for r in looked)) for k in range(n)]
+    return Run(rate, later, steps)
 
 
-def run_eos(target: nn.Module, settings: Settings) -> frozenset[int]:
-    """The ids that end a continuation: settings.eos, or else the target's own."""
-    return frozenset(eos_ids(target) if settings.eos is None else settings.eos)
+def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: int,
+                cost: Cost, steps: int | None) -> dict[str, Any]:
+    """alpha, tokens per cycle and speedup under each proposal rule (i.i.d. estimator), for the
+    report's line that sets the engines' argmax rule beside Leviathan's (a stepped drafter's
+    alpha pooled over its steps: chain_alpha)."""
+    out: dict[str, dict[str, float]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
+                                        "est_speedup_by_rule": {}}
+    for rule in PROPOSAL_RULES:
+        alpha = sum(rule_sums(r, rule)[0] for r in looked) / n_pos
+        run = run_of(looked, rule, rate, steps)
+        tpc = run.accepted(alpha, gamma) + 1
+        out["alpha_by_rule"][rule] = alpha if steps is None else \
+            chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item()
+        out["tokens_per_cycle_by_rule"][rule] = tpc
+        out["est_speedup_by_rule"][rule] = cost.speedup(tpc, gamma, run.proposing(gamma))
+    return out
 
 
-def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
-                   sequences: Sequence[TokenSequence], *,
-                   sampling: SamplingParams = SamplingParams(),
-                   device: torch.device | str | None = None, settings: Settings | None = None,
-                   progress: bool = False, target_name: str = "target",
-                   costs: Sequence[Cost] | None = None, share: tuple[int, int] = (0, 1),
-                   done: Sequence[dict[int, PromptResult]] | None = None,
-                   stop: Stop | None = None, temperatures: Sequence[float] | None = None,
-                   context_lengths: Sequence[int] | None = None,
-                   **options: Any) -> list[AcceptanceReport]:
-    """Measure each (name, draft) against one set of target continuations and target passes.
+def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = "sample",
+                    gamma: int = 1, steps: int | None = None) -> dict[str, Any]:
+    """alpha and the number of sequences per category, where the prompts have categories (and
+    the share of positions with a proposal, for a drafter that does not always propose; a
+    stepped drafter's alpha pooled over its steps at gamma: chain_alpha)."""
+    names = sorted({r.category for r in looked if r.scored and r.category is not None})
+    if not names:
+        return {}
+    members = {c: [r for r in looked if r.category == c] for c in names}
+    fields = {"alpha_by_category": {c: chain_alpha(step_alphas(rs, rule), gamma).item()
+                                    if steps is not None else
+                                    sum(rule_sums(r, rule)[0] for r in rs)
+                                    / sum(r.scored for r in rs) for c, rs in members.items()},
+              "sequences_by_category": {c: sum(1 for r in rs if r.scored)
+                                        for c, rs in members.items()}}
+    if abstains:
+        fields["proposal_rate_by_category"] = {
+            c: sum(r.scored for r in rs) / sum(r.positions for r in rs)
+            for c, rs in members.items()}
+    return fields
 
-    A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
-    The settings come as a Settings value or as its fields by keyword (gamma=,
-    continuation_tokens=, simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=).
-    Note the library's default sampling is SamplingParams() = temperature 1, no top-k/top-p;
-    the CLI's is 0.7.
-    cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
-    used per token; "measure" = timed on `device` (see measure_costs). costs: per draft, a Cost
-    made earlier by cost_model (so a sweep times the models once).
 
-    Prompts go through in batches, each batch start to finish (continuation, teacher-forced
-    scoring, simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the
-    reports then cover what finished and are marked partial.
-    share = (rank, world size) under torch.distributed (see join_processes): each process
-    measures its deal of the batches, rank 0 gathers them and alone returns the reports (the
-    others return []); the numbers are those of one process. done: per draft, the per-prompt
-    results of an interrupted run with the same run_key (see resume_results), not measured again.
-    stop: what ends the run early (see Stop): a signal, or another rank's; every rank stops at
-    its next batch and the reports cover what all ranks finished. stop.ended says afterwards,
-    on every rank alike, whether to measure any further.
-    temperatures, context_lengths: the sweep this call is one setting of (the CLI's
-    --temperature and --context-lengths lists), recorded in the run key.
-    """
-    settings = replace(settings, **options) if settings else Settings(**options)
-    sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s)) for s in sequences]
-    drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
-    check_measurable(target, drafters, sequences, settings)
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    eos = run_eos(target, settings)
-    drafters = [d.for_run(eos, settings.gammas) for d in drafters]
-    costs = costs or [cost_model(target, d, settings, sequences, device) for d in drafters]
-    stop = stop if stop is not None else Stop()
-    results, interrupted = collect(target, drafters, sequences, sampling, settings, eos, device,
-                                   progress and share[0] == 0, share, done, stop)
-    if share[1] > 1:
-        with step(f"gathering the results of {share[1]} processes"):
-            gathered = gather_results(results, interrupted, stop, share)
-        if gathered is None:
-            return []  # not rank 0: it alone reports
-        results, interrupted = gathered
+def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
+               cost: Cost) -> list[GammaRow]:
+    """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
+    table = []
+    for g in sorted(cost.verify):
+        if estimator == "positional":
+            count = sum(r.windows[g][1] for r in scored)
+            e = sum(r.windows[g][0] for r in scored) / count if count else None
+        else:
+            e = run.accepted(alpha, g)
+        if e is not None:
+            table.append(GammaRow(g, e + 1, cost.speedup(e + 1, g, run.proposing(g))))
+    return table
+
+
+def teacher_forced_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost,
+                          rule: str = "sample", steps: int | None = None
+                          ) -> tuple[TeacherForced | None, list[GammaRow]]:
+    """The distributional section of a report, under the proposal rule `rule`. alpha pools the
+    prompts' scored positions; a drafter that proposes at a share pi of positions only (n-gram
+    lookup) accepts pi * E[run] per cycle, and its cycles without a proposal cost one plain
+    target step; a drafter of `steps` steps (MTP) runs with each step's own alpha, and
+    proposes min(gamma, steps) tokens a cycle."""
+    gamma, estimator, seed = settings.gamma, settings.estimator, settings.seed
+    looked = [r for r in results if r.positions]
+    scored = [r for r in looked if r.scored]
+    if not looked:
+        return None, []
+    if not scored:  # a drafter that never proposed: every cycle is one plain target step
+        return TeacherForced(proposal_rate=0.0, scored_positions=0, expected_accepted=0.0,
+                             tokens_per_cycle=1.0, est_speedup=1.0), []
+    sums, counts = [rule_sums(r, rule)[0] for r in scored], [r.scored for r in scored]
+    n_pos = sum(counts)
+    alpha, rate = sum(sums) / n_pos, n_pos / sum(r.positions for r in looked)
+    run = run_of(looked, rule, rate, steps)
+    means = torch.tensor([s / n for s, n in zip(sums, counts)], dtype=torch.float64)
+    weights = bootstrap_weights(len(scored), N_BOOT, seed)
+    alpha_ci = bootstrap_ci(sums, counts, weights)
+    exp_iid = run.accepted(alpha, gamma)
+    win_sums, win_counts = zip(*(r.windows[gamma] for r in scored))
+    exp_pos = sum(win_sums) / sum(win_counts) if sum(win_counts) else None
+    used = "positional" if estimator == "positional" and exp_pos is not None else "iid"
+    if used == "positional":
+        expected, acc_ci = exp_pos, bootstrap_ci(win_sums, win_counts, weights)
     else:
-        stop.ended = interrupted or stop.cause is not None
-    return [drafter_report(target, d, res, cost, sequences, sampling, settings, target_name,
-                           device, (temperatures, context_lengths), interrupted)
-            for d, res, cost in zip(drafters, results, costs)]
+        expected = exp_iid
+        acc_ci = None if alpha_ci is None else [run.accepted(a, gamma) for a in alpha_ci]
+    headline = {"alpha": alpha, "alpha_ci": alpha_ci, "alpha_stderr": ratio_stderr(sums, counts),
+                "alpha_std": means.std().item() if len(means) > 1 else 0.0}
+    if steps is not None:  # steps of their own: alpha pooled as a cycle examines them
+        headline = pooled_alpha(scored, rule, gamma, weights)
+        if used == "iid" and len(scored) > 1:  # every step resampled, not the first alone
+            boot = step_alphas(scored, rule, weights)  # (n_boot, steps)
+            acc_ci = quantile_interval(rate * boot[:, :gamma].cumprod(-1).sum(-1))
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(expected, acc_ci, gamma, cost,
+                                                 run.proposing(gamma))
+    table = gamma_rows(scored, alpha, run, used, cost)
+    rules = rule_fields(looked, n_pos, rate, gamma, cost, steps)
+    return TeacherForced(
+        **headline, scored_positions=n_pos, n_sequences=len(scored), proposal_rate=rate,
+        alpha_by_head=None if steps is None else [alpha] + run.later, estimator=used,
+        expected_accepted=expected, expected_accepted_iid=exp_iid,
+        expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
+        est_speedup=speed, est_speedup_ci=speed_ci,
+        p_argmax_q=rules["alpha_by_rule"]["argmax"], **pooled_means(looked),
+        best_gamma=max(table, key=lambda row: row.est_speedup).gamma if table else None,
+        **rules, **category_fields(looked, rate < 1, rule, gamma, steps)), table
 
 
-def drafter_report(target: nn.Module, drafter: Drafter, results: dict[int, PromptResult],
-                   cost: Cost, sequences: Sequence[TokenSequence], sampling: SamplingParams,
-                   settings: Settings, target_name: str, device: torch.device,
-                   sweep: tuple[Sequence[float] | None, Sequence[int] | None],
-                   interrupted: bool
-                   ) -> AcceptanceReport:
-    """One drafter's report from its per-prompt results, with its run key and notes."""
-    v = shared_vocab(target, drafter)
-    r = summarise(list(results.values()), target_name=target_name, drafter=drafter,
-                  sampling=sampling, settings=settings, cost=cost, vocab=v,
-                  sequences=sequences, interrupted=interrupted)
-    parts = run_key_parts(target, target_name, drafter, sampling, settings, sequences, device,
-                          *sweep)
-    r.run.run_key, r.run.run_key_parts = run_key(parts), parts
-    if drafter.width is not None and drafter.width != vocab_width(target):
-        r.notes.insert(0, f"vocab widths differ (target {vocab_width(target)}, draft "
-                          f"{drafter.width}): both cut to the first {v} ids before sampling; "
-                          f"exact only if the surplus rows are padding")
-    return r
+def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: int
+                      ) -> Simulated:
+    """The simulated section of a report, from the per-prompt simulation statistics. The
+    accepted length is the product-limit estimate: at offset j, the cycles at risk are those
+    that examined it plus those that had accepted everything and proposed nothing there."""
+    acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
+    cycles = sum(r.cycles for r in rows)
+    weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
+    counts = torch.tensor([[r.reached, r.accepted_at, r.unproposed] for r in rows],
+                          dtype=torch.float64)  # (prompts, 3, G)
+    reached, took, unproposed = counts.sum(0).long().tolist()
+    at_risk = counts[:, 0] + counts[:, 2]  # (prompts, G)
+    length = product_limit(at_risk.sum(0), counts[:, 1].sum(0)).item() if cycles else None
+    length_ci = None
+    if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
+        length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
+    proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
+    split = None if proposed[gamma] == cycles else proposed
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
+    return Simulated(
+        accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
+        censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
+        generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
+        tokens_per_verify_pass=sum(len(r.tokens) for r in rows) / cycles if cycles else None,
+        alpha=sum(acc) / sum(exam) if sum(exam) else None,
+        alpha_stderr=ratio_stderr(acc, exam), alpha_ci=bootstrap_ci(acc, exam, weights),
+        mean_accepted_length=length, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
+        est_speedup=speed, est_speedup_ci=speed_ci,
+        reached_by_draft_offset=reached, accepted_by_draft_offset=took,
+        unproposed_by_draft_offset=unproposed,
+        alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
+        accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
 
 
-def check_measurable(target: nn.Module, drafters: Sequence[Drafter],
-                     sequences: Sequence[TokenSequence], settings: Settings) -> None:
-    """Refuse, before any model work, what cannot be measured."""
-    if not sequences or not drafters:
-        raise UsageError("nothing to measure: no sequences or no drafts")
-    if settings.continuation_tokens == 0 and all(len(s.ids) < 2 for s in sequences):
-        raise UsageError("with --continuation-tokens 0 the prompts are scored, but every prompt "
-                         "has fewer than 2 tokens: nothing to score; raise --max-length or use "
-                         "--continuation-tokens > 0")
-    vocab = min(shared_vocab(target, d) for d in drafters)
-    if any(max(s.ids) >= vocab for s in sequences):
-        raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared vocabulary")
+def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
+                         ) -> None:
+    """The simulation speaks for blocks up to its own: the product-limit estimate over its
+    first g offsets is the accepted length of a block of g."""
+    at_risk = torch.tensor(sim.reached_by_draft_offset, dtype=torch.float64) + torch.tensor(
+        sim.unproposed_by_draft_offset, dtype=torch.float64)
+    took = torch.tensor(sim.accepted_by_draft_offset, dtype=torch.float64)
+    proposed = sim.proposed_by_cycle
+    for row in table:
+        if row.gamma > gamma:
+            continue
+        e = product_limit(at_risk[:row.gamma], took[:row.gamma]).item()
+        # a block of g proposes min(k, g) where this run's block proposed k
+        split = None if proposed[-1] == sim.cycles else \
+            list(proposed[:row.gamma]) + [sum(proposed[row.gamma:])]
+        row.simulated_tokens_per_cycle = e + 1
+        row.simulated_est_speedup = cost.speedup(e + 1, row.gamma, split)
 
 
-def collect(target: nn.Module, drafters: Sequence[Drafter], sequences: Sequence[TokenSequence],
-            sampling: SamplingParams, settings: Settings, eos: frozenset[int],
-            device: torch.device, progress: bool, share: tuple[int, int] = (0, 1),
-            done: Sequence[dict[int, PromptResult]] | None = None, stop: Stop | None = None
-            ) -> tuple[list[dict[int, PromptResult]], bool]:
-    """Per drafter, per prompt index, what was measured; and whether a Ctrl-C cut it short.
-    share = (rank, world): this process measures its deal of the batches (see deal).
-    done[k]: results of an earlier, interrupted run (--resume); batches they complete are
-    skipped (a batch is measured whole or not at all, so it is the batch of an uninterrupted
-    run, with the same numbers). stop: looked at before each batch (see Stop); a stop this
-    process is the first to know of is announced to the other ranks at once."""
-    results: list[dict[int, PromptResult]] = [dict(d) for d in done] if done else \
-        [{} for _ in drafters]
-    mine = [b for b in deal(length_batches(sequences, settings.batch_size), *share)
-            if not all(i in r and (r[i].sim is not None or not settings.simulate)
-                       for r in results for i in b)]
-    sampled = not settings.simulate or settings.separate_continuation  # a pass of its own
-    groups = len(vocab_groups(target, drafters)) if sampled else 0
-    bar = _progress(sum(map(len, mine)) * settings.continuation_tokens
-                    * (groups + settings.simulate * len(drafters)), "measuring", progress)
-    with step("the target's first forward"):
-        route_p = head_route(target, _probe([s.ids for s in sequences], device))
-    stop = stop if stop is not None else Stop()
-    store = rank_store() if share[1] > 1 else None
-    try:
-        for batch in mine:
-            stop.raising = True  # a signal from here on cuts the batch short
-            if stop_requested(stop, store):
-                return results, True
-            measure_batch(target, route_p, drafters, batch, sequences, sampling, settings, eos,
-                          device, results, bar)
-    except KeyboardInterrupt as e:
-        if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
-            stop.signals.append("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
-        if store is not None:
-            announce_stop(store, stop.cause)
-        return results, True
-    finally:
-        stop.raising = False
-        bar.close()
-    return results, False
+def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
+    """The warnings printed under a report."""
+    notes = []
+    if n_tokens == 0:
+        notes.append("PROMPT TOKENS SCORED (--continuation-tokens 0): the draft is judged on "
+                     "human text, not on what the target would write; alpha can differ a lot "
+                     "from serving")
+    if sampling.greedy:
+        notes.append("temperature 0: acceptance is exact top-1 agreement; it over-states "
+                     "acceptance under sampling")
+    if report.truncated_prompts:
+        notes.append(f"{report.truncated_prompts} prompt(s) longer than --max-length were cut "
+                     f"from the left (their ends kept)")
+    if report.cost_ratio_source.startswith("parameters"):
+        notes.append("cost ratio from parameter counts: a rough guide; memory-bound serving and "
+                     "the verify pass's real cost can differ (--cost-ratio measure times them)")
+    return notes
 
 
-def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
-                       sequences: Sequence[TokenSequence], *,
-                       sampling: SamplingParams = SamplingParams(),
-                       device: torch.device | str | None = None,
-                       settings: Settings | None = None, progress: bool = False,
-                       target_name: str = "target", draft_name: str = "draft",
-                       **options: Any) -> AcceptanceReport:
-    """Measure acceptance of one draft against `target` on tokenised prompts: measure_drafts
-    for a single draft (same arguments; gamma=, simulate=, ... or settings=)."""
-    return measure_drafts(target, [(draft_name, draft)], sequences, sampling=sampling,
-                          device=device, settings=settings, progress=progress,
-                          target_name=target_name, **options)[0]
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
+    return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def _interval(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+RULE = "  " + "─" * 66
+
+
+SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt tokens",
+             "simulation": "the text the simulation emitted"}
+
+
+def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
+    """The other proposal rule's numbers beside the report's own (teacher-forced, i.i.d.)."""
+    if not t.alpha_by_rule or run.temperature == 0:  # greedy: both rules are top-1 agreement
+        return []
+    other = "argmax" if run.proposal == "sample" else "sample"
+    who = (f"engines' rule: argmax proposal, accepted with p(x) ({ENGINES})" if other == "argmax"
+           else "Leviathan's rule: proposal sampled from q, accepted with min(1, p/q)")
+    return [f"    {who}",
+            f"      alpha {t.alpha_by_rule[other]:.3f}   tokens per cycle "
+            f"{t.tokens_per_cycle_by_rule[other]:.3f}   est. speedup "
+            f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
+
+
+def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str]:
+    std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
+    est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
+    return [
+        f"  teacher-forced (distributional), on {SCORED_ON[t.scored_on]}",
+        f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
+        f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
+        *([] if t.proposal_rate in (None, 1) else [
+            f"    proposals made at             {t.proposal_rate:.1%} of the positions "
+            f"(alpha: where one was made)"]),
+        f"    E[accepted draft tokens]      {_num(t.expected_accepted, '.3f')}  of {run.gamma}"
+        f"   ({est} estimator)",
+        f"    E[tokens per cycle]           {_num(t.tokens_per_cycle, '.3f')}"
+        f"{_ci(t.tokens_per_cycle_ci)}",
+        f"    est. speedup                  {_num(t.est_speedup, '5.2f') + 'x':>6}   {cost}"
+        f"{_ci(t.est_speedup_ci, '.2f')}",
+        *_other_rule_lines(t, run),
+        *([] if t.draft_vocab_coverage is None else [
+            f"    draft vocabulary covers       {t.draft_vocab_coverage:.3f} of p's mass "
+            f"(the rest can never be accepted)"]),
+        *([] if t.alpha_by_head is None else [
+            "    alpha by step                 "
+            + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
+            + "   (step k against the target's token k ahead; alpha above pools them as "
+              "a cycle examines them)"])]
+
+
+def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
+    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset)
+    reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset)
+    return [
+        RULE, "  simulated (generative): the real speculative-sampling loop — the number to "
+              "trust",
+        f"    acceptance rate  alpha        {_num(s.alpha, '.3f')}{_ci(s.alpha_ci)}",
+        f"    examined draft tokens         {s.examined_tokens:,} ({s.accepted_tokens:,} "
+        f"accepted) from {s.simulated_prompts} prompts",
+        f"    mean accepted length          {_num(s.mean_accepted_length, '.3f')}  "
+        f"of {run.gamma}   ({s.cycles:,} cycles, {s.censored_cycles} cut by EOS)",
+        *([] if s.proposed_by_cycle[-1] == s.cycles else [
+            f"    cycles with a proposal        {s.cycles - s.proposed_by_cycle[0]:,} of "
+            f"{s.cycles:,}; "
+            f"{sum(k * n for k, n in enumerate(s.proposed_by_cycle)) / s.cycles:.2f} tokens "
+            f"proposed per cycle"]),
+        f"    tokens per cycle              {_num(s.tokens_per_cycle, '.3f')}"
+        f"{_ci(s.tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
+        f"    tokens per verify pass        {_num(s.tokens_per_verify_pass, '.3f')}   (the "
+        f"prefill's token counted too: SGLang's per-request spec_accept_length)",
+        f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
+        f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
+        f"    alpha by draft offset 1..{run.gamma:<3}{offsets}",
+        f"    cycles reaching it         {reached}",
+        "      (a steep fall = the draft degrades as it runs ahead)",
+        "    P(accepted length >= j)    "
+        + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset),
+        "      (per cycle: the engines' per-position acceptance rate)",
+        *([] if run.drafted_by is None else [
+            "    drafted by                 " + "".join(  # "layer 2" -> "L2", "head 3" -> "H3"
+                f"{d.replace('layer ', 'L').replace('head ', 'H')[:5]:>6}"
+                for d in run.drafted_by)
+            + "   (L = MTP layer, H = Medusa head)"])]
+
+
+def _gamma_lines(r: AcceptanceReport) -> list[str]:
+    table, best = r.gamma_table, r.teacher_forced.best_gamma
+    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f} "
+                   f"(* = highest est. speedup, teacher-forced)",
+             "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
+             "    tokens/cycle     " + "".join(f"{row.tokens_per_cycle:>7.2f}" for row in table),
+             "    est. speedup     " + "".join(
+                 f"{row.est_speedup:>6.2f}{'*' if row.gamma == best else ' '}" for row in table)]
+    if any(row.simulated_tokens_per_cycle is not None for row in table):
+        lines += ["    sim tokens/cycle " + "".join(
+                      f"{_num(row.simulated_tokens_per_cycle, '.2f'):>7}" for row in table),
+                  "    sim speedup      " + "".join(
+                      f"{_num(row.simulated_est_speedup, '.2f'):>7}" for row in table)]
+    return lines
+
+
+def format_report(r: AcceptanceReport) -> str:
+    """The text report, notes underneath."""
+    run, t = r.run, r.teacher_forced
+    sampling = f"temperature={run.temperature:g}"
+    if run.top_k:
+        sampling += f"  top_k={run.top_k}"
+    if run.top_p < 1:
+        sampling += f"  top_p={run.top_p:g}"
+    cost = f"(cost_ratio={run.cost_ratio:.2f}, rough)"
+    rule = "" if run.temperature == 0 else (
+        "    proposal: sampled from q" if run.proposal == "sample"
+        else "    proposal: argmax of q (engines' rule)")
+    lines = [f"  speculative-decoding acceptance  —  {run.draft}  ⇒  {run.target}",
+             f"  sampling: {sampling}    gamma (draft block): {run.gamma}    "
+             f"vocabulary: first {run.vocab:,} ids{rule}"]
+    if run.system_prompt is not None:
+        lines.append(f"  system prompt: {run.system_prompt!r}")
+    if run.context is not None:
+        c = run.context
+        lines.append(f"  context: the first {c['length']:,} tokens of {len(c['documents'])} "
+                     f"documents" + (f" ({c['shorter']} shorter ones left out)"
+                                     if c["shorter"] else ""))
+    if run.partial:
+        lines.append(f"  PARTIAL RESULT — {run.progress_note}")
+    lines += [RULE] + _teacher_forced_lines(t, run, cost)
+    if r.simulated is not None and r.simulated.reached_by_draft_offset is not None:
+        lines += _simulated_lines(r.simulated, run, cost)
+    if r.gamma_table:
+        lines += _gamma_lines(r)
+    if t.alpha_by_category:
+        lines += [RULE, "  alpha by category (teacher-forced)"]
+        rates = t.proposal_rate_by_category or {}
+        lines += [f"    {name:<16} {a:.3f}   ({t.sequences_by_category[name]} sequences"
+                  + (f", proposals at {rates[name]:.0%} of positions" if name in rates else "")
+                  + ")" for name, a in t.alpha_by_category.items()]
+    lines.append(RULE)
+    lines += [f"  note: {n}" for n in run.notes]
+    verify = "1" if run.verify_cost == 1 else f"{run.verify_cost:.2f}"
+    some = "" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
+                                                  "does not)"
+    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
+                 f"{some}, cost_ratio from {run.cost_ratio_source}: an indication, not a "
+                 f"benchmark")
+    return "\n".join(lines)
+
+
+def format_summary(reports: Sequence[AcceptanceReport]) -> str:
+    """One row per (draft, temperature), best estimated speedup first."""
+    def speed(r: AcceptanceReport) -> float:
+        best = next((row for row in r.gamma_table or [] if row.gamma == r.best_gamma), None)
+        return -1.0 if best is None else best.est_speedup
+
+    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
+             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
+             f"{'best gamma':>10} {'speedup':>8}"]
+    for r in sorted(reports, key=speed, reverse=True):
+        ci = _interval(r.alpha_ci)
+        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
+        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
+                     f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
+                     f"{_num(r.best_gamma, 'd'):>10} "
+                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
+    return "\n".join(lines)
+
+
+def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
+    """--context-lengths: per (draft, system prompt, temperature), a row per context length:
+    prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
+    the engines'-rule alpha, tokens per cycle and speedup (teacher-forced, i.i.d.)."""
+    groups: dict[tuple, list[AcceptanceReport]] = {}
+    for r in reports:
+        groups.setdefault((r.draft, r.system_prompt, r.temperature), []).append(r)
+    sim = any(r.simulated is not None for r in reports)
+    lines = []
+    for (draft, system, t), rs in groups.items():
+        by_length = {r.run.context["length"]: r for r in rs}
+        longest = rs[0].run.context["longest"]
+        lines += [f"  acceptance by context length — {draft}, T={t:g}"
+                  + ("" if system is None else f", system prompt {system!r}")
+                  + " (95% CI over prompts)",
+                  f"    {'context':>8} {'prompts':>7} {'shorter':>7} {'alpha':>6} "
+                  f"{'95% CI':>15} {'engines':>7} {'tok/cyc':>7} {'speedup':>7}"
+                  + (f" {'sim alpha':>9} {'95% CI':>15} {'sim tok/cyc':>11}" if sim else "")]
+        for n in sorted(set(lengths)):
+            r = by_length.get(n)
+            if r is None:
+                why = (f"no document has {n:,} tokens (the longest has {longest:,})"
+                       if n > longest else "not measured (the run stopped first)")
+                lines.append(f"    {n:>8,} {0:>7} {'-':>7}   {why}")
+                continue
+            tf, s, c = r.teacher_forced, r.simulated, r.run.context
+            lines.append(
+                f"    {n:>8,} {len(c['documents']):>7} {c['shorter']:>7} "
+                f"{_num(tf.alpha, '.3f'):>6} {_interval(tf.alpha_ci):>15} "
+                f"{_num((tf.alpha_by_rule or {}).get('argmax'), '.3f'):>7} "
+                f"{_num(tf.tokens_per_cycle, '.2f'):>7} "
+                f"{_num(tf.est_speedup, '.2f') + 'x':>7}"
+                + ("" if not sim else
+                   f" {_num(s and s.alpha, '.3f'):>9} {_interval(s and s.alpha_ci):>15} "
+                   f"{_num(s and s.tokens_per_cycle, '.2f'):>11}"))
+    lines.append("    (engines = alpha under the engines' rule, argmax proposal accepted with "
+                 "p(x); tok/cyc and speedup: teacher-forced, at the run's gamma)")
+    return "\n".join(lines)
 
 
 def _sha256(what: Any) -> str:
@@ -3660,80 +3534,294 @@ def model_identity(model: nn.Module) -> str:
     return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
 
 
-def _dtype_name(model: nn.Module) -> str:
-    weights = next(model.parameters(), None)
-    return "none" if weights is None else str(weights.dtype).removeprefix("torch.")
-
-
-def run_key_parts(target: nn.Module, target_name: str, drafter: Drafter,
-                  sampling: SamplingParams, settings: Settings,
-                  sequences: Sequence[TokenSequence], device: torch.device,
-                  temperatures: Sequence[float] | None = None,
-                  context_lengths: Sequence[int] | None = None) -> dict[str, Any]:
-    """Everything a report's per-prompt numbers depend on (how the costs are found aside), by
-    name, as its JSON holds them: a resumed run reuses only results whose parts are all equal
-    (see key_difference). temperatures: the whole sweep the report is one of (the CLI's
-    --temperature list; default the report's own); context_lengths: --context-lengths' list,
-    a part only when given (so the keys of runs without it stay as they were)."""
-    models = [m for k, m in vars(drafter).items() if isinstance(m, nn.Module) and k != "target"]
-    dtypes = [_dtype_name(m) for m in [target, *models]]
-    parts = {"target": target_name, "target model": model_identity(target),
-             "draft": drafter.name,
-             "draft model": "; ".join(map(model_identity, models)) or "none (no network)",
-             "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
-             "device": device.type,
-             "temperatures": list(temperatures or [sampling.temperature]), **asdict(sampling),
-             **{k: v for k, v in asdict(settings).items() if k != "cost_ratio"},
-             "prompts": f"sha256 {_sha256([s.ids for s in sequences])[:16]} "
-                        f"({len(sequences)} prompts)"}
-    if context_lengths is not None:
-        parts["context lengths"] = list(context_lengths)
-    return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
-
-
 def run_key(parts: dict[str, Any]) -> str:
     """The hash of a report's run_key_parts."""
     return _sha256(parts)
 
 
-def key_difference(old: dict[str, Any], candidates: Sequence[dict[str, Any]]) -> str | None:
-    """None when an earlier report's key parts equal those of one of this run's reports;
-    else "<part> <old value>, this run uses <new value>", for the first part that differs from
-    the nearest candidate (the one that differs in fewest parts)."""
-    def differing(new: dict[str, Any]) -> list[str]:
-        return [k for k in {**new, **old} if old.get(k) != new.get(k)]
-    nearest = min(candidates, key=lambda new: len(differing(new)))
-    first = next(iter(differing(nearest)), None)
-    if first is None:
-        return None
-
-    def text(v: Any) -> str:
-        if isinstance(v, list):
-            return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
-        return "(none)" if v is None else str(v)
-    return f"{first} {text(old.get(first))}, this run uses {text(nearest.get(first))}"
+# ----------------------------------------------------------------------------------------------
+# the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
 
 
-def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, PromptResult]]:
-    """The per-prompt results of earlier reports (their JSON), by run_key."""
-    return {r["run_key"]: {row["index"]: prompt_result_of(row) for row in r["per_prompt"]}
-            for r in reports if r.get("run_key")}
+class Measurement:
+    """One setting measured against a target: the prompts, the sampling, the settings, the EOS
+    ids and the device every batch needs, held once. measure() runs drafters over batches of
+    prompts into per-prompt sums (PromptResult) that add up, however the batches are dealt out
+    or resumed; report() turns one drafter's sums into its AcceptanceReport.
+
+    For each batch (measure_batch), per vocabulary the drafters share: the target's
+    continuation of each prompt (the text speculative decoding would produce) and one
+    teacher-forced pass of the target (target_side), against which every drafter is scored
+    (score); with simulate, each drafter's simulation runs first and its output is that
+    drafter's continuation (speculative sampling is lossless: what it emits is an exact sample
+    from the target), so the two routes score the same text; separate_continuation samples one
+    continuation apart, shared by every drafter."""
+
+    def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence | Sequence[int]],
+                 sampling: SamplingParams = SamplingParams(), settings: Settings | None = None,
+                 device: torch.device | str | None = None):
+        self.target, self.sampling = target, sampling
+        self.settings = settings or Settings()
+        self.sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s))
+                          for s in sequences]
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.eos = frozenset(eos_ids(target) if self.settings.eos is None else self.settings.eos)
+        self.progress: Any = Quiet()  # the run's progress bar, when it shows one
+        self.target_name = "target"  # what the reports call the target
+        self.route: bool | None = None  # head_route(target), found on the first batch
+
+    def drafters(self, drafts: Sequence[Drafter | tuple[str, nn.Module]]) -> list[Drafter]:
+        """The drafters as this setting runs them (for_run), once what cannot be measured is
+        refused, before any model work."""
+        drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
+        s, seqs = self.settings, self.sequences
+        if not seqs or not drafters:
+            raise UsageError("nothing to measure: no sequences or no drafts")
+        if s.continuation_tokens == 0 and all(len(q.ids) < 2 for q in seqs):
+            raise UsageError("with --continuation-tokens 0 the prompts are scored, but every "
+                             "prompt has fewer than 2 tokens: nothing to score; raise "
+                             "--max-length or use --continuation-tokens > 0")
+        vocab = min(shared_vocab(self.target, d) for d in drafters)
+        if any(max(q.ids) >= vocab for q in seqs):
+            raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
+                             f"vocabulary")
+        return [d.for_run(self.eos, s.gammas) for d in drafters]
+
+    def batches(self) -> list[list[int]]:
+        """The prompts' indices in batches, shortest first (length_batches): every process and
+        every resumed run forms the same ones, so every floating-point sum is the same."""
+        return length_batches(self.sequences, self.settings.batch_size)
+
+    def config(self, vocab: int) -> LoopConfig:
+        """What a generation over this setting fixes: sampling, block, budget, vocabulary."""
+        s = self.settings
+        return LoopConfig(self.sampling, s.gamma, s.continuation_tokens, vocab, self.eos,
+                          self.device, s.seed)
+
+    def measure(self, drafters: Sequence[Drafter], batches: Sequence[list[int]],
+                into: Sequence[dict[int, PromptResult]],
+                stop: Callable[[], bool] = lambda: False) -> bool:
+        """Measure the batches in turn, into[k][prompt index] for drafter k, each batch start
+        to finish (so a Ctrl-C leaves whole batches measured). stop() is asked before each
+        batch (the run's signals and ranks); -> True when it stopped early."""
+        for batch in batches:
+            if stop():
+                return True
+            self.measure_batch(drafters, batch, into)
+        return False
+
+    def measure_batch(self, drafters: Sequence[Drafter], batch: list[int],
+                      into: Sequence[dict[int, PromptResult]]) -> None:
+        """One batch against every drafter, per vocabulary group: results land in into[k] as
+        each step finishes, so an interrupted batch keeps what it completed (its simulation
+        only whole: the rows that finish first accept fastest, so a cut batch would bias a
+        partial report upwards). A drafter that needs the target's outputs only where they
+        predict the text (one drafting step, no reading of the target's states) takes them
+        from its simulation's verify passes, which computed them (emitted_pass): no target
+        pass of its own."""
+        s = self.settings
+        if self.route is None:
+            with step("the target's first forward"):
+                self.route = head_route(self.target, _probe([q.ids for q in self.sequences],
+                                                            self.device))
+        groups: dict[int, list[int]] = {}  # drafters by the vocabulary they are measured on:
+        for k, d in enumerate(drafters):  # each group gets what it would get alone
+            groups.setdefault(shared_vocab(self.target, d), []).append(k)
+        for vocab, members in groups.items():
+            if not s.simulate or s.separate_continuation:
+                side = self.target_side(batch, vocab)
+                for k in members:
+                    self.score(drafters[k], side, vocab, into[k])
+                for k in members if s.simulate else ():
+                    for i, row in self.simulate(drafters[k], batch, vocab).items():
+                        into[k][i].sim = row
+                continue
+            for k in members:  # each drafter's own text, and the target's outputs over it
+                d = drafters[k]
+                kept = {} if self.route and d.steps is None and not d.reads_target else None
+                sims = self.simulate(d, batch, vocab, kept)
+                conts = [sims[i].tokens for i in batch]
+                self.score(d, emitted_pass(batch, self.sequences, conts, kept)
+                           if kept is not None else self.target_side(batch, vocab, conts),
+                           vocab, into[k])
+                for i, row in sims.items():
+                    into[k][i].sim = row
+
+    def target_side(self, batch: list[int], vocab: int,
+                    conts: list[list[int]] | None = None) -> TargetPass:
+        """The target's continuation of each prompt of a batch (`conts` when the simulation
+        wrote it already), then one teacher-forced target pass over prompt + continuation."""
+        sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
+        if conts is None:
+            self.progress.set_description("continuations")
+            with step("sampling the target's continuations"):
+                conts = (sample_continuations(self.target, [q.ids for q in sub],
+                                              self.config(vocab), batch, self.progress)
+                         if n_tokens else [[] for _ in sub])
+        rows, spans = scored_rows(sub, conts)
+        first = 0 if self.route else min(s for s, _ in spans)
+        with step("the target's teacher-forced pass"):
+            return TargetPass(batch, rows, spans, teacher_forced(
+                self.target, rows, self.device, self.route, first), first=first)
+
+    def score(self, drafter: Drafter, side: TargetPass, vocab: int,
+              into: dict[int, PromptResult]) -> None:
+        """Teacher-forced alpha_t at every scored position of a batch (step k+1 of a drafter
+        with steps against the target k positions later), summed per prompt into `into`."""
+        self.progress.set_description("teacher-forced")
+        target, route, s = self.target, self.route, self.settings
+        with step(f"the teacher-forced pass of draft {drafter.name}"):
+            reads = side.states if drafter.reads_target and route else None
+            steps = drafter.score(side.rows, side.spans, reads, self.sampling, vocab,
+                                  self.device)
+            per_step = []
+            for k, scores in enumerate(steps):  # a later step's positions: the first k dropped
+                states = side.at(k, self.device)
+                sizes = [max(0, e - b - k) for b, e in side.spans]
+                labels = [(i, t) for i, (b, e) in zip(side.batch, side.spans)
+                          for t in range(b + k, e)]
+                stats = position_stats(
+                    lambda a, b: head_logits(target, states[a:b], route), scores,
+                    self.sampling, vocab, where=lambda n: "prompt {}, position {}".format(
+                        *labels[n]))
+                per_step.append({key: v.split(sizes) for key, v in stats.items()})
+        for j, i in enumerate(side.batch):
+            into[i] = PromptResult.of(i, self.sequences[i].category,
+                                      [{key: v[j] for key, v in st.items()} for st in per_step],
+                                      s.gammas, self.sampling.proposal, drafter.steps is not None)
+
+    def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
+                 states: dict[int, torch.Tensor | None] | None = None) -> dict[int, RowStats]:
+        """The simulation of one batch with a drafter (its budget: continuation_tokens);
+        states: see simulate_batch."""
+        self.progress.set_description("simulation")
+        with step(f"the simulation with draft {drafter.name}"):
+            return simulate_batch(self.target, drafter,
+                                  {i: list(self.sequences[i].ids) for i in batch},
+                                  self.config(vocab), self.progress, states)
+
+    def costs(self, drafters: Sequence[Drafter]) -> list[Cost]:
+        """Each drafter's cost model (cost_model: parameters, timed, or given)."""
+        return [cost_model(self.target, d, self.settings, self.sequences, self.device)
+                for d in drafters]
+
+    def report(self, drafter: Drafter, results: dict[int, PromptResult], cost: Cost,
+               interrupted: bool = False) -> AcceptanceReport:
+        """One drafter's per-prompt results -> its report (notes included; its run key covers
+        this setting alone: a run of several sets the parts of its sweep)."""
+        s, sampling, seqs = self.settings, self.sampling, self.sequences
+        results_ = sorted(results.values(), key=lambda r: r.index)  # bootstrap units' order
+        vocab = shared_vocab(self.target, drafter)
+        run = RunInfo(target=self.target_name, draft=drafter.name,
+                      temperature=sampling.temperature, top_k=sampling.top_k,
+                      top_p=sampling.top_p, gamma=s.gamma, cost_ratio=cost.ratio,
+                      cost_ratio_source=cost.source, verify_cost=cost.verify[s.gamma],
+                      proposal=sampling.proposal, drafted_by=drafter.drafted_by(s.gamma),
+                      vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
+                      costs=cost.timings, per_prompt=[r.row() for r in results_
+                                                      if r.positions or r.sim is not None])
+        tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal, drafter.steps)
+        if tf is None and not interrupted:  # (no position at all to look at)
+            raise UsageError("nothing to score: no scored position in any sequence; use "
+                             "longer prompts or --continuation-tokens > 0")
+        tf = tf or TeacherForced()
+        tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
+                        if s.simulate and not s.separate_continuation else "continuation")
+        done = [r.sim for r in results_ if r.sim is not None]
+        sim = None
+        if s.simulate and done:
+            sim = simulation_fields(done, s.gamma, cost, s.seed)
+            add_simulated_gammas(table, sim, s.gamma, cost)
+        if interrupted:
+            simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
+            run.partial = True
+            run.progress_note = (f"interrupted: {tf.n_sequences} of {len(seqs)} sequences "
+                                 f"scored{simulated}")
+        run.notes = report_notes(run, sampling, s.continuation_tokens) + list(cost.notes)
+        if drafter.width is not None and drafter.width != vocab_width(self.target):
+            run.notes.insert(0, f"vocab widths differ (target {vocab_width(self.target)}, "
+                                f"draft {drafter.width}): both cut to the first {vocab} ids "
+                                f"before sampling; exact only if the surplus rows are padding")
+        run.run_key_parts = self.run_key_parts(drafter, run.target)
+        run.run_key = run_key(run.run_key_parts)
+        return AcceptanceReport(run, tf, sim, table)
+
+    def run_key_parts(self, drafter: Drafter, target_name: str) -> dict[str, Any]:
+        """Everything a report's per-prompt numbers depend on (how the costs are found aside),
+        by name, as its JSON holds them: a resumed run reuses only results whose parts are all
+        equal. The temperatures are this setting's; a run of several records its whole sweep
+        (and its context lengths) instead."""
+        models = drafter.networks()
+        dtypes = [str(next(m.parameters(), torch.empty(0)).dtype).removeprefix("torch.")
+                  for m in [self.target, *models]]
+        parts = {"target": target_name, "target model": model_identity(self.target),
+                 "draft": drafter.name,
+                 "draft model": "; ".join(map(model_identity, models)) or "none (no network)",
+                 "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
+                 "device": self.device.type, "temperatures": [self.sampling.temperature],
+                 **asdict(self.sampling),
+                 **{k: v for k, v in asdict(self.settings).items() if k != "cost_ratio"},
+                 "prompts": f"sha256 {_sha256([s.ids for s in self.sequences])[:16]} "
+                            f"({len(self.sequences)} prompts)"}
+        return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
 
 
-def prompt_result_of(row: dict[str, Any]) -> PromptResult:
-    """A PromptResult (and its RowStats) back from a report's per_prompt row."""
-    fields = {k: row[k] for k in ("index", "category", "positions", "scored", "alpha_sum",
-                                  "top1_sum", "p_argmax_q_sum", "head_alpha_sums",
-                                  "head_scored")}
-    fields["head_p_argmax_q_sums"] = row.get("head_p_argmax_q_sums", [])
-    fields["coverage_sum"] = row.get("coverage_sum")
-    windows = {int(g): tuple(w) for g, w in row["windows"].items()}
-    sim = None
-    if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as it emitted
-        sim = RowStats(**{k: row[k] for k in ("accepted", "examined", "cycles", "censored",
-                                              "reached", "accepted_at", "unproposed",
-                                              "proposed")}, tokens=[-1] * row["generated"])
-    return PromptResult(**fields, windows=windows, sim=sim)
+def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
+                   sequences: Sequence[TokenSequence], *,
+                   sampling: SamplingParams = SamplingParams(), settings: Settings | None = None,
+                   **options: Any) -> list[AcceptanceReport]:
+    """Measure each draft against one set of target continuations and target passes.
+
+    A draft is a Drafter, or (name, model) for a separate draft model or an early_exit_draft.
+    The settings come as a Settings value or as its fields by keyword (gamma=,
+    continuation_tokens=, simulate=, seed=, batch_size=, estimator=, cost_ratio=, eos=,
+    separate_continuation=). Other keywords: device= (default auto), target_name= (the
+    reports' name for the target), costs= (per draft, a Cost made earlier by cost_model, so a
+    sweep times the models once), progress= (a progress bar: anything with update(n) and
+    set_description(text), such as a tqdm). Note the library's default sampling is
+    SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
+    cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
+    used per token; "measure" = timed on the device (see measure_costs).
+
+    Prompts go through in batches, each start to finish (continuation, teacher-forced scoring,
+    simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the reports
+    then cover what finished and are marked partial.
+    """
+    run = {k: options.pop(k) for k in ("device", "target_name", "costs", "progress")
+           if k in options}
+    for old in [k for k in ("share", "done", "stop", "temperatures", "context_lengths")
+                if k in options]:
+        options.pop(old)
+        warnings.warn(f"measure_drafts({old}=...) is deprecated and ignored: several processes, "
+                      f"resuming and sweeps are the command line's (main)", DeprecationWarning,
+                      stacklevel=2)
+    settings = replace(settings, **options) if settings else Settings(**options)
+    m = Measurement(target, sequences, sampling, settings, run.get("device"))
+    m.target_name = run.get("target_name", "target")
+    if run.get("progress") is True:
+        warnings.warn("measure_drafts(progress=True) is deprecated: pass a progress bar, such "
+                      "as tqdm(...), or run the command line", DeprecationWarning, stacklevel=2)
+    elif run.get("progress"):
+        m.progress = run["progress"]
+    drafters = m.drafters(drafts)
+    costs = run.get("costs") or m.costs(drafters)
+    results: list[dict[int, PromptResult]] = [{} for _ in drafters]
+    try:
+        interrupted = m.measure(drafters, m.batches(), results)
+    except KeyboardInterrupt:
+        interrupted = True
+    return [m.report(d, res, cost, interrupted) for d, res, cost in zip(drafters, results, costs)]
+
+
+def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
+                       sequences: Sequence[TokenSequence], *,
+                       sampling: SamplingParams = SamplingParams(),
+                       settings: Settings | None = None, **options: Any) -> AcceptanceReport:
+    """Measure acceptance of one draft against `target` on tokenised prompts: measure_drafts
+    for a single draft (same keywords; draft_name= names it, default "draft")."""
+    name = options.pop("draft_name", "draft")
+    return measure_drafts(target, [(name, draft)], sequences, sampling=sampling,
+                          settings=settings, **options)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3755,50 +3843,43 @@ class TrainingMeter:
 
     def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
                  sampling: SamplingParams, settings: Settings, device: torch.device | None = None):
-        self.target, self.sequences = target, list(sequences)
         # the target's side is made once, before any draft: its own continuations
-        self.sampling, self.settings = sampling, replace(settings, separate_continuation=True)
-        self.device = device or model_device(target) or torch.device("cpu")
+        self.m = Measurement(target, sequences, sampling,
+                             replace(settings, separate_continuation=True),
+                             device or model_device(target) or torch.device("cpu"))
         self.sides: list[TargetPass] | None = None  # made on first use
 
     def prepare(self, vocab: int) -> None:
-        target, device, settings = self.target, self.device, self.settings
-        self.eos = run_eos(target, settings)
+        m = self.m
         with torch.no_grad():
-            self.route = head_route(target, _probe([s.ids for s in self.sequences], device))
+            m.route = head_route(m.target, _probe([s.ids for s in m.sequences], m.device))
             self.sides = []
-            for batch in length_batches(self.sequences, settings.batch_size):
-                side = target_pass(target, self.route, batch, self.sequences, self.sampling,
-                                   settings, self.eos, device, vocab, _NoBar())
-                self.sides.append(side._replace(states=side.at(0, device), compact=True))
+            for batch in m.batches():
+                side = m.target_side(batch, vocab)
+                self.sides.append(side._replace(states=side.at(0, m.device), compact=True))
 
     def measure(self, draft: nn.Module, name: str = "draft") -> AcceptanceReport:
         """The report of `draft` now (in eval mode for the measurement, its mode restored)."""
-        drafter = ModelDrafter(name, draft)
-        vocab = shared_vocab(self.target, drafter)
+        m, drafter = self.m, ModelDrafter(name, draft)
+        vocab = shared_vocab(m.target, drafter)
         if self.sides is None:
             self.prepare(vocab)
         was_training = draft.training
         draft.eval()
+        results: dict[int, PromptResult] = {}
         try:
             with torch.no_grad():
-                results = self.score(drafter, vocab)
+                for side in self.sides:
+                    m.score(drafter, side, vocab, results)
+                    for i, row in (m.simulate(drafter, side.batch, vocab).items()
+                                   if m.settings.simulate else ()):
+                        results[i].sim = row
         finally:
             draft.train(was_training)
-        cost = cost_model(self.target, drafter, replace(self.settings, cost_ratio=None)
-                          if self.settings.cost_ratio == "measure" else self.settings,
-                          self.sequences, self.device)
-        return summarise(list(results.values()), target_name="target", drafter=drafter,
-                         sampling=self.sampling, settings=self.settings, cost=cost,
-                         vocab=vocab, sequences=self.sequences, interrupted=False)
-
-    def score(self, drafter: Drafter, vocab: int) -> dict[int, PromptResult]:
-        results: dict[int, PromptResult] = {}
-        for side in self.sides:
-            measure_side(self.target, self.route, [drafter], side, self.sequences,
-                         self.sampling, self.settings, self.eos, self.device, vocab, [results],
-                         _NoBar())
-        return results
+        timed = m.settings.cost_ratio == "measure"  # not at every evaluation: parameters
+        cost = cost_model(m.target, drafter, replace(m.settings, cost_ratio=None) if timed
+                          else m.settings, m.sequences, m.device)
+        return m.report(drafter, results, cost)
 
 
 def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, float]:
@@ -3813,98 +3894,16 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
     return {k: v for k, v in out.items() if v is not None}
 
 
-@functools.lru_cache(maxsize=None)
-def _acceptance_callback_class() -> type:
-    """AcceptanceCallback subclasses transformers' TrainerCallback, so it is made on first use
-    (importing specdec does not import transformers)."""
-    from transformers import TrainerCallback
-
-    class AcceptanceCallback(TrainerCallback):
-        """Log the teacher-forced acceptance of the model being trained (the draft) against a
-        frozen target, through the Trainer's own logging (console, TensorBoard, W&B ...):
-        specdec/alpha, specdec/tokens_per_cycle, specdec/est_speedup, specdec/alpha/<category>
-        (and specdec/sim_* with simulate=True), at every evaluation and, with every=N, at the
-        start and every N optimiser steps; once per step where the two meet.
-
-            callback = AcceptanceCallback(target, prompts, tokenizer=tok, temperature=0.7)
-            callback.attach(trainer)   # adds it, and lets it log through trainer.log
-            trainer.train()
-
-        prompts: token sequences (build_sequences), or texts with tokenizer=. The target's
-        side is computed once; each measurement costs about one forward of the draft."""
-
-        def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
-                     temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
-                     gamma: int = 4, continuation_tokens: int = 32, every: int | None = None,
-                     prefix: str = "specdec/", max_length: int = 512,
-                     proposal: str = "sample", **options: Any):
-            if tokenizer is not None:
-                prompts = build_sequences(prompts, tokenizer, max_length=max_length)
-            elif not all(isinstance(p, TokenSequence) for p in prompts):
-                raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
-                                 "or texts with tokenizer=")
-            sampling = SamplingParams(temperature, top_k, top_p, proposal)
-            settings = Settings(gamma=gamma, continuation_tokens=continuation_tokens, **options)
-            self.meter = TrainingMeter(target, prompts, sampling, settings)
-            self.every, self.prefix, self.trainer = every, prefix, None
-            self.history: list[tuple[int, AcceptanceReport]] = []  # (global step, report)
-
-        def attach(self, trainer: Any) -> "AcceptanceCallback":
-            trainer.add_callback(self)
-            self.trainer = trainer
-            return self
-
-        def log_now(self, state: Any, control: Any, model: nn.Module) -> None:
-            if self.history and self.history[-1][0] == state.global_step:
-                return  # an evaluation on an every-N step: one measurement per step
-            report = self.meter.measure(model)
-            self.history.append((state.global_step, report))
-            if self.trainer is not None:
-                keep = control.should_log  # Trainer.log clears it: the step's own log stays
-                self.trainer.log(metrics_of(report, self.prefix))
-                control.should_log = keep
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if self.every:  # where training starts from
-                self.log_now(state, control, model)
-
-        def on_evaluate(self, args, state, control, model=None, **kwargs):
-            self.log_now(state, control, model)
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if self.every and state.global_step % self.every == 0:
-                self.log_now(state, control, model)
-
-    return AcceptanceCallback
-
-
-def __getattr__(name: str) -> Any:
-    """`from specdec import AcceptanceCallback` builds the class on first use (PEP 562)."""
-    if name == "AcceptanceCallback":
-        return _acceptance_callback_class()
-    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+# ==============================================================================================
+# THE LINE. Above: the library (maths, caches, drafters, the two routes, statistics, the report,
+# one setting measured). Below: the run, which calls up into it: loading models and data,
+# files, plots, resuming, several processes and signals, the sweep of settings, the command
+# line. Nothing above knows of any of these.
+# ==============================================================================================
 
 
 # ----------------------------------------------------------------------------------------------
-# loading models and data
-
-
-def resolve_device(name: str | None = "auto") -> torch.device:
-    """auto picks cuda, then mps, then cpu."""
-    if name in (None, "auto"):
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
-    if name == "mps" and not (getattr(torch.backends, "mps", None)
-                              and torch.backends.mps.is_available()):
-        raise UsageError("--device mps: MPS is not available here; use --device cpu")
-    if name not in ("cpu", "cuda", "mps") and not name.startswith("cuda:"):
-        raise UsageError(f"unknown device {name!r}: use auto, cpu, cuda or mps")
-    return torch.device(name)
+# loading models
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -3942,29 +3941,6 @@ def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dty
     return tok, model
 
 
-@contextlib.contextmanager
-def _quiet_loggers(*names: str, bars: bool = False):
-    """Silence the loaders' warnings (and, with bars, their progress bars) for a while, then put
-    the caller's settings back: importing specdec must not change anyone's logging."""
-    levels = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.ERROR)
-    hf_logging = None  # set when we switched transformers' bars off and owe them back
-    if bars and "transformers" in names:
-        from transformers.utils import logging as hf_logging
-        if hf_logging.is_progress_bar_enabled():
-            hf_logging.disable_progress_bar()
-        else:
-            hf_logging = None
-    try:
-        yield
-    finally:
-        for n, level in levels.items():
-            logging.getLogger(n).setLevel(level)
-        if hf_logging is not None:
-            hf_logging.enable_progress_bar()
-
-
 def _cached(repo_id: str) -> bool:
     """True if the hub cache already holds a config for repo_id (so no network is needed)."""
     try:
@@ -3990,56 +3966,6 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return True
     except OSError:
         return False
-
-
-def load_model_and_tokenizer(name: str, device: torch.device | str | None = None,
-                             dtype: torch.dtype | str | None = None,
-                             use_unsloth: bool = False, progress: bool = True, *,
-                             device_map: str | dict | None = None,
-                             max_memory: dict | None = None, offload_folder: str | None = None
-                             ) -> tuple[nn.Module, Any, torch.device]:
-    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file.
-
-    Returns (model in eval mode, tokenizer, device: where inputs go). GGUF weights are
-    dequantised. progress=False silences the loaders' own progress bars. device_map ("auto",
-    "balanced", "sequential" or a dict), max_memory ({0: "70GiB", "cpu": "200GiB"}) and
-    offload_folder go to accelerate's big-model loading: one model over several devices, disk
-    included; the device returned is then the first device of the map.
-    """
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    source, kwargs = _model_source(name)
-    if use_unsloth:
-        return _load_unsloth(name, device, resolve_dtype(dtype, device))
-    if device_map is not None:
-        kwargs.update(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
-    dtype = resolve_dtype(dtype, device)
-    import transformers
-    if not os.path.exists(source) and not _cached(source) and not _hub_reachable():
-        raise UsageError(f"could not load {name!r}: no such local folder or .gguf file, not in "
-                         f"the hub cache, and the hub is unreachable from here; download it "
-                         f"where there is a network, or give a local path")
-    try:
-        with _quiet_loggers("transformers", "huggingface_hub", "accelerate", bars=not progress):
-            tok, model = _from_pretrained(transformers, name, source, dtype, kwargs, progress)
-    except UsageError:
-        raise
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e) or "AutoModelForCausalLM" in str(e):
-            raise UsageError(f"{name!r} is not a causal language model "
-                             f"(AutoModelForCausalLM cannot load it)") from None
-        raise UsageError(f"could not load {name!r}: {_one_line(e)}") from None
-    except OSError as e:
-        raise UsageError(f"could not load {name!r}: not a model folder, .gguf file or hub id "
-                         f"that can be read ({_one_line(e)[:200]})") from None
-    except Exception as e:  # a corrupt or unsupported checkpoint: say so, not a traceback
-        raise UsageError(f"could not load {name!r} ({type(e).__name__}: "
-                         f"{_one_line(e)[:200]})") from None
-    if device_map is None:
-        model.to(device)
-    else:
-        device = _input_device(model)
-    model.specdec_files = files_fingerprint(name)  # for the run key (model_identity)
-    return model.eval().requires_grad_(False), tok, device
 
 
 def _model_source(name: str) -> tuple[str, dict[str, Any]]:
@@ -4144,252 +4070,55 @@ def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
     return model.eval(), tok, device
 
 
-_LAYER_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
-                "transformer.layers", "model.language_model.layers", "transformer.blocks")
+def load_model_and_tokenizer(name: str, device: torch.device | str | None = None,
+                             dtype: torch.dtype | str | None = None,
+                             use_unsloth: bool = False, progress: bool = True, *,
+                             device_map: str | dict | None = None,
+                             max_memory: dict | None = None, offload_folder: str | None = None
+                             ) -> tuple[nn.Module, Any, torch.device]:
+    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file.
 
-
-def _layer_path(model: nn.Module) -> list[str]:
-    for path in _LAYER_PATHS:
-        obj: Any = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, nn.ModuleList):
-            return path.split(".")
-    raise UsageError(f"--draft-layers: cannot find the decoder layer list of "
-                     f"{type(model).__name__} (looked for {', '.join(_LAYER_PATHS)})")
-
-
-def _shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object with dicts of its own (children, parameters, buffers, hooks) that
-    hold the same tensors, so changing one module's structure leaves the other's alone."""
-    clone = copy.copy(module)
-    for name, value in vars(module).items():
-        if isinstance(value, dict):
-            setattr(clone, name, copy.copy(value))
-    # accelerate (device maps) binds forward to the original instance: the copy runs its own
-    # class's forward; its children keep their hooks, which place each layer's work
-    for name in ("forward", "_old_forward", "_hf_hook"):
-        clone.__dict__.pop(name, None)
-    return clone
-
-
-def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
-    """A self-speculative draft: the first n_layers decoder layers + final norm + head of `model`.
-
-    Shares every weight with `model` (no copy in memory); `model` itself is left unchanged.
+    Returns (model in eval mode, tokenizer, device: where inputs go). GGUF weights are
+    dequantised. progress=False silences the loaders' own progress bars. device_map ("auto",
+    "balanced", "sequential" or a dict), max_memory ({0: "70GiB", "cpu": "200GiB"}) and
+    offload_folder go to accelerate's big-model loading: one model over several devices, disk
+    included; the device returned is then the first device of the map.
     """
-    path = _layer_path(model)
-    parent: Any = model
-    for part in path:
-        parent = getattr(parent, part)
-    total = len(parent)
-    if not 1 <= n_layers <= total:
-        raise UsageError(f"--draft-layers must be between 1 and {total} for this model "
-                         f"({total} decoder layers), got {n_layers}")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = n_layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:n_layers]
-    draft = node = _shallow_copy(model)
-    copies = [draft]  # the modules on the path to the layer list, now the draft's own
-    for part in path[:-1]:
-        node = _shallow_copy(getattr(node, part))
-        setattr(copies[-1], part, node)
-        copies.append(node)
-    setattr(node, path[-1], nn.ModuleList(list(parent)[:n_layers]))
-    for m in copies:
-        if hasattr(m, "config"):
-            m.config = config
-    if getattr(model, "generation_config", None) is not None:
-        draft.generation_config = copy.deepcopy(model.generation_config)
-    return draft
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    source, kwargs = _model_source(name)
+    if use_unsloth:
+        return _load_unsloth(name, device, resolve_dtype(dtype, device))
+    if device_map is not None:
+        kwargs.update(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    dtype = resolve_dtype(dtype, device)
+    import transformers
+    if not os.path.exists(source) and not _cached(source) and not _hub_reachable():
+        raise UsageError(f"could not load {name!r}: no such local folder or .gguf file, not in "
+                         f"the hub cache, and the hub is unreachable from here; download it "
+                         f"where there is a network, or give a local path")
+    try:
+        with _quiet_loggers("transformers", "huggingface_hub", "accelerate", bars=not progress):
+            tok, model = _from_pretrained(transformers, name, source, dtype, kwargs, progress)
+    except UsageError:
+        raise
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e) or "AutoModelForCausalLM" in str(e):
+            raise UsageError(f"{name!r} is not a causal language model "
+                             f"(AutoModelForCausalLM cannot load it)") from None
+        raise UsageError(f"could not load {name!r}: {_one_line(e)}") from None
+    except OSError as e:
+        raise UsageError(f"could not load {name!r}: not a model folder, .gguf file or hub id "
+                         f"that can be read ({_one_line(e)[:200]})") from None
+    except Exception as e:  # a corrupt or unsupported checkpoint: say so, not a traceback
+        raise UsageError(f"could not load {name!r} ({type(e).__name__}: "
+                         f"{_one_line(e)[:200]})") from None
+    if device_map is None:
+        model.to(device)
+    else:
+        device = _input_device(model)
+    model.specdec_files = files_fingerprint(name)  # for the run key (model_identity)
+    return model.eval().requires_grad_(False), tok, device
 
-
-def read_weights(folder: str, names: Sequence[str] | None = None,
-                 keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
-    """The tensors `keep` wants (by name) in a checkpoint folder's safetensors or PyTorch files
-    (or in the files `names`): read one by one where the format allows (safetensors), so the
-    heads of a full model never load the model."""
-    found = sorted(os.listdir(folder))
-    names = list(names) if names else ([n for n in found if n.endswith(".safetensors")] or
-                                       [n for n in found if n.endswith((".bin", ".pt", ".pth"))])
-    weights: dict[str, torch.Tensor] = {}
-    for name in names:
-        path = os.path.join(folder, name)
-        if name.endswith(".safetensors"):
-            from safetensors import safe_open
-            with safe_open(path, framework="pt") as f:
-                weights.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
-        else:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            weights.update({k: v for k, v in loaded.items() if keep(k)})
-    if not weights:
-        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights "
-                         f"{'specdec reads' if names else ''}".strip())
-    return weights
-
-
-def head_kind(folder: str) -> tuple[str, dict[str, Any]] | None:
-    """("eagle3" or "medusa", its config) for a draft-head checkpoint folder, by its config:
-    speculators' speculators_model_type, SpecForge's and vLLM's EAGLE-3 architectures, Medusa's
-    medusa_num_heads (FasterDecoding) or MedusaModel (vLLM); None for anything else."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    archs = " ".join(config.get("architectures") or [])
-    if config.get("speculators_model_type") == "eagle3" or "Eagle3" in archs:
-        return "eagle3", config
-    if "medusa_num_heads" in config or "Medusa" in archs or config.get("model_type") == "medusa":
-        return "medusa", config
-    return None
-
-
-def eagle3_checkpoint(folder: str, config: dict[str, Any], target: nn.Module,
-                      name: str) -> Eagle3Drafter:
-    """An EAGLE-3 head from its checkpoint: speculators' (config speculators_model_type eagle3,
-    the layer's settings in transformer_layer_config, weights layers.0.*, norm_before_residual
-    by default) or SpecForge's and the original EAGLE-3's (a Llama-like config with
-    draft_vocab_size, weights midlayer.*). Both: fc, norm, lm_head, d2t (draft id -> target id
-    offset), t2d; embed_tokens when present, else the target's. Refuses, in one line, a head
-    that does not fit the target."""
-    from transformers import LlamaConfig
-    speculators = config.get("speculators_model_type") == "eagle3"
-    layer_cfg = dict(config.get("transformer_layer_config") or config) if speculators else config
-    cfg = LlamaConfig(**{k: v for k, v in layer_cfg.items() if k not in ("architectures",)})
-    cfg._attn_implementation = "sdpa"
-    w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
-         for k, v in read_weights(folder).items() if not k.startswith("verifier")}
-    w = {("d2t" if k == "draft_id_to_target_id" else k): v for k, v in w.items()}
-    tcfg = target.config.get_text_config(decoder=True)
-    n_layers, t_hidden = tcfg.num_hidden_layers, tcfg.hidden_size
-    draft_vocab = int(config.get("draft_vocab_size") or w.get("lm_head.weight",
-                                                              torch.empty(0)).shape[0])
-    layers = (config.get("eagle_aux_hidden_state_layer_ids")
-              or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-              or [2, n_layers // 2, n_layers - 3])
-    check_eagle3(w, cfg, t_hidden, draft_vocab, vocab_width(target), layers, n_layers, name)
-    embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
-        else target.get_input_embeddings()
-    net = Eagle3Net(cfg, t_hidden, draft_vocab, bool(config.get("norm_before_residual",
-                                                                speculators)), embed)
-    if "embed_tokens.weight" in w:
-        embed.weight.data.copy_(w.pop("embed_tokens.weight"))
-    w.pop("t2d", None)
-    w.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-    missing, unexpected = net.load_state_dict(w, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed.", "rotary."))]
-    if missing or unexpected:
-        raise UsageError(f"{name}: not an EAGLE-3 checkpoint specdec can read (missing "
-                         f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
-    device = model_device(target) or torch.device("cpu")
-    net = net.to(device=device, dtype=next(target.parameters()).dtype).eval()
-    return Eagle3Drafter(target, net.requires_grad_(False), layers, name)
-
-
-def check_eagle3(w: dict[str, torch.Tensor], cfg: Any, target_hidden: int, draft_vocab: int,
-                 vocab: int, layers: Sequence[int], n_layers: int, name: str) -> None:
-    """One clear line for an EAGLE-3 head that does not fit the target."""
-    if "fc.weight" not in w:
-        raise UsageError(f"{name}: an EAGLE-3 head without fc.weight; is it an EAGLE-1/2 head?")
-    if w["fc.weight"].shape != (cfg.hidden_size, 3 * target_hidden):
-        raise UsageError(f"{name}: its fc reads {w['fc.weight'].shape[1]} features, but three "
-                         f"layers of this target give 3 x {target_hidden}: a head for another "
-                         f"target")
-    if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
-        raise UsageError(f"{name}: aux hidden-state layers {list(layers)} do not fit a target "
-                         f"of {n_layers} layers")
-    if "d2t" not in w and draft_vocab != vocab:
-        raise UsageError(f"{name}: a draft vocabulary of {draft_vocab} ids without the d2t "
-                         f"mapping to the target's {vocab}")
-    if "d2t" in w and (len(w["d2t"]) != draft_vocab or int((
-            torch.arange(len(w["d2t"])) + w["d2t"].cpu()).max()) >= vocab):
-        raise UsageError(f"{name}: its d2t maps draft ids past the target's vocabulary of "
-                         f"{vocab}: a head for another target")
-
-
-MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
-
-
-def medusa_name(key: str, vllm: bool) -> str | None:
-    """A Medusa checkpoint's tensor name -> MedusaNet's (blocks.K.L.weight|bias, lm_heads.K.weight,
-    lm_head.weight: one head all share, out.K.L.weight: FasterDecoding's output head at index
-    L of head K, token_map), or None for the base model's own tensors. FasterDecoding writes
-    K.L.linear.* and K.<L>.weight (head-only files, medusa_head.state_dict()), prefixed
-    medusa_head. in full models; vLLM blocks.K.layers.L.*, lm_heads.K.*, maybe prefixed
-    medusa_heads."""
-    k = re.sub(r"^(model\.)?medusa_heads?\.", "", key)
-    for pattern, name in ((r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.\3"),
-                          (r"(\d+)\.(\d+)\.weight", r"out.\1.\2.weight"),
-                          (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.\3"),
-                          (r"lm_heads\.\d+\.weight|token_map", r"\g<0>")):
-        if re.fullmatch(pattern, k):
-            return re.sub(pattern, name, k)
-    return "lm_head.weight" if vllm and k == "lm_head.weight" else None
-
-
-def medusa_checkpoint(folder: str, config: dict[str, Any], target: nn.Module,
-                      name: str) -> MedusaDrafter:
-    """Medusa-1 heads in every layout teams publish them:
-      * FasterDecoding's head-only files (medusa_lm_head.pt or .safetensors, keys K.L.linear.*
-        and K.<L>.weight; since its Medusa-2 code no K.<L>: every head then ends in the
-        target's own lm_head), config medusa_num_heads (which its loader overrides: the
-        heads are counted in the weights);
-      * FasterDecoding's full models: medusa_head.* beside the base model's tensors (only the
-        heads are read);
-      * vLLM's Medusa format (model_type medusa or MedusaModel: blocks.K.layers.L.*,
-        lm_heads.K.*; original_lm_head: one lm_head shared by every head; token_map: a
-        truncated vocabulary, its q zero elsewhere)."""
-    archs = " ".join(config.get("architectures") or [])
-    vllm = config.get("model_type") == "medusa" or "MedusaModel" in archs
-    files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
-    w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
-        k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
-    hidden = target.config.get_text_config(decoder=True).hidden_size
-    blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
-    heads, layers = len({k for k, _ in blocks}), len({j for _, j in blocks})
-    if not heads or blocks != [(k, j) for k in range(heads) for j in range(layers)]:
-        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no residual "
-                         f"blocks K.L in its weights)")
-    own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
-    if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
-        own = {0: w.get("lm_head.weight", own.get(0))}
-    if own and sorted(own) != list(range(len(own))) or any(v is None for v in own.values()):
-        raise UsageError(f"{name}: its output heads {sorted(own)} do not match its {heads} "
-                         f"Medusa heads")
-    rows = next(iter(own.values())).shape[0] if own else vocab_width(target)
-    width = w["blocks.0.0.weight"].shape[1]
-    if width != hidden or (own and next(iter(own.values())).shape[1] != hidden):
-        raise UsageError(f"{name}: Medusa heads of width {width} do not fit this target "
-                         f"(hidden size {hidden})")
-    mapped = "token_map" in w and len(w["token_map"]) == rows
-    if not mapped and rows != vocab_width(target):
-        raise UsageError(f"{name}: Medusa heads over {rows} tokens without a token_map do not "
-                         f"fit this target's vocabulary of {vocab_width(target)}")
-    net = MedusaNet(hidden, rows, heads, layers, "blocks.0.0.bias" in w, len(own),
-                    shared=target.get_output_embeddings())
-    state = {k: v for k, v in w.items() if k.startswith("blocks.")}
-    state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
-    if mapped:
-        net.token_map = w["token_map"].long()
-    missing, unexpected = net.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (missing "
-                         f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
-    device = model_device(target) or torch.device("cpu")
-    net = net.to(device=device, dtype=next(target.parameters()).dtype).eval()
-    return MedusaDrafter(target, net.requires_grad_(False), name)
-
-
-def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
-    """The EAGLE-3 or Medusa drafter in a checkpoint folder (None: not a draft head)."""
-    found = head_kind(folder)
-    if found is None:
-        return None
-    kind, config = found
-    load = eagle3_checkpoint if kind == "eagle3" else medusa_checkpoint
-    return load(folder, config, target, folder)
 
 def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
     """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
@@ -4406,17 +4135,8 @@ def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
                              f"shared tokenizer; pick a draft from the target's family")
 
 
-def eos_ids(model: nn.Module, tok: Any = None) -> set[int]:
-    """Token ids that end a generation (the generation config's, config's and tokenizer's)."""
-    ids: set[int] = set()
-    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                  getattr(getattr(model, "config", None), "eos_token_id", None),
-                  getattr(tok, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+# ----------------------------------------------------------------------------------------------
+# data: prompts and documents, tokenised
 
 
 BUILTIN_PROMPTS: list[tuple[str, str]] = [
@@ -4491,64 +4211,6 @@ def _pick_field(record: dict, where: str) -> Prompt:
 TEXT_SUFFIXES = (".txt", ".md", ".rst")  # the files a folder of documents is read from
 
 
-def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]:
-    """Prompts from `builtin`, a .txt file (one per line), a .jsonl/.json file, a folder (each
-    .txt, .md or .rst file in it one prompt, whole), or hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME
-    a hub data set or a local dataset folder). documents: long documents are wanted
-    (--context-lengths): a plain-text file is then one document, not a prompt per line."""
-    if os.path.isdir(source):
-        return _load_folder(source)
-    if source == "builtin":
-        # interleave the categories, so that --max-samples N still spans all of them
-        by_cat: dict[str, list[str]] = {}
-        for cat, text in BUILTIN_PROMPTS:
-            by_cat.setdefault(cat, []).append(text)
-        rounds = max(len(v) for v in by_cat.values())
-        return [Prompt(v[i], cat) for i in range(rounds) for cat, v in by_cat.items()
-                if i < len(v)]
-    if source.startswith("hf:"):
-        prompts = _load_hf(source)
-    else:
-        if not os.path.isfile(source):
-            raise UsageError(f"data file not found: {source!r}; give builtin, a .txt, .jsonl or "
-                             f".json file, or hf:NAME")
-        try:
-            with open(source, encoding="utf-8") as f:
-                raw = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read data file {source!r}: {_one_line(e)}") from None
-        if source.endswith(".jsonl"):
-            prompts = []
-            for n, line in enumerate(raw.splitlines(), 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise UsageError(f"{source}:{n}: not valid JSON ({e.msg})") from None
-                    if not isinstance(record, dict):
-                        raise UsageError(f"{source}:{n}: expected a JSON object per line")
-                    prompts.append(_pick_field(record, f"{source}:{n}"))
-        elif source.endswith(".json"):
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
-            if isinstance(data, dict):  # {"data": [...]} or similar: the first list inside
-                data = next((v for v in data.values() if isinstance(v, list)), None)
-            if not isinstance(data, list):
-                raise UsageError(f"{source}: expected a JSON list of prompts or records")
-            prompts = [Prompt(x) if isinstance(x, str) else _pick_field(x, f"{source}[{i}]")
-                       for i, x in enumerate(data) if isinstance(x, (str, dict))]
-        elif documents:
-            prompts = [Prompt(raw)]
-        else:
-            prompts = [Prompt(line) for line in raw.splitlines() if line.strip()]
-    prompts = [p for p in prompts if p.content]
-    if not prompts:
-        raise UsageError(f"data source {source!r} holds no prompts")
-    return prompts
-
-
 def _load_folder(folder: str) -> list[Prompt]:
     """Each text file of a folder, whole, in name order."""
     names = sorted(n for n in os.listdir(folder) if n.lower().endswith(TEXT_SUFFIXES)
@@ -4606,6 +4268,64 @@ def _load_hf(spec: str) -> list[Prompt]:
         cats = [str(c) for c in ds[cat]] if cat else [None] * len(ds)
         return [Prompt(str(x), c) for x, c in zip(ds[fieldname], cats)]
     return [_pick_field(dict(r), spec) for r in ds]
+
+
+def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]:
+    """Prompts from `builtin`, a .txt file (one per line), a .jsonl/.json file, a folder (each
+    .txt, .md or .rst file in it one prompt, whole), or hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME
+    a hub data set or a local dataset folder). documents: long documents are wanted
+    (--context-lengths): a plain-text file is then one document, not a prompt per line."""
+    if os.path.isdir(source):
+        return _load_folder(source)
+    if source == "builtin":
+        # interleave the categories, so that --max-samples N still spans all of them
+        by_cat: dict[str, list[str]] = {}
+        for cat, text in BUILTIN_PROMPTS:
+            by_cat.setdefault(cat, []).append(text)
+        rounds = max(len(v) for v in by_cat.values())
+        return [Prompt(v[i], cat) for i in range(rounds) for cat, v in by_cat.items()
+                if i < len(v)]
+    if source.startswith("hf:"):
+        prompts = _load_hf(source)
+    else:
+        if not os.path.isfile(source):
+            raise UsageError(f"data file not found: {source!r}; give builtin, a .txt, .jsonl or "
+                             f".json file, or hf:NAME")
+        try:
+            with open(source, encoding="utf-8") as f:
+                raw = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read data file {source!r}: {_one_line(e)}") from None
+        if source.endswith(".jsonl"):
+            prompts = []
+            for n, line in enumerate(raw.splitlines(), 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UsageError(f"{source}:{n}: not valid JSON ({e.msg})") from None
+                    if not isinstance(record, dict):
+                        raise UsageError(f"{source}:{n}: expected a JSON object per line")
+                    prompts.append(_pick_field(record, f"{source}:{n}"))
+        elif source.endswith(".json"):
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            if isinstance(data, dict):  # {"data": [...]} or similar: the first list inside
+                data = next((v for v in data.values() if isinstance(v, list)), None)
+            if not isinstance(data, list):
+                raise UsageError(f"{source}: expected a JSON list of prompts or records")
+            prompts = [Prompt(x) if isinstance(x, str) else _pick_field(x, f"{source}[{i}]")
+                       for i, x in enumerate(data) if isinstance(x, (str, dict))]
+        elif documents:
+            prompts = [Prompt(raw)]
+        else:
+            prompts = [Prompt(line) for line in raw.splitlines() if line.strip()]
+    prompts = [p for p in prompts if p.content]
+    if not prompts:
+        raise UsageError(f"data source {source!r} holds no prompts")
+    return prompts
 
 
 def check_prompt_budget(max_samples: int | None, max_length: int) -> None:
@@ -4726,9 +4446,8 @@ def check_context_room(target: nn.Module, drafters: Sequence[Drafter], length: i
     window is what such a run is there to show."""
     n_tokens = settings.continuation_tokens + settings.gamma * settings.simulate
     models = [("the target", target)] + [
-        (f"draft {d.name}", m) for d in drafters for k, m in vars(d).items()
-        if isinstance(m, nn.Module) and k != "target" and hasattr(m, "config")
-        and not d.reads_target]
+        (f"draft {d.name}", m) for d in drafters if not d.reads_target
+        for m in d.networks() if hasattr(m, "config")]
     for who, model in models:
         room = max_positions(model)
         if room is not None and length + n_tokens > room:
@@ -4739,7 +4458,307 @@ def check_context_room(target: nn.Module, drafters: Sequence[Drafter], length: i
 
 
 # ----------------------------------------------------------------------------------------------
-# many processes: torchrun, or srun with several tasks
+# training: the Trainer callback (the library's TrainingMeter, logged by a Trainer)
+
+
+@functools.lru_cache(maxsize=None)
+def _acceptance_callback_class() -> type:
+    """AcceptanceCallback subclasses transformers' TrainerCallback, so it is made on first use
+    (importing specdec does not import transformers)."""
+    from transformers import TrainerCallback
+
+    class AcceptanceCallback(TrainerCallback):
+        """Log the teacher-forced acceptance of the model being trained (the draft) against a
+        frozen target, through the Trainer's own logging (console, TensorBoard, W&B ...):
+        specdec/alpha, specdec/tokens_per_cycle, specdec/est_speedup, specdec/alpha/<category>
+        (and specdec/sim_* with simulate=True), at every evaluation and, with every=N, at the
+        start and every N optimiser steps; once per step where the two meet.
+
+            callback = AcceptanceCallback(target, prompts, tokenizer=tok, temperature=0.7)
+            callback.attach(trainer)   # adds it, and lets it log through trainer.log
+            trainer.train()
+
+        prompts: token sequences (build_sequences), or texts with tokenizer=. The target's
+        side is computed once; each measurement costs about one forward of the draft."""
+
+        def __init__(self, target: nn.Module, prompts: Sequence[Any], *, tokenizer: Any = None,
+                     temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
+                     gamma: int = 4, continuation_tokens: int = 32, every: int | None = None,
+                     prefix: str = "specdec/", max_length: int = 512,
+                     proposal: str = "sample", **options: Any):
+            if tokenizer is not None:
+                prompts = build_sequences(prompts, tokenizer, max_length=max_length)
+            elif not all(isinstance(p, TokenSequence) for p in prompts):
+                raise UsageError("AcceptanceCallback: give token sequences (build_sequences) "
+                                 "or texts with tokenizer=")
+            sampling = SamplingParams(temperature, top_k, top_p, proposal)
+            settings = Settings(gamma=gamma, continuation_tokens=continuation_tokens, **options)
+            self.meter = TrainingMeter(target, prompts, sampling, settings)
+            self.every, self.prefix, self.trainer = every, prefix, None
+            self.history: list[tuple[int, AcceptanceReport]] = []  # (global step, report)
+
+        def attach(self, trainer: Any) -> "AcceptanceCallback":
+            trainer.add_callback(self)
+            self.trainer = trainer
+            return self
+
+        def log_now(self, state: Any, control: Any, model: nn.Module) -> None:
+            if self.history and self.history[-1][0] == state.global_step:
+                return  # an evaluation on an every-N step: one measurement per step
+            report = self.meter.measure(model)
+            self.history.append((state.global_step, report))
+            if self.trainer is not None:
+                keep = control.should_log  # Trainer.log clears it: the step's own log stays
+                self.trainer.log(metrics_of(report, self.prefix))
+                control.should_log = keep
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if self.every:  # where training starts from
+                self.log_now(state, control, model)
+
+        def on_evaluate(self, args, state, control, model=None, **kwargs):
+            self.log_now(state, control, model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.every and state.global_step % self.every == 0:
+                self.log_now(state, control, model)
+
+    return AcceptanceCallback
+
+
+def __getattr__(name: str) -> Any:
+    """`from specdec import AcceptanceCallback` builds the class on first use (PEP 562)."""
+    if name == "AcceptanceCallback":
+        return _acceptance_callback_class()
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# files: whole-or-nothing writes, pictures (--plot, matplotlib imported only when asked), resuming
+
+
+def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
+    """write(binary file) into a temporary file beside PATH, then rename it: PATH holds either
+    its old content or the whole new file, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".specdec-", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have made, not mkstemp's 0600
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON so that PATH holds either its old content or the whole new file."""
+    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+
+
+PLOT_SIZE = (12, 8)  # inches, at 100 dpi: a 1200 x 800 PNG
+
+
+def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a binomial proportion accepted / n."""
+    centre = (accepted + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(accepted * (n - accepted) / n + z * z / 4) / (n + z * z)
+    return centre - half, centre + half
+
+
+def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
+    ax.set_title(f"alpha by draft offset — {r.draft[-40:]}, T={r.temperature:g}", fontsize=10)
+    if r.reached_by_draft_offset is None:  # no simulation: the teacher-forced alpha(s)
+        heads = r.alpha_by_head or [r.alpha or 0.0]
+        ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
+    else:
+        js = range(1, r.gamma + 1)
+        rates = [a or 0.0 for a in r.alpha_by_draft_offset]
+        lows, highs = zip(*(wilson(t, n) if n else (0.0, 0.0) for t, n in zip(
+            r.accepted_by_draft_offset, r.reached_by_draft_offset)))
+        ax.bar(js, rates, color="tab:orange", label="simulated, 95% interval",
+               yerr=[[a - lo for a, lo in zip(rates, lows)],
+                     [hi - a for a, hi in zip(rates, highs)]], capsize=4)
+        for j, n in zip(js, r.reached_by_draft_offset):
+            ax.annotate(f"{n:,} cycles", (j, 1.02), ha="center", fontsize=8)
+        ax.set_xticks(list(js))
+    if r.alpha is not None:
+        ax.axhline(r.alpha, color="tab:blue", linestyle="--", label="teacher-forced alpha")
+    ax.set_ylim(0, 1.12)
+    ax.set_xlabel("draft offset j (P(accept j | j reached))")
+    ax.legend(loc="lower left", fontsize=8)
+
+
+def _plot_gammas(tokens_ax: Any, speed_ax: Any, r: AcceptanceReport) -> None:
+    table = r.gamma_table or []
+    gs = [row.gamma for row in table]
+    for ax, key, label in ((tokens_ax, "tokens_per_cycle", "tokens per cycle"),
+                           (speed_ax, "est_speedup", "est. speedup")):
+        ax.plot(gs, [getattr(row, key) for row in table], "o-", label="teacher-forced")
+        sim = [(row.gamma, getattr(row, "simulated_" + key)) for row in table
+               if getattr(row, "simulated_" + key) is not None]
+        if sim:
+            ax.plot(*zip(*sim), "s--", label="simulated")
+        ax.axvline(r.gamma, color="grey", linestyle=":", label=f"gamma = {r.gamma}")
+        ax.set_xlabel("gamma (draft block)")
+        ax.set_title(label, fontsize=10)
+        ax.legend(fontsize=8)
+    speed_ax.axhline(1.0, color="black", linewidth=0.8)
+
+
+def _plot_categories(ax: Any, r: AcceptanceReport) -> None:
+    ax.set_title("alpha by category (teacher-forced)", fontsize=10)
+    cats = r.alpha_by_category or {}
+    if not cats:
+        ax.text(0.5, 0.5, "no categories in this data", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    names = list(cats)
+    ax.barh(names, [cats[c] for c in names], color="tab:green")
+    for i, c in enumerate(names):
+        ax.annotate(f"{r.sequences_by_category[c]} seq.", (cats[c], i), fontsize=8,
+                    va="center")
+    ax.set_xlim(0, 1.15)
+
+
+def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
+    drafts = list(dict.fromkeys(r.draft for r in reports))
+    temps = sorted({r.temperature for r in reports})
+    width = 0.8 / len(temps)
+    for k, t in enumerate(temps):  # drafts side by side, one bar per temperature
+        xs, ys, errs = [], [], [[], []]
+        for i, d in enumerate(drafts):
+            r = next((r for r in reports if r.draft == d and r.temperature == t), None)
+            if r is None or r.alpha is None:
+                continue
+            lo, hi = r.alpha_ci or (r.alpha, r.alpha)
+            xs.append(i + k * width)
+            ys.append(r.alpha)
+            errs[0].append(r.alpha - lo)
+            errs[1].append(hi - r.alpha)
+        axes[0][0].bar(xs, ys, width, yerr=errs, capsize=3, label=f"T={t:g}")
+    axes[0][0].set_xticks([i + 0.4 - width / 2 for i in range(len(drafts))])
+    axes[0][0].set_xticklabels([d[-24:] for d in drafts], fontsize=7, rotation=15)
+    axes[0][0].set_title("alpha (teacher-forced, 95% interval over prompts)", fontsize=10)
+    axes[0][0].legend(fontsize=8)
+    for d in drafts:  # alpha and speedup against temperature
+        mine = sorted((r for r in reports if r.draft == d), key=lambda r: r.temperature)
+        axes[0][1].plot([r.temperature for r in mine], [r.alpha for r in mine], "o-",
+                        label=d[-24:])
+        axes[1][0].plot([r.temperature for r in mine],
+                        [r.simulated.alpha if r.simulated and r.simulated.alpha is not None
+                         else float("nan")
+                         for r in mine], "s--", label=d[-24:])
+        axes[1][1].plot([r.temperature for r in mine], [r.est_speedup for r in mine], "o-",
+                        label=d[-24:])
+    for ax, title in ((axes[0][1], "alpha (teacher-forced) against temperature"),
+                      (axes[1][0], "alpha (simulated) against temperature"),
+                      (axes[1][1], "est. speedup at the chosen gamma")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("temperature")
+        ax.legend(fontsize=7)
+    axes[1][1].axhline(1.0, color="black", linewidth=0.8)
+
+
+def _plot_context(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
+    """--context-lengths: both routes' alpha, the engines'-rule alpha and tokens per cycle
+    against the context length (one line per draft and temperature), and the prompts each
+    length had."""
+    groups: dict[str, list[AcceptanceReport]] = {}
+    for r in reports:
+        if r.run.context is not None:
+            groups.setdefault(f"{os.path.basename(r.draft)[-40:]}, T={r.temperature:g}",
+                              []).append(r)
+    for label, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.run.context["length"])
+        ls = [r.run.context["length"] for r in rs]
+        for ax, route, key in ((axes[0][0], "teacher_forced", "alpha"),
+                               (axes[0][1], "simulated", "alpha"),
+                               (axes[1][0], "teacher_forced", "tokens_per_cycle")):
+            parts = [getattr(r, route) for r in rs]
+            if all(p is None for p in parts):
+                continue
+            ys = [getattr(p, key) if p is not None and getattr(p, key) is not None
+                  else float("nan") for p in parts]
+            cis = [getattr(p, key + "_ci", None) if p is not None else None for p in parts]
+            errs = [[y - ci[0] if ci else 0 for y, ci in zip(ys, cis)],
+                    [ci[1] - y if ci else 0 for y, ci in zip(ys, cis)]]
+            ax.errorbar(ls, ys, yerr=errs, fmt="o-", capsize=3, label=label)
+        axes[0][0].plot(ls, [(r.teacher_forced.alpha_by_rule or {}).get("argmax", float("nan"))
+                             for r in rs], "x:", label=f"{label}, engines' rule")
+    lengths = sorted({r.run.context["length"] for r in reports if r.run.context})
+    counts = {r.run.context["length"]: len(r.run.context["documents"]) for r in reports
+              if r.run.context}
+    axes[1][1].bar([str(n) for n in lengths], [counts[n] for n in lengths], color="tab:grey")
+    for ax, title in ((axes[0][0], "alpha (teacher-forced, 95% interval) against context"),
+                      (axes[0][1], "alpha (simulated, 95% interval) against context"),
+                      (axes[1][0], "tokens per cycle (teacher-forced) against context")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.set_xlabel("context length (prompt tokens)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if all(r.simulated is None for r in reports):
+        axes[0][1].text(0.5, 0.5, "no simulation (run with --simulate)", ha="center",
+                        va="center", transform=axes[0][1].transAxes)
+        axes[0][1].set_axis_off()
+    axes[1][1].set_title("prompts measured at each length (documents that long)", fontsize=10)
+    axes[1][1].set_xlabel("context length (prompt tokens)")
+
+
+def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
+    """Draw the run to a PNG: one report's offsets, gamma curves and categories; for several
+    context lengths, alpha and tokens per cycle against the length; for several drafts or
+    temperatures, one comparison. Written whole or not at all."""
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    from matplotlib import pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=PLOT_SIZE, dpi=100)
+    if len({r.run.context["length"] for r in reports if r.run.context}) > 1:
+        _plot_context(axes, reports)
+    elif len(reports) == 1:
+        _plot_offsets(axes[0][0], reports[0])
+        _plot_gammas(axes[0][1], axes[1][0], reports[0])
+        _plot_categories(axes[1][1], reports[0])
+    else:
+        _plot_comparison(axes, reports)
+    fig.tight_layout()
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def key_difference(old: dict[str, Any], candidates: Sequence[dict[str, Any]]) -> str | None:
+    """None when an earlier report's key parts equal those of one of this run's reports;
+    else "<part> <old value>, this run uses <new value>", for the first part that differs from
+    the nearest candidate (the one that differs in fewest parts)."""
+    def differing(new: dict[str, Any]) -> list[str]:
+        return [k for k in {**new, **old} if old.get(k) != new.get(k)]
+    nearest = min(candidates, key=lambda new: len(differing(new)))
+    first = next(iter(differing(nearest)), None)
+    if first is None:
+        return None
+
+    def text(v: Any) -> str:
+        if isinstance(v, list):
+            return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return "(none)" if v is None else str(v)
+    return f"{first} {text(old.get(first))}, this run uses {text(nearest.get(first))}"
+
+
+def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, PromptResult]]:
+    """The per-prompt results of earlier reports (their JSON), by run_key."""
+    return {r["run_key"]: {row["index"]: PromptResult.from_row(row) for row in r["per_prompt"]}
+            for r in reports if r.get("run_key")}
+
+
+# ----------------------------------------------------------------------------------------------
+# many processes: torchrun, or srun with several tasks; signals and the stop ranks tell each other
 
 
 class Launch(NamedTuple):
@@ -4851,11 +4870,6 @@ def rank_store() -> Any:
     return dist.PrefixStore("specdec/", dist.distributed_c10d._get_default_store())
 
 
-def _look(store: Any, key: str) -> bytes | None:
-    """The value of `key`, or None while it is not set: a look that does not wait."""
-    return store.get(key) if store.check([key]) else None
-
-
 def announce_stop(store: Any, cause: str) -> None:
     """Tell every rank to stop measuring (they look before each batch and while they wait)."""
     if not store.check(["stop"]):
@@ -4866,7 +4880,7 @@ def stop_requested(stop: Stop, store: Any | None) -> bool:
     """Whether to measure no further: this process got a signal, or (store: several processes)
     another rank announced a stop, which is then kept in stop.other."""
     if stop.cause is None and store is not None:
-        word = _look(store, "stop")
+        word = store.get("stop") if store.check(["stop"]) else None  # a look, no wait
         stop.other = word.decode() if word else None
     return stop.cause is not None
 
@@ -4951,6 +4965,143 @@ def hand_over_nothing(stop: Stop, rank: int, store: Any | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# the sweep: settings measured in turn, by this process's deal of the batches
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A progress bar on stderr (tqdm), or Quiet when none is wanted or tqdm is missing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+        enabled = False
+    if not enabled:
+        return Quiet()
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+class SweepPoint(NamedTuple):
+    """One setting of the CLI's sweep, measured with every drafter."""
+
+    length: int | None  # --context-lengths' L (None: the prompts as the data has them)
+    system: str | None  # the system prompt (None: the chat template's own; "": empty)
+    temperature: float
+
+    def describe(self) -> str:
+        return (f"temperature {self.temperature:g}"
+                + ("" if self.system is None else f" (system prompt {self.system!r})")
+                + ("" if self.length is None else f" at context length {self.length:,}"))
+
+
+@dataclass
+class Plan:
+    """What the command line's run fixes for every setting of its sweep: the options, the
+    models, the prompts of each (context length, system prompt) with what a report records of
+    how they were cut, earlier results to resume (by run key), this process's place among the
+    ranks, how the run stops, and each context length's costs (found once)."""
+
+    args: argparse.Namespace
+    target: nn.Module
+    drafters: list[Drafter]
+    device: torch.device
+    settings: Settings
+    inputs: dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]
+    temperatures: list[float]  # the whole sweep's (--temperature), for the run keys
+    lengths: list[int] | None  # --context-lengths, ascending (None without it)
+    launch: Launch
+    stop: Stop
+    progress: bool = False
+    done: dict[str, dict[int, PromptResult]] = field(default_factory=dict)
+    costs: dict[int | None, list[Cost]] = field(default_factory=dict)
+
+
+def measurement(plan: Plan, point: SweepPoint) -> Measurement:
+    """The Measurement of one setting of the sweep."""
+    a = plan.args
+    m = Measurement(plan.target, plan.inputs[point.length, point.system][0],
+                    SamplingParams(point.temperature, a.top_k, a.top_p, a.proposal),
+                    plan.settings, plan.device)
+    m.target_name = a.target
+    return m
+
+
+def sweep_key_parts(plan: Plan, m: Measurement, drafter: Drafter) -> dict[str, Any]:
+    """A report's run key parts as the command line records them: its setting's, with the
+    whole temperature sweep (and --context-lengths' list), so --resume never mixes runs."""
+    parts = m.run_key_parts(drafter, plan.args.target)
+    parts["temperatures"] = list(plan.temperatures)
+    if plan.lengths is not None:
+        parts["context lengths"] = list(plan.lengths)
+    return json.loads(json.dumps(parts))
+
+
+def collect(plan: Plan, m: Measurement, drafters: Sequence[Drafter],
+            into: Sequence[dict[int, PromptResult]]) -> bool:
+    """This process's deal of a setting's batches (deal), measured into into[k][prompt index],
+    skipping those earlier results complete (a batch is measured whole or not at all, so it
+    is the batch of an uninterrupted run, with the same numbers); whether a stop cut it short.
+    A stop (a signal, or another rank's word) is looked for before each batch; one this
+    process is the first to know of is announced to the other ranks at once."""
+    launch, stop, s = plan.launch, plan.stop, m.settings
+    mine = [b for b in deal(m.batches(), launch.rank, launch.world)
+            if not all(i in r and (r[i].sim is not None or not s.simulate) for r in into
+                       for i in b)]
+    passes = len({shared_vocab(m.target, d) for d in drafters}) \
+        if not s.simulate or s.separate_continuation else 0
+    m.progress = _progress(sum(map(len, mine)) * s.continuation_tokens
+                           * (passes + s.simulate * len(drafters)), "measuring",
+                           plan.progress and launch.rank == 0)
+    store = rank_store() if launch.world > 1 else None
+    try:
+        for batch in mine:
+            stop.raising = True  # a signal from here on cuts the batch short
+            if stop_requested(stop, store):
+                return True
+            m.measure_batch(drafters, batch, into)
+    except KeyboardInterrupt as e:
+        if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
+            stop.signals.append("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
+        if store is not None:
+            announce_stop(store, stop.cause)
+        return True
+    finally:
+        stop.raising = False
+        getattr(m.progress, "close", lambda: None)()
+    return False
+
+
+def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
+    """One setting of the sweep, every drafter: each process measures its deal of the batches
+    (collect), rank 0 gathers every rank's and alone returns the reports, with the numbers of
+    one process. stop.ended says afterwards, on every rank alike, whether to measure any
+    further setting."""
+    launch, stop, m = plan.launch, plan.stop, measurement(plan, point)
+    drafters = m.drafters(plan.drafters)
+    if point.length not in plan.costs:  # timed once per context length
+        plan.costs[point.length] = m.costs(drafters)
+    keys = [sweep_key_parts(plan, m, d) for d in drafters]
+    into = [dict(plan.done.get(run_key(k), {})) for k in keys]
+    interrupted = collect(plan, m, drafters, into)
+    if launch.world > 1:
+        with step(f"gathering the results of {launch.world} processes"):
+            gathered = gather_results(into, interrupted, stop, (launch.rank, launch.world))
+        if gathered is None:
+            return []  # not rank 0: it alone reports
+        into, interrupted = gathered
+    else:
+        stop.ended = interrupted or stop.cause is not None
+    weights = str(next(plan.target.parameters()).dtype).removeprefix("torch.")
+    reports = []
+    for d, res, cost, parts in zip(drafters, into, plan.costs[point.length], keys):
+        r = m.report(d, res, cost, interrupted)
+        r.run.run_key_parts, r.run.run_key = parts, run_key(parts)
+        r.run.system_prompt = point.system
+        r.run.context = plan.inputs[point.length, point.system][1]
+        r.run.notes.append(f"device {plan.device}, weights {weights}")
+        reports.append(r)
+    return reports
+
+
+# ----------------------------------------------------------------------------------------------
 # command line
 
 
@@ -4968,27 +5119,6 @@ def _at_least_one(text: str) -> int:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit status 2
         self.exit(2, f"specdec: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI's options, by topic (--help lists them in these groups)."""
-    ap = _Parser(description="Measure speculative-decoding acceptance "
-                 "(alpha) and expected speedup of draft models against a target model.",
-                 epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
-                 "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
-                 "torch or transformers (one line naming the step; --traceback for more), "
-                 "130 interrupted, 143 terminated (SIGTERM): the partial report is printed "
-                 "and the JSON written (under torchrun or srun: by rank 0, of what every rank "
-                 "finished).")
-    _models_options(ap.add_argument_group("models", "what to measure"))
-    _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
-    _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
-    _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
-    _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
-    _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
-    _scale_out_options(ap.add_argument_group("scale-out",
-                                             "models larger than a device, many processes"))
-    return ap
 
 
 def _models_options(ap: Any) -> None:
@@ -5151,6 +5281,27 @@ def _scale_out_options(ap: Any) -> None:
                     "allow before SIGKILL)")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's options, by topic (--help lists them in these groups)."""
+    ap = _Parser(description="Measure speculative-decoding acceptance "
+                 "(alpha) and expected speedup of draft models against a target model.",
+                 epilog="'python specdec.py measure --target ...' is accepted too. Exit status: "
+                 "0 done, 1 --min-alpha gate failed, 2 bad input, 3 an unforeseen failure in "
+                 "torch or transformers (one line naming the step; --traceback for more), "
+                 "130 interrupted, 143 terminated (SIGTERM): the partial report is printed "
+                 "and the JSON written (under torchrun or srun: by rank 0, of what every rank "
+                 "finished).")
+    _models_options(ap.add_argument_group("models", "what to measure"))
+    _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
+    _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
+    _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
+    _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
+    _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
+    _scale_out_options(ap.add_argument_group("scale-out",
+                                             "models larger than a device, many processes"))
+    return ap
+
+
 def _check_plot_target(path: str | None) -> None:
     if path is None:
         return
@@ -5187,151 +5338,14 @@ def _number_list(text: str, what: str, kind: type) -> list:
     return values
 
 
-def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
-                where: tuple[Launch, str] | None = None, stop: Stop | None = None
-                ) -> list[AcceptanceReport]:
-    """The CLI's work between parsing and printing: one report per (setting of the sweep,
-    draft). status(line) is told what is about to be measured; where: this process's place in
-    a multi-process launch (launch_from_env; read from the environment when not given);
-    stop: main's (see Stop), which a signal fills in."""
-    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
-                                              grace_s=args.stop_timeout)
-    sweep = _sweep(args)
-    layers = (_number_list(args.draft_layers, "--draft-layers", int)
-              if args.draft_layers is not None else [])
-    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
-                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
-                        separate_continuation=args.separate_continuation)
-    _check_json_target(args.json)
-    _check_plot_target(args.plot)
-    earlier = _earlier_reports(args)
-    _check_drafters(args, layers)
-    prompts = load_texts(args.data, documents=args.context_lengths is not None)
-    launch = join_processes(args.dist_timeout, where)
-    progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
-    target, tok, drafts, device = cli_models(args, layers, progress, launch)
-    inputs = _cli_prompts(args, prompts, tok, sweep)
-    settings = replace(settings, eos=eos_ids(target, tok))
-    for length, _ in inputs:
-        if length is not None:
-            check_context_room(target, drafts, length, settings)
-    left_out = sorted({p.length for p in sweep if (p.length, p.system) not in inputs})
-    sweep = [p for p in sweep if (p.length, p.system) in inputs]
-    if launch.rank == 0:
-        context = next(iter(inputs.values()))[1]  # (every length's has the longest)
-        for n in left_out:
-            status(f"specdec: context length {n:,} left out: no document has that many "
-                   f"tokens (the longest has {context['longest']:,})")
-        ranks = f" by {launch.world} processes" if launch.world > 1 else ""
-        status(f"specdec: measuring {max(len(v[0]) for v in inputs.values())} prompts, "
-               f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
-               f"{'context length, ' if args.context_lengths else ''}system prompt and "
-               f"temperature on {device}{ranks}")
-    return _measure_sweep(args, target, drafts, device, settings, sweep, inputs, earlier,
-                          launch, progress, stop)
-
-
-def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
-                 sweep: Sequence[SweepPoint]
-                 ) -> dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]:
-    """The tokenised prompts of each (context length, system prompt) of the sweep, and what a
-    report records of how they were cut (RunInfo.context; None without --context-lengths).
-    A context length no document reaches is left out; if none is reached, refused."""
-    if args.context_lengths is None:
-        return {(None, sp): (build_sequences(
-                    prompts, tok, max_samples=args.max_samples, max_length=args.max_length or 512,
-                    chat_template=args.chat_template, system_prompt=sp), None)
-                for sp in dict.fromkeys(p.system for p in sweep)}
-    documents = build_documents(prompts, tok, args.max_samples)
-    at = at_context_lengths(documents, [p.length for p in sweep], args.same_documents)
-    inputs = {(a.length, None): (a.sequences, a.describe()) for a in at if a.sequences}
-    if not inputs:
-        need = at[-1].length if args.same_documents else at[0].length
-        raise UsageError(f"--context-lengths: no document has {need:,} tokens (the longest "
-                         f"of {len(documents)} has {at[0].longest:,}); use shorter lengths or "
-                         f"longer documents")
-    return inputs
-
-
-def _measure_sweep(args: argparse.Namespace, target: nn.Module, drafts: list[Drafter],
-                   device: torch.device, settings: Settings, sweep: Sequence[SweepPoint],
-                   inputs: dict, earlier: list[dict[str, Any]], launch: Launch, progress: bool,
-                   stop: Stop) -> list[AcceptanceReport]:
-    """Measure the sweep's settings in turn, every draft at each, resuming what `earlier`
-    reports finished; a stop ends the sweep after the setting it cut short. Costs are found
-    once per context length (a measured one is timed at that length)."""
-    weights = str(next(target.parameters()).dtype).removeprefix("torch.")
-    temperatures = _number_list(args.temperature, "--temperature", float)
-    lengths = _context_lengths(args)
-    runs = [(p, SamplingParams(p.temperature, args.top_k, args.top_p, args.proposal))
-            for p in sweep]
-    keys = {(p, d.name): run_key_parts(target, args.target, d, s, settings,
-                                       inputs[p.length, p.system][0], device, temperatures,
-                                       lengths)
-            for p, s in runs for d in drafts}
-    done_by_key = _resumable(earlier, list(keys.values()), args.json)
-    costs: dict[int | None, list[Cost]] = {}
-    reports: list[AcceptanceReport] = []
-    stop.raising = False  # started: from here a signal stops the run at its next look
-    for p, sampling in runs:
-        seqs, context = inputs[p.length, p.system]
-        if p.length not in costs:
-            costs[p.length] = [cost_model(target, d, settings, seqs, device) for d in drafts]
-        done = [done_by_key.get(run_key(keys[p, d.name]), {}) for d in drafts]
-        batch = measure_drafts(target, drafts, seqs, sampling=sampling, device=device,
-                               settings=settings, progress=progress, target_name=args.target,
-                               costs=costs[p.length], share=(launch.rank, launch.world),
-                               done=done, stop=stop, temperatures=temperatures,
-                               context_lengths=lengths)
-        for r in batch:
-            r.run.system_prompt, r.run.context = p.system, context
-            r.notes.append(f"device {device}, weights {weights}")
-        reports += batch
-        if stop.ended:
-            break  # interrupted: report what finished, measure no further setting
-    return reports
-
-
-def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
-    """Refuse, before any model loads, drafter options that cannot work together."""
-    if not args.draft and not layers:
-        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
-                         "first N decoder layers")
-    if args.mtp_steps is not None and "mtp" not in args.draft:
-        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
-    if args.mtp_steps is not None and args.mtp_steps < 1:
-        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
-
-
-class SweepPoint(NamedTuple):
-    """One setting of the CLI's sweep, measured with every drafter."""
-
-    length: int | None  # --context-lengths' L (None: the prompts as the data has them)
-    system: str | None  # the system prompt (None: the chat template's own; "": empty)
-    temperature: float
-
-    def describe(self) -> str:
-        return (f"temperature {self.temperature:g}"
-                + ("" if self.system is None else f" (system prompt {self.system!r})")
-                + ("" if self.length is None else f" at context length {self.length:,}"))
-
-
-def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
-    """The CLI's settings, in the order they are measured: context length, then system prompt,
-    then temperature. --system-prompt none is an empty system message."""
-    temperatures = _number_list(args.temperature, "--temperature", float)
-    systems = [None] if not args.system_prompt else [
-        "" if text.strip().lower() == "none" else text for text in args.system_prompt]
-    for t in temperatures:
-        SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
-    if args.same_documents and args.context_lengths is None:
-        raise UsageError("--same-documents applies to --context-lengths; add it or drop "
-                         "--same-documents")
-    lengths = _context_lengths(args)
-    if lengths is not None:
-        _check_context_options(args, lengths)
-    return [SweepPoint(n, sp, t) for n in lengths or [None] for sp in systems
-            for t in temperatures]
+def _cost_ratio(text: str) -> float | str:
+    if text in ("auto", "measure"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, "
+                         f"got {text!r}") from None
 
 
 def _context_lengths(args: argparse.Namespace) -> list[int] | None:
@@ -5352,6 +5366,35 @@ def _check_context_options(args: argparse.Namespace, lengths: list[int]) -> None
         raise UsageError("--context-lengths continues documents as plain text (the prompt is "
                          "a document's first L tokens): drop --chat-template on and "
                          "--system-prompt")
+
+
+def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
+    """The CLI's settings, in the order they are measured: context length, then system prompt,
+    then temperature. --system-prompt none is an empty system message."""
+    temperatures = _number_list(args.temperature, "--temperature", float)
+    systems = [None] if not args.system_prompt else [
+        "" if text.strip().lower() == "none" else text for text in args.system_prompt]
+    for t in temperatures:
+        SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
+    if args.same_documents and args.context_lengths is None:
+        raise UsageError("--same-documents applies to --context-lengths; add it or drop "
+                         "--same-documents")
+    lengths = _context_lengths(args)
+    if lengths is not None:
+        _check_context_options(args, lengths)
+    return [SweepPoint(n, sp, t) for n in lengths or [None] for sp in systems
+            for t in temperatures]
+
+
+def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
+    """Refuse, before any model loads, drafter options that cannot work together."""
+    if not args.draft and not layers:
+        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
+                         "first N decoder layers")
+    if args.mtp_steps is not None and "mtp" not in args.draft:
+        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
+    if args.mtp_steps is not None and args.mtp_steps < 1:
+        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
 
 
 def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -5405,57 +5448,6 @@ def _resumable(earlier: Sequence[dict[str, Any]], keys: Sequence[dict[str, Any]]
                          f"({type(e).__name__}: {_one_line(e)[:120]})") from None
 
 
-def _cost_ratio(text: str) -> float | str:
-    if text in ("auto", "measure"):
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, "
-                         f"got {text!r}") from None
-
-
-def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
-               ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
-    """Load the target and every draft (a model named twice is loaded once); the early-exit
-    drafts come from the single --draft, or else from the target. Tokenizers must agree.
-    Returns them and the device inputs go to."""
-    device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
-    target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
-                                                   args.use_unsloth, progress, **placement)
-    loaded = {args.target: (target, tok)}
-    heads = {n: d for n in args.draft if os.path.isdir(n)
-             for d in [head_drafter(n, target)] if d is not None}  # EAGLE-3, Medusa
-    for name in args.draft:
-        if name not in loaded and name not in BUILT_IN_DRAFTERS and name not in heads:
-            loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
-                                                    progress, **placement)[:2]
-    models = [n for n in args.draft if n not in BUILT_IN_DRAFTERS and n not in heads]
-    base = models[0] if len(models) == 1 else args.target
-    named = [] if len(models) == 1 and layers else [(n, *loaded[n]) for n in models]
-    named += [(f"{base} [first {n} layers]", early_exit_draft(loaded[base][0], n),
-               loaded[base][1]) for n in layers]
-    for _, model, tok_q in named:
-        check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
-    drafters = {name: AssistantDrafter(target, model, name) if AssistantDrafter.recognises(model)
-                else ModelDrafter(name, model) for name, model, _ in named}
-    drafters.update(heads)
-    for name in args.draft:
-        if name in BUILT_IN_DRAFTERS:
-            drafters[name] = BUILT_IN_DRAFTERS[name](target, tok, args)
-    order = [n for n in args.draft if n in drafters] + [n for n in drafters
-                                                        if n not in args.draft]
-    return target, tok, [drafters[n] for n in order], device
-
-
-BUILT_IN_DRAFTERS: dict[str, Callable[[nn.Module, Any, argparse.Namespace], Drafter]] = {
-    # --draft NAME for drafters that need no draft model: made from the target
-    "ngram": lambda target, tok, args: NgramDrafter(args.ngram_max, args.ngram_min,
-                                                    eos_ids(target, tok)),
-    "mtp": lambda target, tok, args: MtpDrafter.of(target, args.mtp_steps),
-}
-
-
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
     """--device-map, --max-memory and --offload-folder as load_model_and_tokenizer's keywords."""
     if args.device_map is None:
@@ -5486,20 +5478,124 @@ def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Lau
     return torch.device("cuda", gpus[0]), {**placement, "max_memory": cut}
 
 
-def _alpha_low(r: AcceptanceReport) -> tuple[float | None, bool]:
-    """What --min-alpha compares with: the lower 95% bound of alpha (the simulated route's),
-    or the point value when there is no interval; and whether it is a bound."""
-    sim, tf = r.simulated, r.teacher_forced
-    alpha, ci = ((sim.alpha, sim.alpha_ci) if sim is not None and sim.alpha is not None
-                 else (tf.alpha, tf.alpha_ci))
-    return (ci[0], True) if ci else (alpha, False)
+def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
+               ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
+    """Load the target, then each --draft as the kinds of DRAFTERS recognise it (a model
+    named twice is loaded once; a draft model's tokenizer must agree with the target's), and
+    the early-exit drafts of --draft-layers: views of the single --draft model, or else of the
+    target. Returns them and the device inputs go to."""
+    device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
+    target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
+                                                   args.use_unsloth, progress, **placement)
+    loaded = {args.target: (target, tok)}
+
+    def load(name: str) -> nn.Module:
+        if name not in loaded:
+            loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
+                                                    progress, **placement)[:2]
+        model, tok_q = loaded[name]
+        check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
+        return model
+    options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps)
+    found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
+    models = [n for n in found if n in loaded]  # the --draft names that are models
+    base = models[0] if len(models) == 1 else args.target
+    if len(models) == 1 and layers:  # its early-exit views are the drafts, not it
+        del found[base]
+    for n in layers:
+        name = f"{base} [first {n} layers]"
+        found[name] = ModelDrafter(name, early_exit_draft(loaded[base][0], n))
+    return target, tok, list(found.values()), device
+
+
+def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
+                 sweep: Sequence[SweepPoint]
+                 ) -> dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]:
+    """The tokenised prompts of each (context length, system prompt) of the sweep, and what a
+    report records of how they were cut (RunInfo.context; None without --context-lengths).
+    A context length no document reaches is left out; if none is reached, refused."""
+    if args.context_lengths is None:
+        return {(None, sp): (build_sequences(
+                    prompts, tok, max_samples=args.max_samples, max_length=args.max_length or 512,
+                    chat_template=args.chat_template, system_prompt=sp), None)
+                for sp in dict.fromkeys(p.system for p in sweep)}
+    documents = build_documents(prompts, tok, args.max_samples)
+    at = at_context_lengths(documents, [p.length for p in sweep], args.same_documents)
+    inputs = {(a.length, None): (a.sequences, a.describe()) for a in at if a.sequences}
+    if not inputs:
+        need = at[-1].length if args.same_documents else at[0].length
+        raise UsageError(f"--context-lengths: no document has {need:,} tokens (the longest "
+                         f"of {len(documents)} has {at[0].longest:,}); use shorter lengths or "
+                         f"longer documents")
+    return inputs
+
+
+def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
+                where: tuple[Launch, str] | None = None, stop: Stop | None = None
+                ) -> list[AcceptanceReport]:
+    """The CLI's run between parsing and printing: one report per (setting of the sweep,
+    draft). status(line) is told what is about to be measured; where: this process's place in
+    a multi-process launch (launch_from_env; read from the environment when not given);
+    stop: main's (see Stop), which a signal fills in. The settings are measured in turn
+    (run_setting), resuming what earlier reports finished; a stop ends the sweep after the
+    setting it cut short."""
+    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
+                                              grace_s=args.stop_timeout)
+    sweep = _sweep(args)
+    layers = (_number_list(args.draft_layers, "--draft-layers", int)
+              if args.draft_layers is not None else [])
+    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
+                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
+                        separate_continuation=args.separate_continuation)
+    _check_json_target(args.json)
+    _check_plot_target(args.plot)
+    earlier = _earlier_reports(args)
+    _check_drafters(args, layers)
+    prompts = load_texts(args.data, documents=args.context_lengths is not None)
+    launch = join_processes(args.dist_timeout, where)
+    progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
+    target, tok, drafts, device = cli_models(args, layers, progress, launch)
+    inputs = _cli_prompts(args, prompts, tok, sweep)
+    settings = replace(settings, eos=eos_ids(target, tok))
+    for length, _ in inputs:
+        if length is not None:
+            check_context_room(target, drafts, length, settings)
+    left_out = sorted({p.length for p in sweep if (p.length, p.system) not in inputs})
+    sweep = [p for p in sweep if (p.length, p.system) in inputs]
+    if launch.rank == 0:
+        context = next(iter(inputs.values()))[1]  # (every length's has the longest)
+        for n in left_out:
+            status(f"specdec: context length {n:,} left out: no document has that many "
+                   f"tokens (the longest has {context['longest']:,})")
+        ranks = f" by {launch.world} processes" if launch.world > 1 else ""
+        status(f"specdec: measuring {max(len(v[0]) for v in inputs.values())} prompts, "
+               f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
+               f"{'context length, ' if args.context_lengths else ''}system prompt and "
+               f"temperature on {device}{ranks}")
+    plan = Plan(args, target, drafts, device, settings, inputs,
+                _number_list(args.temperature, "--temperature", float), _context_lengths(args),
+                launch, stop, progress)
+    if earlier:  # every earlier report must be one of this run's: never mixed
+        keys = [sweep_key_parts(plan, m, d) for p in sweep for m in [measurement(plan, p)]
+                for d in m.drafters(drafts)]
+        plan.done = _resumable(earlier, keys, args.json)
+    stop.raising = False  # started: from here a signal stops the run at its next look
+    reports: list[AcceptanceReport] = []
+    for point in sweep:
+        reports += run_setting(plan, point)
+        if stop.ended:
+            break  # interrupted: report what finished, measure no further setting
+    return reports
 
 
 def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list[str]:
     """--min-alpha: one line per (draft, temperature) whose alpha bound is below min_alpha."""
     lines = []
     for r in reports:
-        a, bound = _alpha_low(r)
+        sim, tf = r.simulated, r.teacher_forced  # the simulated route's, where it ran
+        alpha, ci = ((sim.alpha, sim.alpha_ci) if sim is not None and sim.alpha is not None
+                     else (tf.alpha, tf.alpha_ci))
+        a, bound = (ci[0], True) if ci else (alpha, False)
         if a is None or a < min_alpha:
             what = "lower 95% bound" if bound else "alpha (no interval from a single prompt)"
             lines.append(f"specdec: alpha gate failed for {r.draft} at temperature "
@@ -5507,67 +5603,36 @@ def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI; the only place that prints. Exit status: 0 ok, 1 --min-alpha gate failed,
-    2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted (Ctrl-C),
-    143 terminated (SIGTERM): both of those print the partial report and write the JSON,
-    under torchrun or srun on every rank (rank 0 writes what all ranks finished)."""
-    import signal
-    import threading
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["measure"]:
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
-    say = (lambda line: None) if args.quiet else (
-        lambda line: print(line, file=sys.stderr, flush=True))
-    stop = Stop(timeout_s=args.dist_timeout, grace_s=args.stop_timeout)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.signals.append(signal.Signals(signum).name)
-        if stop.raising:
-            stop.raising = False  # once: what follows (a gather, the report) must finish
-            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    caught = [n for n, d in defaults.items() if signal.getsignal(n) is d
-              and threading.current_thread() is threading.main_thread()]
-    for n in caught:
-        signal.signal(n, on_signal)
-    try:
-        return _run_and_print(args, say, stop)
-    finally:
-        for n in caught:
-            signal.signal(n, defaults[n])
-        if "torch.distributed" in sys.modules and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _unmeasured(args: argparse.Namespace, reports: Sequence[AcceptanceReport]
+                ) -> list[SweepPoint]:
+    """The sweep's settings with no report (context lengths no document reaches aside)."""
+    longest = next((r.run.context["longest"] for r in reports if r.run.context), None)
+    measured = {(r.run.context and r.run.context["length"], r.system_prompt, r.temperature)
+                for r in reports}
+    return [p for p in _sweep(args) if (p.length, p.system, p.temperature) not in measured
+            and (p.length is None or longest is None or p.length <= longest)]
 
 
-def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: Stop) -> int:
-    """main's body: run, print the reports (rank 0 only), write the JSON, the exit status."""
-    launch, address = launch_from_env(dict(os.environ))
+def _stopped(stop: Stop) -> str:
+    """What stopped the run, in a few words."""
+    return {"SIGTERM": "terminated (SIGTERM)", "SIGINT": "interrupted"}.get(
+        stop.cause, "stopped (a rank failed or did not answer)")
+
+
+def _hand_over_nothing(stop: Stop, launch: Launch) -> None:
+    """Under torchrun or srun, a rank that ends without results tells the others (see
+    hand_over_nothing), if the process group is up and its store still answers."""
+    if launch.world > 1 and "torch.distributed" in sys.modules \
+            and torch.distributed.is_initialized():
+        with contextlib.suppress(Exception):
+            hand_over_nothing(stop, launch.rank)
+
+
+def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: Stop,
+           launch: Launch) -> int:
+    """After the run: print the reports (rank 0 only), write the JSON and the plot, say what
+    was left unmeasured -> the exit status."""
     tag = f" (rank {launch.rank})" if launch.rank else ""
-    try:
-        reports = cli_reports(args, say, (launch, address), stop)
-    except (UsageError, FloatingPointError) as e:
-        _hand_over_nothing(stop, launch)
-        print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
-            stop.signals.append("SIGINT")
-        _hand_over_nothing(stop, launch)
-        print(f"specdec{tag}: {_stopped(stop)} before any measurement finished",
-              file=sys.stderr)
-        return stop_status(stop)
-    except Exception as e:  # unforeseen: one line, the traceback only when asked
-        _hand_over_nothing(stop, launch)
-        if args.traceback:
-            import traceback
-            traceback.print_exc()
-        what = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {_one_line(e)}"
-        print(f"specdec: error{tag}: {what}" + ("" if args.traceback else
-                                                " (--traceback shows where)"), file=sys.stderr)
-        return 3
     for r, waited in stop.left_behind.items():
         print(f"specdec{tag}: rank {r} did not answer within {waited:.0f} s: " +
               ("its batches are left out of the report" if launch.rank == 0 else
@@ -5600,29 +5665,73 @@ def _run_and_print(args: argparse.Namespace, say: Callable[[str], None], stop: S
     return 1 if failures else 0
 
 
-def _unmeasured(args: argparse.Namespace, reports: Sequence[AcceptanceReport]
-                ) -> list[SweepPoint]:
-    """The sweep's settings with no report (context lengths no document reaches aside)."""
-    longest = next((r.run.context["longest"] for r in reports if r.run.context), None)
-    measured = {(r.run.context and r.run.context["length"], r.system_prompt, r.temperature)
-                for r in reports}
-    return [p for p in _sweep(args) if (p.length, p.system, p.temperature) not in measured
-            and (p.length is None or longest is None or p.length <= longest)]
+@contextlib.contextmanager
+def _caught_signals(stop: Stop):
+    """main's handlers for SIGINT and SIGTERM for the run's length: each appends the signal's
+    name to stop.signals and raises (KeyboardInterrupt, Terminated) only while stop.raising,
+    and only once; the defaults are put back, and a process group left, afterwards."""
+    import signal
+    import threading
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.signals.append(signal.Signals(signum).name)
+        if stop.raising:
+            stop.raising = False  # once: what follows (a gather, the report) must finish
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    caught = [n for n, d in defaults.items() if signal.getsignal(n) is d
+              and threading.current_thread() is threading.main_thread()]
+    for n in caught:
+        signal.signal(n, on_signal)
+    try:
+        yield
+    finally:
+        for n in caught:
+            signal.signal(n, defaults[n])
+        if "torch.distributed" in sys.modules and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def _stopped(stop: Stop) -> str:
-    """What stopped the run, in a few words."""
-    return {"SIGTERM": "terminated (SIGTERM)", "SIGINT": "interrupted"}.get(
-        stop.cause, "stopped (a rank failed or did not answer)")
-
-
-def _hand_over_nothing(stop: Stop, launch: Launch) -> None:
-    """Under torchrun or srun, a rank that ends without results tells the others (see
-    hand_over_nothing), if the process group is up and its store still answers."""
-    if launch.world > 1 and "torch.distributed" in sys.modules \
-            and torch.distributed.is_initialized():
-        with contextlib.suppress(Exception):
-            hand_over_nothing(stop, launch.rank)
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; the only place that prints. Exit status: 0 ok, 1 --min-alpha gate failed,
+    2 bad input, 3 an unforeseen failure in torch or transformers, 130 interrupted (Ctrl-C),
+    143 terminated (SIGTERM): both of those print the partial report and write the JSON,
+    under torchrun or srun on every rank (rank 0 writes what all ranks finished)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["measure"]:
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    say = (lambda line: None) if args.quiet else (
+        lambda line: print(line, file=sys.stderr, flush=True))
+    stop = Stop(timeout_s=args.dist_timeout, grace_s=args.stop_timeout)
+    launch, address = launch_from_env(dict(os.environ))
+    tag = f" (rank {launch.rank})" if launch.rank else ""
+    with _caught_signals(stop):
+        try:
+            reports = cli_reports(args, say, (launch, address), stop)
+        except (UsageError, FloatingPointError) as e:
+            _hand_over_nothing(stop, launch)
+            print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
+                stop.signals.append("SIGINT")
+            _hand_over_nothing(stop, launch)
+            print(f"specdec{tag}: {_stopped(stop)} before any measurement finished",
+                  file=sys.stderr)
+            return stop_status(stop)
+        except Exception as e:  # unforeseen: one line, the traceback only when asked
+            _hand_over_nothing(stop, launch)
+            if args.traceback:
+                import traceback
+                traceback.print_exc()
+            what = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {_one_line(e)}"
+            print(f"specdec: error{tag}: {what}" + ("" if args.traceback else
+                                                    " (--traceback shows where)"),
+                  file=sys.stderr)
+            return 3
+        return finish(args, reports, stop, launch)
 
 
 if __name__ == "__main__":

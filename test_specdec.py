@@ -38,6 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -761,6 +762,27 @@ def simulate(target, draft, seqs, s, gamma, budget, *, eos=(), seed=0, batch_siz
                              batch_size=batch_size, indices=indices)
 
 
+def loop(gamma, budget, eos=(), s=None, vocab=V, seed=0):
+    """The LoopConfig of a CPU run: sampling s (T = 1 by default), block, budget, EOS ids."""
+    return sd.LoopConfig(s or SAMPLINGS["t1"], gamma, budget, vocab, frozenset(eos), CPU, seed)
+
+
+def continuations(model, seqs, s, n, *, seed=0, eos=(), batch_size=8, vocab=V):
+    """sd.sample_continuations over prompts batched as a measurement batches them, back in the
+    prompts' order (each prompt on its own random stream, index i)."""
+    out = {}
+    for batch in sd.length_batches(seqs, batch_size):
+        got = sd.sample_continuations(model, [seqs[i].ids for i in batch],
+                                      loop(1, n, eos, s, vocab, seed), batch)
+        out.update(zip(batch, got))
+    return [out[i] for i in range(len(seqs))]
+
+
+def cycle(drafted, n_acc, new):
+    """A cycle that proposed `drafted`, accepted n_acc of them and then gained `new`."""
+    return sd.Cycle(n_acc, new, len(drafted), list(drafted), True, True)
+
+
 def counts(row: "sd.RowStats") -> dict:
     """A RowStats as the reference loop's plain dict."""
     return {k: getattr(row, k) for k in ("accepted", "examined", "cycles", "censored",
@@ -1407,7 +1429,7 @@ def test_measure_alpha_matches_bruteforce_per_sequence(family, key, pairs, seqs)
     assert r.cost_ratio == pytest.approx(ppt(d) / ppt(t), rel=1e-12)
     assert r.est_speedup == pytest.approx((tot / cnt + 1) / (gamma * r.cost_ratio + 1), abs=1e-5)
     # the best-gamma table: the same naive positional estimator at every block size 1..8
-    table = {row["gamma"]: row for row in r.gamma_table}
+    table = {row.gamma: row for row in r.gamma_table}
     for g in range(1, 9):
         wins = [sum(math.prod(a[i:i + k]) for k in range(1, g + 1))
                 for a, _, _ in per for i in range(len(a) - g + 1)]
@@ -1415,9 +1437,9 @@ def test_measure_alpha_matches_bruteforce_per_sequence(family, key, pairs, seqs)
             assert g not in table  # no continuation holds a window this long
             continue
         tpc = sum(wins) / len(wins) + 1
-        assert table[g]["tokens_per_cycle"] == pytest.approx(tpc, abs=1e-5)
-        assert table[g]["est_speedup"] == pytest.approx(tpc / (g * r.cost_ratio + 1), abs=1e-5)
-    assert r.best_gamma == max(table.values(), key=lambda row: row["est_speedup"])["gamma"]
+        assert table[g].tokens_per_cycle == pytest.approx(tpc, abs=1e-5)
+        assert table[g].est_speedup == pytest.approx(tpc / (g * r.cost_ratio + 1), abs=1e-5)
+    assert r.best_gamma == max(table.values(), key=lambda row: row.est_speedup).gamma
     # per-prompt rows: the same per-sequence sums, keyed by the prompt's index
     assert [row["index"] for row in r.per_prompt] == list(range(len(seqs)))
     for row, (a, _, _) in zip(r.per_prompt, per):
@@ -1467,18 +1489,16 @@ def test_alpha_by_category_matches_bruteforce(llama, llama2, tok_plain):
 @pytest.mark.parametrize("key", ["t1", "topk_topp"])
 def test_sample_continuations_batched_equals_plain_loop(key, gpt2, seqs):
     s = SAMPLINGS[key]
-    got = sd.sample_continuations(gpt2, seqs, s, 6, device=CPU, vocab=V, eos=set(), seed=4,
-                                  batch_size=3)
-    one = [sd.sample_continuations(gpt2, [q], s, 6, device=CPU, vocab=V, eos=set(), seed=4,
-                                   indices=[i])[0] for i, q in enumerate(seqs)]
+    got = continuations(gpt2, seqs, s, 6, seed=4, batch_size=3)
+    one = [sd.sample_continuations(gpt2, [q.ids], loop(1, 6, s=s, seed=4), [i])[0]
+           for i, q in enumerate(seqs)]
     want = [ref_continuation(gpt2, q.ids, s, 6, 4, i) for i, q in enumerate(seqs)]
     assert got == want
     assert one == want  # one prompt at a time, each on its own stream
 
 
 def test_greedy_continuation_equals_generate(llama, seqs):
-    got = sd.sample_continuations(llama, seqs, SAMPLINGS["greedy"], 8, device=CPU, vocab=V,
-                                  eos=set(), batch_size=4)
+    got = continuations(llama, seqs, SAMPLINGS["greedy"], 8, batch_size=4)
     for q, cont in zip(seqs, got):
         x = torch.tensor([q.ids])
         out = llama.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
@@ -1487,9 +1507,9 @@ def test_greedy_continuation_equals_generate(llama, seqs):
 
 
 def test_sample_continuations_stop_at_eos(eos_model, seqs):
-    kw = dict(device=CPU, vocab=V, seed=2, batch_size=3)
-    with_eos = sd.sample_continuations(eos_model, seqs, SAMPLINGS["t1"], 20, eos={9}, **kw)
-    free = sd.sample_continuations(eos_model, seqs, SAMPLINGS["t1"], 20, eos=set(), **kw)
+    kw = dict(seed=2, batch_size=3)
+    with_eos = continuations(eos_model, seqs, SAMPLINGS["t1"], 20, eos={9}, **kw)
+    free = continuations(eos_model, seqs, SAMPLINGS["t1"], 20, **kw)
     hits = 0
     for a, b in zip(with_eos, free):
         cut = b.index(9) + 1 if 9 in b else len(b)
@@ -1518,8 +1538,9 @@ def test_head_route_in_chunks_equals_full_logits(family, pairs, seqs):
     made = torch.ones(len(hq), dtype=torch.bool)
     via_head = sd.Scores(hq, made, sd.model_head(d, True, s, V))
     via_logits = sd.Scores(lq, made, sd.model_head(d, False, s, V))
-    chunked = sd.position_stats(t, via_head, hp, s, V, True, chunk=2)
-    full = sd.position_stats(t, via_logits, lp, s, V, False, chunk=10_000)
+    chunked = sd.position_stats(lambda a, b: sd.head_logits(t, hp[a:b], True), via_head, s, V,
+                                chunk=2)
+    full = sd.position_stats(lambda a, b: lp[a:b], via_logits, s, V, chunk=10_000)
     for k in ("alpha", "top1", "p_argmax_q"):
         assert torch.allclose(chunked[k], full[k], atol=1e-5), k
     # and the full-logits route matches each sequence run alone
@@ -1552,9 +1573,9 @@ def test_a_long_target_pass_keeps_logits_from_the_first_scored_position_only(lla
     monkeypatch.setattr(sd, "CHUNKED_ATTENTION", ("eager", "sdpa"))  # every kind
     seqs = [sd.TokenSequence(r) for r in long_rows((38, 30, 41))]
     conts = [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]]
-    side = sd.target_pass(llama, False, [0, 1, 2], seqs, SAMPLINGS["t1"],
-                          sd.Settings(continuation_tokens=4), frozenset(), CPU, V, sd._NoBar(),
-                          conts)
+    m = sd.Measurement(llama, seqs, SAMPLINGS["t1"], sd.Settings(continuation_tokens=4), CPU)
+    m.route = False
+    side = m.target_side([0, 1, 2], V, conts)
     width = 41 + 4
     assert side.first == 30 and side.states.shape == (3, width - side.first, V)
     with torch.no_grad():
@@ -1729,9 +1750,9 @@ def logged_cycles(monkeypatch):
     log = {}
     real = sd.record_cycle
 
-    def record(row, drafted, n_acc, new, gamma, budget, eos, count=None):
-        log.setdefault(id(row), []).append((gamma if count is None else count, n_acc))
-        return real(row, drafted, n_acc, new, gamma, budget, eos, count)
+    def record(row, cyc, config):
+        log.setdefault(id(row), []).append((cyc.count, cyc.n_acc))
+        return real(row, cyc, config)
     monkeypatch.setattr(sd, "record_cycle", record)
     return log
 
@@ -2095,8 +2116,8 @@ def test_one_mtp_head_claims_at_most_two_tokens_per_cycle(mtp_one, tok_plain, es
     assert r.est_speedup == pytest.approx((1 + r.alpha) / (r.cost_ratio + 1), abs=1e-9)
     assert r.empirical_tokens_per_cycle <= 2 and r.reached_by_draft_offset[1:] == [0, 0, 0]
     for row in r.gamma_table:
-        assert row["tokens_per_cycle"] <= 2 + 1e-9
-        assert row["est_speedup"] == pytest.approx(r.est_speedup, abs=1e-9)
+        assert row.tokens_per_cycle <= 2 + 1e-9
+        assert row.est_speedup == pytest.approx(r.est_speedup, abs=1e-9)
     assert r.best_gamma == 1
     assert r.alpha_by_head == [r.alpha] and r.drafted_by == ["layer 1", "-", "-", "-"]
 
@@ -2574,7 +2595,7 @@ def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plai
     want = head_step_alphas(llama, medusa_draft(llama, t), seqs, s, 5, 2, 3)
     assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
     assert r.drafted_by == ["head 1", "head 2", "head 3", "-", "-"]
-    assert all(row["tokens_per_cycle"] <= 4 + 1e-9 for row in r.gamma_table)
+    assert all(row.tokens_per_cycle <= 4 + 1e-9 for row in r.gamma_table)
     ref = reference_loop(llama, medusa_draft(llama, t), seqs, s, 3, 10, seed=4)
     got = simulate(llama, drafter, seqs, s, 3, 10, seed=4, batch_size=4)
     for i, row in enumerate(ref):
@@ -2798,9 +2819,9 @@ def test_identical_models_accept_everything_in_both_modes(key, llama, seqs):
     # SGLang's spec_accept_length: completion tokens (the prefill's counted) / verify passes
     assert r.tokens_per_verify_pass == K / 2 == gamma + 1 + 1 / 2
     for row in r.gamma_table:
-        if row["gamma"] <= gamma:
-            assert row["sim_tokens_per_cycle"] == row["gamma"] + 1
-        assert row["tokens_per_cycle"] == pytest.approx(row["gamma"] + 1, abs=1e-4)
+        if row.gamma <= gamma:
+            assert row.simulated_tokens_per_cycle == row.gamma + 1
+        assert row.tokens_per_cycle == pytest.approx(row.gamma + 1, abs=1e-4)
     assert r.cost_ratio == 1.0 and r.empirical_est_speedup == pytest.approx((gamma + 1) / 4)
 
 
@@ -2865,8 +2886,8 @@ def iid_rows(alpha, gamma, budget, e, n_prompts, seed):
         row, c, done = sd.RowStats.empty(gamma), 0, False
         while not done:
             cut_before = row.censored
-            done = sd.record_cycle(row, eos[p][c][:gamma], n_accs[p][c], eos[p][c][gamma], gamma,
-                                   budget, {9})
+            done = sd.record_cycle(row, cycle(eos[p][c][:gamma], n_accs[p][c],
+                                              eos[p][c][gamma]), loop(gamma, budget, {9}))
             if row.censored == cut_before:
                 kept_sum, kept_n = kept_sum + n_accs[p][c], kept_n + 1
             c += 1
@@ -3072,7 +3093,7 @@ def test_simulation_stops_at_eos(same, eos_model, llama2, seqs):
 ])
 def test_record_cycle_by_hand(drafted, n_acc, new, budget, want):
     row = sd.RowStats.empty(3)
-    done = sd.record_cycle(row, drafted, n_acc, new, 3, budget, {9})
+    done = sd.record_cycle(row, cycle(drafted, n_acc, new), loop(3, budget, {9}))
     got = dict(tokens=row.tokens, accepted=row.accepted, examined=row.examined,
                censored=row.censored, reached=row.reached, accepted_at=row.accepted_at,
                done=done)
@@ -3250,7 +3271,7 @@ def test_a_stepped_drafters_alpha_pools_its_steps_as_a_cycle_examines_them(gamma
                                [10 * a for a in steps[1:]], [10, 10],
                                [10 * a for a in steps[1:]]) for i in range(4)]
     cost = sd.Cost(0.1, {g: 1.0 for g in range(1, 9)}, "given")
-    tf, _ = sd.teacher_forced_fields(results, gamma, "iid", cost, 0, "sample", 3)
+    tf, _ = sd.teacher_forced_fields(results, sd.Settings(gamma=gamma), cost, "sample", 3)
     assert tf.alpha == pytest.approx(want, abs=1e-12)
     assert tf.alpha_by_head == pytest.approx(steps, abs=1e-12)
     assert tf.alpha_by_rule["sample"] == tf.alpha_by_rule["argmax"] == pytest.approx(want)
@@ -3411,16 +3432,36 @@ def test_report_to_dict_fields(llama, llama2, seqs, sim_report):
     assert all(apart[k] == d[k] for k in SIM_FIELDS if k != "gamma_table")
 
 
+def test_the_report_reads_flat_and_is_written_by_its_parts(sim_report, llama, llama2, seqs):
+    """Every flat JSON name reads as an attribute; writing one is refused (it would shadow
+    the field and change nothing the JSON says): a field is set on its part. A gamma row read
+    as a dict, as before the report had parts, still works, with a DeprecationWarning; so do
+    measure_drafts' keywords that moved to the command line (share=, done=, ...)."""
+    r = sim_report
+    assert all(getattr(r, k) == v for k, v in r.to_dict().items() if k != "gamma_table")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.alpha = 0.5
+    r.run.notes.append("a note")
+    assert r.to_dict()["notes"][-1] == "a note"
+    with pytest.warns(DeprecationWarning, match="GammaRow"):
+        assert r.gamma_table[0]["gamma"] == r.gamma_table[0].gamma == 1
+    with pytest.warns(DeprecationWarning, match="share=.*deprecated"):
+        old = sd.measure_drafts(llama, [("d", llama2)], seqs[:2], device=CPU, gamma=2,
+                                continuation_tokens=3, share=(0, 1))
+    assert old[0].n_sequences == 2
+
+
 def test_gamma_table_simulation_columns(sim_report):
     r = sim_report
     for row in r.gamma_table:
-        g = row["gamma"]
+        g = row.gamma
         if g > r.gamma:  # the simulation ran blocks of r.gamma: it cannot speak for longer ones
-            assert row["sim_tokens_per_cycle"] is None and row["sim_est_speedup"] is None
+            assert row.simulated_tokens_per_cycle is None and row.simulated_est_speedup is None
             continue
         if g == r.gamma:  # at its own block: what the simulation measured, as the report says
-            assert row["sim_tokens_per_cycle"] == r.empirical_tokens_per_cycle
-            assert row["sim_est_speedup"] == pytest.approx(r.empirical_est_speedup, abs=1e-12)
+            assert row.simulated_tokens_per_cycle == r.empirical_tokens_per_cycle
+            assert row.simulated_est_speedup == pytest.approx(r.empirical_est_speedup,
+                                                              abs=1e-12)
             continue
         acc, run = 0.0, 1.0
         for a in r.alpha_by_draft_offset[:g]:
@@ -3429,8 +3470,8 @@ def test_gamma_table_simulation_columns(sim_report):
                 break
             run *= a
             acc += run
-        assert row["sim_tokens_per_cycle"] == pytest.approx(acc + 1, abs=1e-12)
-        assert row["sim_est_speedup"] == pytest.approx((acc + 1) / (g * 0.25 + 1), abs=1e-12)
+        assert row.simulated_tokens_per_cycle == pytest.approx(acc + 1, abs=1e-12)
+        assert row.simulated_est_speedup == pytest.approx((acc + 1) / (g * 0.25 + 1), abs=1e-12)
 
 
 def test_format_report_shows_the_dataclass_numbers(sim_report):
@@ -3521,7 +3562,7 @@ def test_summary_table_rows_and_order(llama, llama2, gpt2, seqs):
     assert len(lines) == 4
 
     def best_speedup(r):  # oracle: the table's best row, found by a loop
-        return max((row["est_speedup"], row["gamma"]) for row in r.gamma_table)
+        return max((row.est_speedup, row.gamma) for row in r.gamma_table)
 
     order = sorted(reports, key=lambda r: -best_speedup(r)[0])
     for line, r in zip(lines, order):
@@ -3784,7 +3825,7 @@ def chunked_reports(monkeypatch, chunk, target, drafts, seqs, **kw):
 
     def spy(*args, **kwargs):
         rows = real(*args, **kwargs)
-        emitted.append([r.tokens for r in rows])
+        emitted.append([r.tokens for r in rows.values()])
         return rows
     spy.real = real  # (an earlier call's spy is replaced, not wrapped)
     monkeypatch.setattr(sd, "simulate_batch", spy)
@@ -3904,17 +3945,25 @@ def test_several_drafts_share_one_set_of_target_passes(llama, llama2, gpt2, seqs
     assert passes[1] == passes[0] + 2 + 2
 
 
+def count_measured(monkeypatch) -> list:
+    """The batches Measurement.measure_batch is asked to measure from now on."""
+    measured, real = [], sd.Measurement.measure_batch
+    monkeypatch.setattr(sd.Measurement, "measure_batch", lambda self, drafters, batch, into:
+                        measured.append(batch) or real(self, drafters, batch, into))
+    return measured
+
+
 def interrupt_after(monkeypatch, n_calls):
-    """Make the n-th call of measure_side (once per batch, and with simulate per drafter)
-    raise KeyboardInterrupt (a Ctrl-C)."""
-    orig, calls = sd.measure_side, []
+    """Make the n-th teacher-forced scoring (Measurement.score: once per drafter and batch,
+    after that drafter's simulation of it) raise KeyboardInterrupt (a Ctrl-C)."""
+    orig, calls = sd.Measurement.score, []
 
     def boom(*args, **kwargs):
         calls.append(1)
         if len(calls) >= n_calls:
             raise KeyboardInterrupt
         return orig(*args, **kwargs)
-    monkeypatch.setattr(sd, "measure_side", boom)
+    monkeypatch.setattr(sd.Measurement, "score", boom)
 
 
 def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
@@ -3950,9 +3999,7 @@ def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, ca
     assert rc == 130 and "PARTIAL" in out
     first = json.loads(open(path).read())
     assert first[0]["partial"] and first[0]["n_sequences"] == 2
-    measured = []
-    real = sd.measure_batch
-    monkeypatch.setattr(sd, "measure_batch", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
+    measured = count_measured(monkeypatch)
     rc, out, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
     assert rc == 0 and "PARTIAL" not in out
     assert len(measured) == 1 + 2  # the rest of T = 0.7 (its second batch), then all of T = 0
@@ -3999,8 +4046,10 @@ def test_the_simulation_hands_the_teacher_forced_route_the_targets_outputs(
     fails the shape check.) The first emitted token is the prefill's and no draft position, so
     the states start with the second."""
     config = sd.LoopConfig(SAMPLINGS["t1"], 3, 7, V, frozenset({9}), CPU, seed=2)
-    states: dict = {}
-    rows = sd.run_simulation(eos_model, llama2, seqs, config, batch_size=3, states=states)
+    states, rows = {}, {}
+    for batch in sd.length_batches(seqs, 3):
+        rows.update(sd.simulate_batch(eos_model, sd.ModelDrafter("d", llama2),
+                                      {i: seqs[i].ids for i in batch}, config, None, states))
     assert any(len(r.tokens) < 7 for r in rows.values())  # EOS ended some rows early
     for i, s in enumerate(seqs):
         emitted = rows[i].tokens
@@ -4031,13 +4080,6 @@ def short_run(model_dirs, data_txt, path, *more, draft=None):
     return ["--target", model_dirs["target"], "--draft", draft or model_dirs["draft"], "--data",
             data_txt, "--max-samples", "2", "--continuation-tokens", "3", "--quiet", "--json",
             str(path), *more]
-
-
-def count_measured(monkeypatch) -> list:
-    """The batches measure_batch is asked to measure from now on."""
-    measured, real = [], sd.measure_batch
-    monkeypatch.setattr(sd, "measure_batch", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
-    return measured
 
 
 def test_resume_refuses_a_file_of_another_dtype_device_kind_or_temperature_sweep(
@@ -4164,9 +4206,8 @@ def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(
     g = torch.Generator().manual_seed(3)
     starts = [sd.TokenSequence(torch.randint(3, 30, (2,), generator=g).tolist())
               for _ in range(256)]
-    texts = [list(p.ids) + c for p, c in zip(starts, sd.sample_continuations(
-        target, starts, SAMPLINGS["t1"], 14, device=CPU, vocab=V, eos=set(), seed=1,
-        batch_size=64))]
+    texts = [list(p.ids) + c for p, c in zip(starts, continuations(
+        target, starts, SAMPLINGS["t1"], 14, seed=1, batch_size=64))]
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self):
@@ -4773,18 +4814,21 @@ def test_collect_looks_for_a_stop_before_each_batch(monkeypatch, llama, llama2, 
     import torch.distributed as dist
     store = dist.HashStore()
     monkeypatch.setattr(sd, "rank_store", lambda: store)
-    orig, started = sd.measure_batch, []
+    started = []
+    orig = sd.Measurement.measure_batch
 
-    def batch(*args, **kwargs):
-        started.append(args[3])
-        orig(*args, **kwargs)
+    def batch(self, drafters, b, into):
+        started.append(b)
+        orig(self, drafters, b, into)
         store.set("stop", "SIGTERM")  # another rank got a SIGTERM meanwhile
-    monkeypatch.setattr(sd, "measure_batch", batch)
+    monkeypatch.setattr(sd.Measurement, "measure_batch", batch)
     settings = sd.Settings(gamma=2, continuation_tokens=3, batch_size=2)
     stop = sd.Stop()
-    drafter = sd.as_drafter("d", llama2)
-    results, cut = sd.collect(llama, [drafter], seqs, sd.SamplingParams(0.7), settings,
-                              frozenset(), CPU, False, (0, 2), stop=stop)
+    plan = sd.Plan(None, llama, [], CPU, settings, {}, [0.7], None, sd.Launch(0, 2, 0, 2),
+                   stop)
+    m = sd.Measurement(llama, seqs, sd.SamplingParams(0.7), settings, CPU)
+    results = [{}]
+    cut = sd.collect(plan, m, m.drafters([sd.as_drafter("d", llama2)]), results)
     assert cut and stop.other == "SIGTERM" and not stop.signals and not stop.raising
     assert started == sd.deal(sd.length_batches(seqs, 2), 0, 2)[:1]
     assert sorted(results[0]) == sorted(started[0])
@@ -5213,11 +5257,13 @@ def test_cli_several_drafts_and_temperatures(capsys, tmp_path, model_dirs, data_
         want += sd.measure_drafts(target, [(d, draft), (t, target)], seqs,
                                   sampling=sd.SamplingParams(temp), device=dev, gamma=2,
                                   cost_ratio=0.3, continuation_tokens=5, simulate=True, seed=4,
-                                  eos=sd.eos_ids(target, tok), target_name=t,
-                                  temperatures=[0.0, 1.0])  # the sweep, in the run key
+                                  eos=sd.eos_ids(target, tok), target_name=t)
     for g, w in zip(got, want):
         w = json.loads(json.dumps(w.to_dict()))
         assert g.pop("notes")[:-1] == w.pop("notes")
+        # the command line's run key covers its whole sweep, the library's its own setting
+        assert g.pop("run_key_parts") == {**w.pop("run_key_parts"), "temperatures": [0.0, 1.0]}
+        assert g.pop("run_key") != w.pop("run_key")
         assert g == w
     assert got[1]["alpha"] == pytest.approx(1, abs=1e-5) and got[3]["empirical_alpha"] == 1.0
     assert "ranking" in out and out.count("speculative-decoding acceptance") == 4

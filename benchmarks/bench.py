@@ -214,8 +214,12 @@ def measure_1(sd, ctx, cfg):
     target, draft, tok, device = ctx["target"], ctx["draft"], ctx["tok"], ctx["device"]
     seqs = ctx["seqs"][:cfg["m1_prompts"]]
     K, sampling, eos = cfg["m1_tokens"], sd.SamplingParams(TEMPERATURE), ctx["eos"]
-    conts = sd.sample_continuations(target, seqs, sampling, K, device=device, vocab=ctx["vocab"],
-                                    eos=eos, seed=0, batch_size=8)
+    config = sd.LoopConfig(sampling, 1, K, ctx["vocab"], frozenset(eos), device, 0)
+    made = {}
+    for batch in sd.length_batches(seqs, 8):
+        made.update(zip(batch, sd.sample_continuations(target, [seqs[i].ids for i in batch],
+                                                       config, batch)))
+    conts = [made[i] for i in range(len(seqs))]
     lengths = [len(c) for c in conts]
 
     def specdec_run():
@@ -364,13 +368,20 @@ def measure_2(sd, ctx, cfg):
 def no_cache_loop(sd, target, draft, seqs, sampling, gamma, budget, *, device, vocab, eos,
                   seed=0):
     """The baseline a KV cache is measured against: the same loop, one prompt at a time, every
-    forward over the whole prefix, the same random streams (so the same tokens)."""
+    forward over the whole prefix, the same random streams (so the same tokens): the first
+    token from the target's prefill, then the cycles."""
     import torch
     rows = {}
+    config = sd.LoopConfig(sampling, gamma, budget, vocab, frozenset(eos), device, seed)
     for index, seq in enumerate(seqs):
         gen = sd.row_generators(seed, [index], phase=2)[0]
         row, prefix = sd.RowStats.empty(gamma), list(seq.ids)
-        while True:
+        with torch.no_grad():
+            x = torch.tensor([prefix], device=device)
+            p0 = sd.processed_probs(target(input_ids=x).logits[0, -1, :vocab], sampling)
+        row.tokens.append(int(sd.sample_from(p0, torch.rand(1, generator=gen)[0])))
+        prefix.append(row.tokens[0])
+        while row.tokens[-1] not in eos and len(row.tokens) < budget:
             u = torch.rand(2 * gamma + 1, generator=gen)
             drafted, qs = [], []
             with torch.no_grad():
@@ -388,7 +399,7 @@ def no_cache_loop(sd, target, draft, seqs, sampling, gamma, budget, *, device, v
             q_next = qs[n] if n < gamma else torch.zeros_like(ps[0])
             new = int(sd.sample_from(sd.residual(ps[n], q_next), u[2 * gamma]))
             before = len(row.tokens)
-            finished = sd.record_cycle(row, drafted, n, new, gamma, budget, eos)
+            finished = sd.record_cycle(row, sd.Cycle(n, new, gamma, drafted, True, True), config)
             prefix += row.tokens[before:]
             if finished:
                 break

@@ -61,8 +61,8 @@ def specdec_runs(target, drafter, seqs, gamma: int, budget: int, eos, batch_size
     """specdec's greedy simulation -> per prompt (tokens, [(proposed, accepted) per cycle])."""
     log: dict[int, list] = {}  # by id(RowStats): every row is alive until the run returns
 
-    def cycle(row, drafted, n_acc, new, gamma, budget, eos, count=None):
-        log.setdefault(id(row), []).append((gamma if count is None else count, n_acc))
+    def cycle(row, cyc, config):
+        log.setdefault(id(row), []).append((cyc.count, cyc.n_acc))
     config = specdec.LoopConfig(specdec.SamplingParams(0.0), gamma, budget,
                                 specdec.vocab_width(target), frozenset(eos), target.device)
     with wrapped(specdec, "record_cycle", cycle):
