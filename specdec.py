@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -193,6 +194,7 @@ class SamplingParams:
 
 
 GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+TREE_RANKS = 10  # candidate ranks whose acceptance is measured per drafting step (trees)
 
 
 SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
@@ -214,6 +216,7 @@ class Settings:
     eos: frozenset[int] | None = None  # ids that end a continuation; None = the target's
     separate_continuation: bool = False  # with simulate: sample the teacher-forced text apart
     # from the simulation's (else the simulation's output is that text: one continuation)
+    trees: tuple = ()  # TreeSpecs to replay on the target's text (the engines' trees)
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -315,15 +318,26 @@ class Scores:
         q = self.head(self.states[start:stop], where)
         return q * self.proposed[start:stop, None].to(q)
 
+    def top(self, start: int, stop: int, k: int) -> torch.Tensor:
+        """The drafter's k most likely tokens at scored positions start..stop-1 (n, k), by its
+        own scores (its logits, as a tree ranks candidates; not the sampling's q, which at
+        T = 0 or under top-k ties the rest)."""
+        logits = getattr(self.head, "logits", None)
+        x = logits(self.states[start:stop]) if logits else self.q(start, stop)
+        return x.topk(k).indices
+
 
 class Session(abc.ABC):
     """A drafter following one batch of prompts through the simulation. Each cycle: propose,
     the target verifies the proposal, then advance by what the cycle committed."""
 
     @abc.abstractmethod
-    def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor) -> Proposal:
+    def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor,
+                forced: torch.Tensor | None = None) -> Proposal:
         """Draft up to gamma tokens per row after pending (B,), the newest committed token, at
-        position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G))."""
+        position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G)), or, given
+        forced (B, G), is forced[b, i]: a tree's branches and its replay of the target's
+        text draft given tokens, each q still the drafter's own."""
 
     @abc.abstractmethod
     def advance(self, n_acc: torch.Tensor, committed: list[list[int]],
@@ -335,6 +349,13 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
+
+    def fork(self, rows: torch.Tensor, config: LoopConfig) -> Session:
+        """A copy of the session over `rows` (repeats allowed), run under `config` from here
+        on, sharing no state with this one: a tree drafts each of its branches in a row of its
+        own. A drafter without a distribution per step (n-gram lookup) drafts no tree."""
+        raise UsageError(f"{type(self).__name__.removesuffix('Session')} drafting proposes one "
+                         f"chain: it cannot draft a tree (--tree, --tree-choices)")
 
 
 class DraftOptions(NamedTuple):
@@ -360,6 +381,7 @@ class Drafter(abc.ABC):
     # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
     layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3), besides the
     # final hidden states
+    drafts_trees: bool = True  # a distribution per step to draft a tree from (not a lookup)
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -650,6 +672,16 @@ def select_slots(slots: Slots, rows: torch.Tensor) -> None:
     """Keep only the given batch rows (finished rows leave the batch)."""
     slots.cache.batch_select_indices(rows)
     slots.live, slots.pos = slots.live[rows], slots.pos[rows]
+
+
+def fork_slots(slots: Slots, rows: torch.Tensor) -> Slots:
+    """A copy of slots over the given batch rows (repeats allowed): the keys and values
+    indexed into tensors of their own, so neither copy's forwards touch the other."""
+    cache = copy.copy(slots.cache)
+    cache.layers = [copy.copy(layer) for layer in slots.cache.layers]
+    twin = Slots(cache, slots.live, slots.pos)
+    select_slots(twin, rows)
+    return twin
 
 
 def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -962,16 +994,18 @@ def sample_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], co
 @torch.no_grad()
 def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
                    sampling: SamplingParams, vocab: int, chunk: int | None = None,
-                   where: Callable[[int], str] = lambda n: f"scored position {n}"
-                   ) -> dict[str, torch.Tensor]:
+                   where: Callable[[int], str] = lambda n: f"scored position {n}",
+                   ranks: int = 0) -> dict[str, torch.Tensor]:
     """Per-position numbers (N,) from the target's logits at the scored positions
     (p_logits(start, stop): positions start..stop-1, (n, V)) and a drafter's Scores there, a
-    chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q) and whether the drafter
-    proposed anything there (all zero where it did not). Only a (chunk, V) slice of fp32
+    chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q), whether the drafter
+    proposed anything there (all zero where it did not) and, given ranks, p at each of the
+    drafter's `ranks` most likely tokens ("p_rank", (N, R); Scores.top). Only a (chunk, V)
+    slice of fp32
     probabilities exists at a time, whatever N and V are. where(n) names scored position n in
     error messages."""
     chunk = chunk or max(16, (1 << 24) // vocab)
-    alpha, top1, p_of_q, covered = [], [], [], []
+    alpha, top1, p_of_q, covered, rank_p = [], [], [], [], []
     for s in range(0, scores.proposed.shape[0], chunk):
         lp = p_logits(s, s + chunk)[..., :vocab]  # (n, V)
         check_finite(lp, "target", lambda n: where(s + n))
@@ -984,11 +1018,16 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
         alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
         top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
         p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
+        if ranks:
+            rank_p.append(p.gather(-1, scores.top(s, s + chunk, min(ranks, vocab)).to(p.device))
+                          * made[:, None])
         if scores.support is not None:  # p's mass on the ids the drafter can ever propose
             covered.append((p * scores.support[:vocab].to(p)).sum(-1))
     none = torch.zeros(0)  # (a later step may have no position to score)
     out = {"alpha": torch.cat(alpha or [none]).cpu(), "top1": torch.cat(top1 or [none]).cpu(),
            "p_argmax_q": torch.cat(p_of_q or [none]).cpu(), "proposed": scores.proposed.cpu()}
+    if ranks:
+        out["p_rank"] = torch.cat(rank_p or [none.view(0, ranks)]).cpu()
     if covered:
         out["coverage"] = torch.cat(covered).cpu()
     return out
@@ -1056,6 +1095,7 @@ def q_head(logits_of: Callable[[torch.Tensor], torch.Tensor], sampling: Sampling
         check_finite(logits.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0),
                      "draft", where)
         return (draft_probs if propose else processed_probs)(logits, sampling)
+    head.logits = lambda states: logits_of(states)[..., :vocab]  # (what a tree ranks by)
     return head
 
 
@@ -1138,18 +1178,18 @@ class ModelSession(Session):
         self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):
         c = self.config
         pending, npos, u = pending.to(self.device), npos.to(self.device), u.to(self.device)
+        x, pos, live = pending[:, None], npos[:, None], None
         if any(self.full):  # feed last cycle's d_G too (a dead slot where not accepted)
             x = torch.stack([self.last, pending], 1)  # (B, 2)
             pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
             full = torch.tensor(self.full, device=x.device).long()
             live = torch.stack([full, torch.ones_like(full)], 1)
-            logits = extend(self.model, self.slots, x, pos, live, last_only=True)
-        else:
-            logits = extend(self.model, self.slots, pending[:, None], npos[:, None],
-                            last_only=True)
+        if forced is not None:  # the drafts are known: one pass over them all (a tree's)
+            return self.forced(x, pos, live, npos, forced.to(self.device))
+        logits = extend(self.model, self.slots, x, pos, live, last_only=True)
         qs, ds = [], []
         finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
         for i in range(c.gamma):
@@ -1162,6 +1202,21 @@ class ModelSession(Session):
         back = c.device  # the target's: where the acceptance test runs
         return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back))
 
+    def forced(self, x: torch.Tensor, pos: torch.Tensor, live: torch.Tensor | None,
+               npos: torch.Tensor, forced: torch.Tensor) -> Proposal:
+        """propose's drafts when they are given (forced, (B, G)): the pending token's input
+        x at pos (live) and the first G - 1 drafts in one pass, the same slots filled."""
+        c, more = self.config, forced[:, :self.config.gamma - 1]
+        x = torch.cat([x, more], 1)
+        pos = torch.cat([pos, npos[:, None] + 1 + torch.arange(more.shape[1],
+                                                               device=npos.device)], 1)
+        live = None if live is None else torch.cat([live, torch.ones_like(more)], 1)
+        logits = extend(self.model, self.slots, x, pos, live)[:, -c.gamma:]  # (B, G, V)
+        q = draft_probs(logits[..., :c.vocab], c.sampling)
+        self.last = forced[:, -1]
+        return Proposal(forced.to(c.device), q.to(c.device),
+                        torch.isfinite(logits).flatten(1).all(1).to(c.device))
+
     def advance(self, n_acc, committed, view):
         gamma, n_host = self.config.gamma, [len(c) - 1 for c in committed]
         if gamma > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
@@ -1173,6 +1228,12 @@ class ModelSession(Session):
         select_slots(self.slots, rows)
         self.last = self.last[rows]
         self.full = [self.full[r] for r in rows.tolist()]
+
+    def fork(self, rows, config):
+        twin, rows = copy.copy(self), rows.to(self.device)
+        twin.config, twin.slots = config, fork_slots(self.slots, rows)
+        twin.last, twin.full = self.last[rows], [self.full[r] for r in rows.tolist()]
+        return twin
 
 
 class ModelDrafter(Drafter):
@@ -1284,7 +1345,7 @@ class NgramSession(Session):
         for seq, first in zip(self.seqs, self.firsts):
             index_ngrams(seq, first, drafter.sizes, 0)
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):  # (a lookup proposes what it finds)
         c, d = self.config, self.drafter
         found = [ngram_lookup(seq, first, d.sizes, c.gamma, d.eos)
                  for seq, first in zip(self.seqs, self.firsts)]
@@ -1311,6 +1372,8 @@ class NgramDrafter(Drafter):
     lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal) under
     either proposal rule; a position with no match proposes nothing, and a cycle there is one
     plain target step."""
+
+    drafts_trees = False
 
     def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n:
@@ -1431,7 +1494,7 @@ class MtpSession(CommittedStates):
     def absorb(self, ids, states, live, pos):
         self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):
         c, d, ready = self.config, self.drafter, self.ready()  # (B,)
         if not any(self.held):
             return Proposal.none(len(pending), c)
@@ -1445,7 +1508,7 @@ class MtpSession(CommittedStates):
                 drop_slots(slots, k)  # they read drafts: never part of the history
             out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
             qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]))
+            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
         steps, pad = len(qs), c.gamma - len(qs)  # offsets past the last step: none proposed
         q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
@@ -1457,6 +1520,14 @@ class MtpSession(CommittedStates):
             select_slots(slots, rows)
         self.last = [last[rows] for last in self.last]
         super().keep(rows)
+
+    def fork(self, rows, config):
+        twin = copy.copy(self)
+        twin.config, twin.held = config, [self.held[r] for r in rows.tolist()]
+        steps = min(config.gamma, self.drafter.steps)  # a step this session never ran: none
+        twin.slots = [fork_slots(s, rows) for s in self.slots[:steps]]
+        twin.last = [last[rows] for last in self.last[:steps]]
+        return twin
 
 
 class MtpDrafter(Drafter):
@@ -1622,6 +1693,11 @@ class LastState(Session):
     def keep(self, rows):
         self.hidden = [self.hidden[r] for r in rows.tolist()]
 
+    def fork(self, rows, config):
+        twin = copy.copy(self)
+        twin.config, twin.hidden = config, [self.hidden[r] for r in rows.tolist()]
+        return twin
+
 
 class AssistantSession(LastState):
     """The last state, and the target's cache, which the assistant reads."""
@@ -1631,7 +1707,7 @@ class AssistantSession(LastState):
         super().__init__(prompts, view, config)
         self.drafter, self.slots = drafter, view.slots if view is not None else None
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):
         c, d = self.config, self.drafter
         ready, hidden = self.stacked()
         if self.slots is None or hidden is None:  # nothing processed yet: no proposal
@@ -1644,13 +1720,18 @@ class AssistantSession(LastState):
             logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
             finite &= torch.isfinite(logits).flatten(1).all(1)
             qs.append(draft_probs(logits, c.sampling) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, i]))
+            ds.append(sample_from(qs[-1], u[:, i]) if forced is None else forced[:, i])
             token = ds[-1][:, None]
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.gamma)
 
     def advance(self, n_acc, committed, view):
         super().advance(n_acc, committed, view)
         self.slots = view.slots
+
+    def fork(self, rows, config):
+        twin = super().fork(rows, config)
+        twin.slots = self.slots and fork_slots(self.slots, rows)  # the target's, read only
+        return twin
 
 
 class AssistantDrafter(Drafter):
@@ -1848,7 +1929,7 @@ class Eagle3Session(CommittedStates):
         out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
         self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):
         c, d, ready = self.config, self.drafter, self.ready()  # (B,)
         if not any(self.held):
             return Proposal.none(len(pending), c)
@@ -1858,7 +1939,7 @@ class Eagle3Session(CommittedStates):
 
         def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
             qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]))
+            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
             return ds[-1][:, None]
 
         outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.gamma, draw)
@@ -1870,6 +1951,12 @@ class Eagle3Session(CommittedStates):
         select_slots(self.slots, rows)
         self.last = self.last[rows]
         super().keep(rows)
+
+    def fork(self, rows, config):
+        twin = copy.copy(self)
+        twin.config, twin.held = config, [self.held[r] for r in rows.tolist()]
+        twin.slots, twin.last = fork_slots(self.slots, rows), self.last[rows]
+        return twin
 
 
 class Eagle3Drafter(Drafter):
@@ -2066,7 +2153,7 @@ class MedusaSession(LastState):
         super().__init__(prompts, view, config)
         self.drafter = drafter
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):  # (heads never read the drafts)
         c, d = self.config, self.drafter
         ready, hidden = self.stacked()
         if hidden is None:
@@ -2076,7 +2163,7 @@ class MedusaSession(LastState):
         for k in range(steps):
             qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
                 d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, k]))
+            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
         pad = c.gamma - steps  # offsets past the last head: nothing proposed
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
@@ -2477,6 +2564,272 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
 
 
 # ----------------------------------------------------------------------------------------------
+# trees: drafts the engines verify as a tree, replayed on the target's own text
+#
+# Under the engines' rule a tree is verified node by node: at a node its children are tried in
+# turn, child c kept with probability p(c), p renormalised without the rejected ones, and when
+# all are rejected the token comes from what is left of p (SGLang's
+# tree_speculative_sampling_target_only, EAGLE's evaluate_posterior; at T = 0 the path goes on
+# while it matches the target's argmax). So the token each node emits is a sample from p, and
+# the accepted path is the longest path of the tree that the target's own sample follows:
+# replaying every cycle's tree against text the target wrote is exact in distribution.
+
+
+class TreeSpec(NamedTuple):
+    """A tree shape an engine is configured with: dynamic (SGLang's --speculative-eagle-topk
+    K, --speculative-num-steps D and --speculative-num-draft-tokens N, N counting the root;
+    EAGLE's top_k, depth, total_token), or static (choices: paths of candidate ranks, Medusa's
+    medusa_choices, vLLM's speculative_token_tree). A chain of g drafts is (1, g, g + 1)."""
+
+    topk: int = 1
+    steps: int = 1
+    tokens: int = 2
+    choices: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def depth(self) -> int:
+        return max(map(len, self.choices)) if self.choices else self.steps
+
+    @property
+    def nodes(self) -> int:
+        """Nodes verified per cycle, the root (the pending token) included."""
+        return len(self.choices) + 1 if self.choices else self.tokens
+
+    @property
+    def width(self) -> int:
+        """The most branches a drafting step runs at once (K; a static tree's widest level)."""
+        if not self.choices:
+            return self.topk
+        return max(sum(1 for c in self.choices if len(c) == d + 1 and c + (0,) in self.choices)
+                   for d in range(self.depth)) or 1
+
+    def describe(self) -> str:
+        if self.choices:
+            return f"static, {self.nodes} nodes, depth {self.depth}"
+        return f"topk {self.topk}, steps {self.steps}, {self.tokens} tokens"
+
+    def check(self, vocab: int) -> None:
+        """Refuse, in one line, a tree no engine could be configured with."""
+        if self.choices is None:
+            k, d, n = self.topk, self.steps, self.tokens
+            if min(k, d) < 1 or n < 2:
+                raise UsageError(f"--tree {k},{d},{n}: topk and steps must be >= 1 and draft "
+                                 f"tokens >= 2 (the root counts)")
+            if n - 1 > k + (d - 1) * k * k:
+                raise UsageError(f"--tree {k},{d},{n}: {d} steps of top-{k} hold "
+                                 f"{k + (d - 1) * k * k} candidates, fewer than the {n - 1} "
+                                 f"drafts of {n} tokens (the root counts)")
+            if k > vocab:
+                raise UsageError(f"--tree {k},{d},{n}: top-{k} of a vocabulary of {vocab}")
+            return
+        paths = set(self.choices)
+        if not paths or len(paths) != len(self.choices) or \
+                any(not p or min(p) < 0 for p in self.choices):
+            raise UsageError("--tree-choices: a list of distinct, non-empty paths of ranks >= 0, "
+                             "such as [(0,), (1,), (0, 0)]")
+        missing = next((p for p in self.choices if len(p) > 1 and p[:-1] not in paths), None)
+        if missing is not None:
+            raise UsageError(f"--tree-choices: path {missing} without its parent {missing[:-1]}")
+        if max(max(p) for p in self.choices) >= vocab:
+            raise UsageError(f"--tree-choices: a rank past the vocabulary of {vocab}")
+
+
+TREE_SCORES = SamplingParams(1.0)  # what a tree ranks its nodes by: the drafter's softmax, no
+# temperature, as EAGLE's topK_genrate and SGLang's select_top_k_tokens do
+
+
+def branch_q(session: Session, pending: torch.Tensor, npos: torch.Tensor, rows: torch.Tensor,
+             paths: torch.Tensor) -> torch.Tensor:
+    """The drafter's q (TREE_SCORES) after each branch of a tree: rows (M,) the batch row it
+    grows from, paths (M, d) its drafted tokens (d >= 0) -> (M, V), zero where the drafter
+    proposes nothing that deep (past an MTP layer's or a Medusa head's last step). A fork of
+    the session per branch drafts its tokens, forced."""
+    d = paths.shape[1]
+    fork = session.fork(rows, session.config._replace(sampling=TREE_SCORES, gamma=d + 1))
+    forced = torch.cat([paths, paths.new_zeros(len(paths), 1)], 1)  # (M, d + 1)
+    prop = fork.propose(pending[rows], npos[rows], torch.zeros(forced.shape, device=npos.device),
+                        forced)
+    made = torch.arange(d + 1, device=npos.device) < (
+        prop.count[:, None] if prop.count is not None else d + 1)
+    return (prop.q * made[..., None])[:, d]
+
+
+def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
+               ) -> list[list[tuple[int, int]]]:
+    """Each row's tree of drafts after its pending token (B,) at npos (B,): its nodes as (token,
+    parent index; -1 the root), parents first. Dynamic: the top-K of q at the root, then D - 1
+    times the K best nodes of the deepest level (by the product of q along their paths)
+    expanded by their top-K each; the N - 1 best of all those candidates are the tree
+    (SGLang's organize_draft_results). Static: each path of ranks, a node the token of its
+    rank in q at its parent."""
+    b = len(pending)
+    if spec.choices:
+        return static_tree(session, pending, npos, spec)
+    k, device = spec.topk, npos.device
+    q = branch_q(session, pending, npos, torch.arange(b, device=device),
+                 pending[:, None][:, :0])  # (B, V): the root's children, no path yet
+    score, tok = q.topk(k)  # (B, K)
+    toks, scores, parents = [tok], [score], [torch.full_like(tok, -1)]
+    front, path, at = torch.arange(k, device=device).expand(b, k), tok[:, :, None], k
+    for _ in range(spec.steps - 1):
+        q = branch_q(session, pending, npos, torch.arange(b, device=device).repeat_interleave(k),
+                     path.reshape(b * k, -1))  # (B K, V)
+        p, t = q.topk(k)
+        cand = (score[:, :, None] * p.view(b, k, k)).flatten(1)  # (B, K K)
+        toks.append(t.view(b, k * k))
+        scores.append(cand)
+        parents.append(front[:, :, None].expand(b, k, k).reshape(b, k * k))
+        score, best = cand.topk(k)  # the next frontier: the K best candidates
+        path = torch.cat([path.gather(1, (best // k)[..., None].expand(-1, -1, path.shape[2])),
+                          toks[-1].gather(1, best)[..., None]], 2)
+        front, at = at + best, at + k * k
+    toks, scores, parents = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
+    trees = []
+    for tok_row, score_row, parent_row in zip(toks, scores, parents):
+        chosen = sorted(sorted(range(len(tok_row)), key=lambda i: -score_row[i])[
+            :spec.tokens - 1])  # candidates in level order: a parent before its children
+        where: dict[int, int] = {-1: -1}
+        nodes = []
+        for i in chosen:
+            if score_row[i] > 0 and parent_row[i] in where:  # (q zero: nothing proposed)
+                where[i] = len(nodes)
+                nodes.append((tok_row[i], where[parent_row[i]]))
+        trees.append(nodes)
+    return trees
+
+
+def static_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
+                ) -> list[list[tuple[int, int]]]:
+    """draft_tree for a static tree: level by level, q at each parent path (one branch each)
+    gives its children, the token of each child's rank."""
+    b, device = len(pending), npos.device
+    choices = sorted(spec.choices, key=lambda c: (len(c), c))
+    index = {c: i for i, c in enumerate(choices)}
+    tokens: list[list[int]] = [[0] * len(choices) for _ in range(b)]
+    alive = torch.ones(b, len(choices), dtype=torch.bool)  # (a zero q proposes nothing)
+    for depth in range(1, spec.depth + 1):
+        level = [c for c in choices if len(c) == depth]
+        parents = sorted({c[:-1] for c in level})
+        paths = torch.tensor([[tokens[r][index[p[:j + 1]]] for j in range(depth - 1)]
+                              for r in range(b) for p in parents], dtype=torch.long,
+                             device=device).view(b * len(parents), depth - 1)
+        q = branch_q(session, pending, npos,
+                     torch.arange(b, device=device).repeat_interleave(len(parents)), paths)
+        p, t = q.topk(1 + max(c[-1] for c in level))  # (B P, R)
+        p, t = p.view(b, len(parents), -1).tolist(), t.view(b, len(parents), -1).tolist()
+        for c in level:
+            j = parents.index(c[:-1])
+            for r in range(b):
+                tokens[r][index[c]] = t[r][j][c[-1]]
+                alive[r, index[c]] = p[r][j][c[-1]] > 0 and (
+                    depth == 1 or bool(alive[r, index[c[:-1]]]))
+    return [[(tokens[r][i], index.get(c[:-1], -1)) for i, c in enumerate(choices)
+             if alive[r, i]] for r in range(b)]
+
+
+@dataclass
+class TreeStats:
+    """What one prompt's replayed tree cycles gave (one tree shape): cycles that reached and
+    accepted each depth (a cycle reaches depth j when it accepted the j - 1 before it and the
+    text goes on; a path that ends earlier reaches j and accepts nothing there), cycles cut by
+    the text's end, and the tree nodes drafted."""
+
+    reached: list[int]
+    accepted: list[int]
+    cycles: int = 0
+    censored: int = 0
+    nodes: int = 0
+    empty: int = 0  # cycles whose tree was empty
+
+
+def follow(nodes: list[tuple[int, int]], text: Sequence[int], start: int, stats: TreeStats
+           ) -> int:
+    """One cycle's replay: from the pending token text[start], the tree's path that the text
+    follows, counted into stats -> the drafts accepted."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(nodes):
+        children.setdefault(parent, {})[tok] = i
+    node, depth = -1, 0
+    stats.cycles, stats.nodes = stats.cycles + 1, stats.nodes + len(nodes) + 1
+    stats.empty += not nodes  # (a drafter with nothing to read yet: one plain target step)
+    while nodes and depth < len(stats.reached):
+        if start + depth + 1 >= len(text):  # the text ends: what came next is unobserved
+            stats.censored += 1
+            break
+        stats.reached[depth] += 1
+        node = children.get(node, {}).get(text[start + depth + 1], None)
+        if node is None:  # rejected, or a leaf: the cycle ends here
+            break
+        stats.accepted[depth] += 1
+        depth += 1
+    return depth
+
+
+@torch.no_grad()
+def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]],
+                 firsts: dict[int, int], config: LoopConfig, spec: TreeSpec
+                 ) -> dict[int, TreeStats]:
+    """Tree cycles replayed on text the target wrote: texts[i] is prompt i with its
+    continuation, text[firsts[i]] the continuation's first token (the prefill's, the first
+    pending one). Each cycle the drafter's tree after the pending token (draft_tree), the
+    accepted path the longest the text follows (follow), then the drafter moves on as if it
+    had drafted the text (forced) and the target had verified it (the target's states from
+    one pass over the whole text)."""
+    c, keys = config._replace(gamma=spec.depth), list(texts)
+    rows = [texts[k] for k in keys]
+    with final_states(target, drafter.reads_target) as seen, \
+            layer_inputs(target, drafter.layers) as got:
+        slots, _ = prefill(target, rows, c.device, last_only=not drafter.reads_target)
+    width, states = max(map(len, rows)), {i: torch.cat(v, 1) for i, v in got.items()}
+    states[-1] = torch.cat(seen, 1) if seen else None  # (B, W, H): the final hidden states
+    stats = {k: TreeStats([0] * spec.depth, [0] * spec.depth) for k in keys}
+    live = [b for b in range(len(rows)) if firsts[keys[b]] + 1 < len(rows[b])]
+    starts = [firsts[keys[b]] for b in live]
+
+    def view(at: list[list[int]]) -> TargetView | None:
+        """The target's states at text positions at[r] of live row r, left-padded (B, n, ...)."""
+        if states[-1] is None:
+            return None
+        n = max(map(len, at))
+
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(len(live), n, *x.shape[2:])
+            for r, (b, js) in enumerate(zip(live, at)):
+                cols = [width - len(rows[b]) + min(j, len(rows[b]) - 1) for j in js]
+                out[r, n - len(js):] = x[b, cols]
+            return out
+        return TargetView(pick(states[-1]), slots,
+                          {i: pick(v) for i, v in states.items() if i >= 0})
+
+    if len(live) < len(rows):  # the target's cache follows the session's rows
+        select_slots(slots, torch.tensor(live, dtype=torch.long, device=c.device))
+    session = drafter.start([rows[b][:s + 1] for b, s in zip(live, starts)] if live else [],
+                            view([list(range(s)) for s in starts]) if live else None, c)
+    while live:
+        pending = torch.tensor([rows[b][s] for b, s in zip(live, starts)], device=c.device)
+        npos = torch.tensor(starts, device=c.device)
+        trees = draft_tree(session, pending, npos, spec)
+        n_acc = [follow(t, rows[b], s, stats[keys[b]]) for t, b, s in zip(trees, live, starts)]
+        forced = torch.tensor([[rows[b][min(s + 1 + j, len(rows[b]) - 1)]
+                                for j in range(c.gamma)] for b, s in zip(live, starts)],
+                              device=c.device)
+        session.propose(pending, npos, torch.zeros(forced.shape, device=c.device), forced)
+        session.advance(torch.tensor(n_acc, device=c.device),
+                        [rows[b][s + 1:s + a + 2] for b, s, a in zip(live, starts, n_acc)],
+                        view([list(range(s, s + c.gamma + 1)) for s in starts]))
+        starts = [s + a + 1 for s, a in zip(starts, n_acc)]
+        still = [r for r, (b, s) in enumerate(zip(live, starts)) if s + 1 < len(rows[b])]
+        if not still:
+            break
+        if len(still) < len(live):  # a row whose text is used up leaves the batch
+            keep = torch.tensor(still, dtype=torch.long, device=c.device)
+            session.keep(keep)
+            select_slots(slots, keep)
+            live, starts = [live[r] for r in still], [starts[r] for r in still]
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
 # statistics: closed forms, estimators, intervals and costs
 
 
@@ -2597,9 +2950,13 @@ def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Ten
     adds nothing, nor do the ones after it. A draft does not know the block size, so the
     first g offsets give the estimate for a block of g.
     """
+    return survival(reached, accepted_at).sum(-1)
+
+
+def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
+    """product_limit's terms: P(accepted length >= k), k = 1..G (..., G)."""
     reached, accepted_at = reached.double(), accepted_at.double()
-    rate = torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0)
-    return rate.cumprod(-1).sum(-1)
+    return torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0).cumprod(-1)
 
 
 @dataclass(frozen=True)
@@ -2614,6 +2971,8 @@ class Cost:
     source: str  # where the numbers came from, for the report
     timings: dict[str, Any] | None = None  # measure_costs's timings, when measured
     notes: tuple[str, ...] = ()  # the clamps applied to measured costs (clamp_costs)
+    trees: dict[Any, float] = field(default_factory=dict)  # TreeSpec -> a tree cycle's cost:
+    # D drafter steps of its width in rows, then a verify of its N nodes
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
@@ -2663,40 +3022,45 @@ class Run(NamedTuple):
         return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
 
 
-def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device
-               ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
-    """(run, setup) for timing one drafting step after `ids`: setup opens a fresh session (the
-    target's prefill, the drafter's start) and makes the target pass that verifies ids[-1];
-    run follows that pass as a cycle's advance does (committing ids[-1] again, one token, which
-    drafters with a cache of their own run through it) and proposes one token."""
+def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device,
+               rows: int = 1) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
+    """(run, setup) for timing one drafting step after `ids`, in `rows` rows at once (a tree's
+    step drafts its width of branches): setup opens a fresh session (the target's prefill, the
+    drafter's start) and makes the target pass that verifies ids[-1]; run follows that pass as
+    a cycle's advance does (committing ids[-1] again, one token, which drafters with a cache of
+    their own run through it) and proposes one token."""
     config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
                         device)
     n = len(ids)
-    last = torch.tensor([ids[-1]], device=device)
-    u = torch.full((1, 1), 0.5, device=device)
+    last = torch.tensor([ids[-1]] * rows, device=device)
+    u = torch.full((rows, 1), 0.5, device=device)
 
     def setup() -> tuple[Session, TargetView | None]:
         with final_states(target, drafter.reads_target) as seen, \
                 layer_inputs(target, drafter.layers) as got:
-            slots, _ = prefill(target, [list(ids[:-1])], device,
+            slots, _ = prefill(target, [list(ids[:-1])] * rows, device,
                                last_only=not drafter.reads_target)
-        session = drafter.start([list(ids)], view_of(seen, slots, got), config)
+        session = drafter.start([list(ids)] * rows, view_of(seen, slots, got), config)
         with final_states(target, drafter.reads_target) as seen, \
                 layer_inputs(target, drafter.layers) as got:
-            extend(target, slots, last[:, None], torch.tensor([[n - 1]], device=device))
+            extend(target, slots, last[:, None], torch.full((rows, 1), n - 1, device=device))
         return session, view_of(seen, slots, got)
 
     def run(ready: tuple[Session, TargetView | None]) -> torch.Tensor:
         session, view = ready
-        session.advance(torch.zeros(1, dtype=torch.long, device=device), [[ids[-1]]], view)
-        return session.propose(last, torch.tensor([n], device=device), u).q
+        session.advance(torch.zeros(rows, dtype=torch.long, device=device), [[ids[-1]]] * rows,
+                        view)
+        return session.propose(last, torch.full((rows,), n, device=device), u).q
 
     return run, setup
 
 
+TIMING_REPEATS = 7  # timed rounds per cost measured (after two warm-up rounds): the median
+
+
 @torch.no_grad()
 def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: Sequence[int],
-                  gammas: Sequence[int], device: torch.device, repeats: int = 7
+                  gammas: Sequence[int], device: torch.device, widths: Sequence[int] = (1,)
                   ) -> dict[str, Any]:
     """Time one cached decode step of the target, a (gamma+1)-token verify pass of it, and one
     drafting step: the drafter's own advance by one committed token and propose of one token,
@@ -2704,10 +3068,11 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
     n-gram lookups are timed doing what they do in the loop, and nothing that runs a network
     comes out free).
 
-    Batch 1. Each round times them all in turn, interleaved, so a load that comes and goes
-    on a busy machine touches each alike; two warm-up rounds, then the median of `repeats`
-    rounds each. Target slots are dropped after every call and each draft step starts from a
-    fresh session, so every call sees the same context. The raw medians: see clamp_costs.
+    Batch 1 (a drafting step also in each of `widths` rows at once: a tree's). Each round
+    times them all in turn, interleaved, so a load that comes and goes on a busy machine
+    touches each alike; two warm-up rounds, then the median of TIMING_REPEATS rounds each.
+    Target slots are dropped after every call and each draft step starts from a fresh session,
+    so every call sees the same context. The raw medians: see clamp_costs.
     """
     def verify(n_new: int) -> tuple[Callable[[Any], torch.Tensor], Callable[[], None]]:
         slots, _ = prefill(target, [list(ids)], device)
@@ -2721,10 +3086,10 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
         return lambda _: extend(target, slots, x, pos), drop_new_slots
 
     timed = {"step": verify(1), **{g: verify(g + 1) for g in gammas}}
-    if drafter is not None:
-        timed["draft"] = draft_step(target, as_drafter("draft", drafter), ids, device)
+    for w in [] if drafter is None else widths:
+        timed["draft", w] = draft_step(target, as_drafter("draft", drafter), ids, device, w)
     times: dict[Any, list[float]] = {k: [] for k in timed}
-    for i in range(repeats + 2):
+    for i in range(TIMING_REPEATS + 2):
         for key, (run, setup) in timed.items():
             ready = setup()  # not timed
             if device.type == "cuda":
@@ -2734,9 +3099,12 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
             if i >= 2:
                 times[key].append(time.perf_counter() - start)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    step_p, step_q = med["step"], med.get("draft", 0.0)
-    return {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-            "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device)}
+    step_p, step_q = med["step"], med.get(("draft", 1), 0.0)
+    out = {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
+           "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device)}
+    if tuple(widths) != (1,):  # (the tree's steps, only when asked)
+        out["width_ratio"] = {w: med.get(("draft", w), 0.0) / step_p for w in widths}
+    return out
 
 
 def clamp_costs(measured: dict[str, Any], floor: float) -> tuple[float, dict[int, float],
@@ -2767,21 +3135,26 @@ def clamp_costs(measured: dict[str, Any], floor: float) -> tuple[float, dict[int
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
-    gammas, how = settings.gammas, settings.cost_ratio
+    gammas, how, specs = settings.gammas, settings.cost_ratio, settings.trees
     if how == "measure":
+        nodes = sorted(set(gammas) | {spec.nodes - 1 for spec in specs})
         with step(f"timing the models ({drafter.name})"):
-            m = measure_costs(target, drafter, sequences[0].ids, gammas, device)
+            m = measure_costs(target, drafter, sequences[0].ids, nodes, device,
+                              sorted({1} | {spec.width for spec in specs}))
         ratio, verify, notes = clamp_costs(m, drafter.param_cost(target)[0])
-        return Cost(ratio, verify,
+        # a tree: D steps of its width in rows (never cheaper than one row), a verify of N
+        trees = {spec: spec.depth * max(ratio, m.get("width_ratio", {}).get(spec.width, 0.0))
+                 + verify[spec.nodes - 1] for spec in specs}
+        return Cost(ratio, {g: verify[g] for g in gammas},
                     f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.2f} ms, "
                     f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
                     f"{settings.gamma + 1} tokens {verify[settings.gamma]:.2f} target steps", m,
-                    tuple(notes))
+                    tuple(notes), trees)
     ones = {g: 1.0 for g in gammas}
-    if how in (None, "auto"):
-        ratio, source = drafter.param_cost(target)
-        return Cost(ratio, ones, source)
-    return Cost(float(how), ones, "given")
+    ratio, source = drafter.param_cost(target) if how in (None, "auto") else (float(how),
+                                                                             "given")
+    # a tree's D steps of K rows cost D steps (memory-bound), its verify of N nodes one
+    return Cost(ratio, ones, source, trees={spec: spec.depth * ratio + 1.0 for spec in specs})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2932,6 +3305,50 @@ class GammaRow:
         return self.to_dict(True).get(key, default)
 
 
+@dataclass
+class TreeRow:
+    """One tree shape replayed on the target's own text (the engines' rule)."""
+
+    tree: str  # TreeSpec.describe()
+    topk: int
+    steps: int
+    tokens: int  # N: nodes verified a cycle, the root included (static: its paths + 1)
+    choices: list[list[int]] | None  # a static tree's paths of ranks
+    cycles: int
+    nodes_per_cycle: float  # nodes actually drafted and verified, root included
+    accept_length: float | None  # tokens per cycle, the bonus included (SGLang's and vLLM's
+    # accept length), product-limit over depths
+    accept_length_ci: tuple[float, float] | None
+    alpha_by_depth: list[float | None]  # P(accept at depth j | depth j reached)
+    accepted_by_depth: list[float]  # P(accepted length >= j), all cycles (product-limit: sums
+    # to accept_length - 1)
+    reached_by_depth: list[int]
+    cost: float  # a cycle in target steps
+    est_speedup: float | None
+    est_speedup_ci: tuple[float, float] | None
+    best: bool = False  # the highest est. speedup of the run's trees
+
+
+@dataclass
+class StaticTree:
+    """The best static tree of a size, grown greedily from the teacher-forced acceptance by
+    depth and candidate rank (Medusa's explore_graph; Sequoia's acceptance vector)."""
+
+    nodes: int  # N, the root included
+    choices: list[list[int]]  # paths of ranks: Medusa's medusa_choices, vLLM's token tree
+    expected_accept_length: float  # 1 + the sum over its nodes of their path's acceptance
+    acceptance: list[list[float]]  # by depth (drafting step) and rank: the mean of p at q's
+    # rank-r token, what a child of that rank is accepted with
+
+
+@dataclass
+class Trees:
+    """The report's trees: a row per shape replayed, and the best static tree."""
+
+    rows: list[TreeRow]
+    best_static: StaticTree | None = None
+
+
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
                   "alpha_ci": "empirical_alpha_ci",
                   "tokens_per_cycle": "empirical_tokens_per_cycle",
@@ -2952,6 +3369,7 @@ class AcceptanceReport:
     teacher_forced: TeacherForced = field(default_factory=TeacherForced)
     simulated: Simulated | None = None
     gamma_table: list[GammaRow] = field(default_factory=list)
+    trees: Trees | None = None  # --tree, --tree-choices: each tree replayed, the best static one
 
     def to_dict(self) -> dict[str, Any]:
         flat = {**asdict(self.run), **asdict(self.teacher_forced)}
@@ -2959,6 +3377,8 @@ class AcceptanceReport:
         flat.update({SIMULATED_JSON.get(k, k): v for k, v in sim.items()})
         flat["gamma_table"] = [row.to_dict(self.simulated is not None)
                                for row in self.gamma_table] or None
+        if self.trees is not None:  # (a key of its own, only with trees)
+            flat["trees"] = asdict(self.trees)
         return flat
 
     @classmethod
@@ -2972,8 +3392,11 @@ class AcceptanceReport:
         table = [GammaRow(r["gamma"], r["tokens_per_cycle"], r["est_speedup"],
                           r.get("sim_tokens_per_cycle"), r.get("sim_est_speedup"))
                  for r in flat.get("gamma_table") or []]
+        trees = flat.get("trees") and Trees(
+            [TreeRow(**r) for r in flat["trees"]["rows"]],
+            flat["trees"]["best_static"] and StaticTree(**flat["trees"]["best_static"]))
         return cls(part(RunInfo), part(TeacherForced),
-                   simulated if simulated.cycles is not None else None, table)
+                   simulated if simulated.cycles is not None else None, table, trees or None)
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of to_dict as attributes."""
@@ -3013,30 +3436,38 @@ class PromptResult:
     coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
     # it has one of its own (EAGLE-3's draft vocabulary, Medusa's token map)
     sim: RowStats | None = None
+    trees: list[TreeStats] | None = None  # one per tree shape replayed (Settings.trees)
+    rank_sums: list[list[float]] | None = None  # per drafting step, sum of p_t at q_t's
+    # rank-r token, r = 0..TREE_RANKS-1 (with trees: the best static tree's acceptance)
 
     @classmethod
     def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
-           gammas: Sequence[int], rule: str = "sample", stepped: bool = False) -> PromptResult:
+           settings: Settings, rule: str = "sample", stepped: bool = False) -> PromptResult:
         """From position_stats' numbers for one prompt, per drafting step (steps[0] the first;
         stepped: the later ones have alphas of their own, MTP). Windows run over every
-        position, a position without a proposal counting as alpha_t = 0."""
-        first, later, key = steps[0], steps[1:], RULE_KEYS[rule]
+        position, a position without a proposal counting as alpha_t = 0; with trees, the sums
+        of p at each of q's ranks too."""
+        first, later, key, gammas = steps[0], steps[1:], RULE_KEYS[rule], settings.gammas
         if not stepped:
             windows = {g: window_sum(first[key], g) for g in gammas}
         else:
             chain = [h[key] for h in steps]
             windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
+        ranks = [h["p_rank"].double().sum(0).tolist() for h in steps] if settings.trees \
+            else None
         return cls(index=index, category=category, positions=first["alpha"].numel(),
                    scored=int(first["proposed"].sum()), windows=windows,
                    head_alpha_sums=[h["alpha"].double().sum().item() for h in later],
                    head_scored=[int(h["proposed"].sum()) for h in later],
                    head_p_argmax_q_sums=[h["p_argmax_q"].double().sum().item() for h in later],
-                   **{f"{k}_sum": v.double().sum().item() for k, v in first.items()
-                      if k != "proposed"})
+                   rank_sums=ranks, **{f"{k}_sum": v.double().sum().item()
+                                       for k, v in first.items()
+                                       if k not in ("proposed", "p_rank")})
 
     def row(self) -> dict[str, Any]:
         """The JSON's per-prompt row: every sum a report is computed from."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows")
+               and not (k in ("trees", "rank_sums") and v is None)}  # (only with trees)
         out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
         if self.sim is not None:
             out.update({k: v for k, v in asdict(self.sim).items() if k != "tokens"},
@@ -3047,12 +3478,13 @@ class PromptResult:
     def from_row(cls, row: dict[str, Any]) -> PromptResult:
         """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
         version did not write takes its default."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees"}
+        trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
         sim = None
         if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
             sim = RowStats(**{f.name: row[f.name] for f in dataclasses.fields(RowStats)
                               if f.name != "tokens"}, tokens=[-1] * row["generated"])
-        return cls(**{k: row[k] for k in names if k in row}, sim=sim,
+        return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
                    windows={int(g): tuple(w) for g, w in row["windows"].items()})
 
 
@@ -3273,6 +3705,85 @@ def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost
         row.simulated_est_speedup = cost.speedup(e + 1, row.gamma, split)
 
 
+def tree_row(spec: TreeSpec, stats: Sequence[TreeStats], cost: Cost, weights: torch.Tensor
+             ) -> TreeRow:
+    """One tree shape's replayed cycles pooled over the prompts: P(accepted length >= j) by
+    the product-limit over depths, as the simulation's chain (cycles cut by the text's end
+    bias nothing), its sum + 1 the accept length (tokens per cycle, the bonus included), with
+    a bootstrap interval over prompts."""
+    counts = torch.tensor([[t.reached, t.accepted] for t in stats], dtype=torch.float64)
+    per = torch.tensor([[t.cycles, t.empty] for t in stats], dtype=torch.float64)  # (P, 2)
+    cycles = int(per[:, 0].sum())
+
+    def by_depth(w: torch.Tensor) -> torch.Tensor:  # w (n, P) prompt weights -> (n, D)
+        c = w @ per  # a cycle with an empty tree is one plain target step
+        drafted = torch.where(c[:, 0] > 0, 1 - c[:, 1] / c[:, 0].clamp_min(1), 0.0)
+        return drafted[:, None] * survival(w @ counts[:, 0], w @ counts[:, 1])
+    one = by_depth(torch.ones(1, len(stats), dtype=torch.float64))[0]
+    accept = 1 + one.sum().item() if cycles else None
+    ci = quantile_interval(1 + by_depth(weights).sum(-1)) if cycles and len(stats) > 1 else None
+    reached, took = counts[:, 0].sum(0).tolist(), counts[:, 1].sum(0).tolist()
+    price = cost.trees.get(spec, spec.depth * cost.ratio + 1.0)
+    return TreeRow(spec.describe(), spec.topk, spec.steps, spec.nodes,
+                   [list(c) for c in spec.choices] if spec.choices else None, cycles,
+                   sum(t.nodes for t in stats) / cycles if cycles else 0.0, accept, ci,
+                   [a / n if n else None for a, n in zip(took, reached)], one.tolist(),
+                   [int(n) for n in reached], price, accept and accept / price,
+                   ci and (ci[0] / price, ci[1] / price))
+
+
+def best_static_tree(results: Sequence[PromptResult], nodes: int, depth: int
+                     ) -> StaticTree | None:
+    """The static tree of `nodes` nodes (the root counted) that the teacher-forced acceptance
+    by depth and rank says accepts most: a child of rank r at depth d is accepted with the
+    mean of p at q's rank-r token there (one drafting step's q for every depth where the
+    drafter has one step; its own for each where it has several), a path with the product
+    along it. Grown greedily, as Medusa's explore_graph does: each step adds the frontier node
+    (a next sibling, or a first child) whose path accepts most."""
+    done = [r for r in results if r.rank_sums]
+    if not done or nodes < 2:
+        return None
+    steps = len(done[0].rank_sums)
+    scored = [sum(r.scored for r in done)] + [sum(r.head_scored[k] for r in done)
+                                              for k in range(steps - 1)]
+    acc = [[sum(r.rank_sums[k][j] for r in done) / max(1, scored[k])
+            for j in range(len(done[0].rank_sums[k]))] for k in range(steps)]
+    depth = min(depth, steps) if steps > 1 else depth
+    value = {(): 1.0}
+    frontier, chosen = {(0,)}, []
+    while frontier and len(chosen) < nodes - 1:
+        for p in frontier - set(value):
+            value[p] = value[p[:-1]] * acc[min(len(p), steps) - 1][p[-1]]
+        best = max(sorted(frontier), key=lambda p: value[p])
+        frontier.discard(best)
+        chosen.append(best)
+        if best[-1] + 1 < len(acc[0]):
+            frontier.add(best[:-1] + (best[-1] + 1,))
+        if len(best) < depth:
+            frontier.add(best + (0,))
+    chosen.sort(key=lambda p: (len(p), p))
+    return StaticTree(len(chosen) + 1, [list(p) for p in chosen],
+                      1 + sum(value[p] for p in chosen), acc[:depth])
+
+
+def tree_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost
+                ) -> Trees | None:
+    """The trees part of a report: a row per shape of settings.trees, the best marked (the
+    highest est. speedup), and the best static tree as large as the largest shape."""
+    done = [r for r in results if r.trees]
+    if not settings.trees or not done:
+        return None
+    weights = bootstrap_weights(len(done), N_BOOT, settings.seed + 2)
+    rows = [tree_row(spec, [r.trees[k] for r in done], cost, weights)
+            for k, spec in enumerate(settings.trees)]
+    best = max((r for r in rows if r.est_speedup is not None), key=lambda r: r.est_speedup,
+               default=None)
+    if best is not None:
+        best.best = True
+    return Trees(rows, best_static_tree(done, max(s.nodes for s in settings.trees),
+                                        max(s.depth for s in settings.trees)))
+
+
 def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
     """The warnings printed under a report."""
     notes = []
@@ -3402,6 +3913,28 @@ def _gamma_lines(r: AcceptanceReport) -> list[str]:
     return lines
 
 
+def _tree_lines(trees: Trees) -> list[str]:
+    """Each tree replayed: accept length, by depth, est. speedup; the best static tree."""
+    lines = [RULE, "  trees, the engines' rule replayed on the target's text (* = highest est. "
+                   "speedup)"]
+    for row in trees.rows:
+        lines += [f"    {'*' if row.best else ' '} {row.tree}",
+                  f"      accept length {_num(row.accept_length, '.3f')} tokens per cycle"
+                  f"{_ci(row.accept_length_ci)}   ({row.cycles:,} cycles, "
+                  f"{row.nodes_per_cycle:.1f} nodes verified per cycle)",
+                  "      P(accepted length >= j)  " + "".join(
+                      f"{a:>6.2f}" for a in row.accepted_by_depth),
+                  f"      est. speedup {_num(row.est_speedup, '.2f')}x"
+                  f"{_ci(row.est_speedup_ci, '.2f')}   (a cycle costs {row.cost:.2f} target "
+                  f"steps)"]
+    if trees.best_static is not None:
+        b = trees.best_static
+        lines += [f"    best static tree of {b.nodes} nodes (teacher-forced acceptance by "
+                  f"depth and rank): expected accept length {b.expected_accept_length:.3f}",
+                  f"      {[tuple(c) for c in b.choices]}"]
+    return lines
+
+
 def format_report(r: AcceptanceReport) -> str:
     """The text report, notes underneath."""
     run, t = r.run, r.teacher_forced
@@ -3431,6 +3964,8 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _simulated_lines(r.simulated, run, cost)
     if r.gamma_table:
         lines += _gamma_lines(r)
+    if r.trees is not None:
+        lines += _tree_lines(r.trees)
     if t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
         rates = t.proposal_rate_by_category or {}
@@ -3445,6 +3980,88 @@ def format_report(r: AcceptanceReport) -> str:
     lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
                  f"{some}, cost_ratio from {run.cost_ratio_source}: an indication, not a "
                  f"benchmark")
+    return "\n".join(lines)
+
+
+def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
+    """P(the first j drafts are all accepted), j = 1..gamma, non-increasing, and its source:
+    the simulation's product-limit estimate (what its mean accepted length sums), else the
+    teacher-forced alpha (by step for a drafter of several steps, else alpha^j)."""
+    s = r.simulated
+    if s is not None and s.reached_by_draft_offset is not None:
+        at_risk = [n + u for n, u in zip(s.reached_by_draft_offset, s.unproposed_by_draft_offset)]
+        rates, run = [], 1.0
+        for took, n in zip(s.accepted_by_draft_offset, at_risk):
+            run *= took / n if n else 0.0
+            rates.append(run)
+        return rates, "simulated"
+    t, g = r.teacher_forced, r.run.gamma
+    alphas = (t.alpha_by_head[:g] + [0.0] * (g - len(t.alpha_by_head)) if t.alpha_by_head
+              else [t.alpha or 0.0] * g)
+    rates, run = [], 1.0 if t.proposal_rate is None else t.proposal_rate
+    for a in alphas:
+        run *= a
+        rates.append(run)
+    return rates, "teacher-forced"
+
+
+def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
+    """Settings that make a serving engine accept as this report measured, without the draft
+    (to benchmark serving at this acceptance): one entry for the chain of gamma, one per tree.
+    vllm: speculative_config with rejection_sample_method "synthetic" (vLLM PR #40662),
+    synthetic_acceptance_rates (P(first j accepted)) for a chain, synthetic_acceptance_length
+    with speculative_token_tree for a static tree (vLLM builds no dynamic tree). sglang:
+    SGLANG_SIMULATE_ACC_LEN (tokens per verify, the bonus included) with the flags of the
+    chain or dynamic tree (SGLang builds no static tree). An entry an engine cannot serve says
+    why ("unsupported")."""
+    rates, source = acceptance_rates(r)
+    g = r.run.gamma
+    out = [{"for": f"chain of {g}", "from": source, **(
+        {"speculative_config": {"num_speculative_tokens": g,
+                                "rejection_sample_method": "synthetic",
+                                "synthetic_acceptance_rates": [round(x, 4) for x in rates]}}
+        if engine == "vllm" else _sglang(1 + sum(rates), 1, g, g + 1))}]
+    for t in r.trees.rows if r.trees else []:
+        entry: dict[str, Any] = {"for": f"tree: {t.tree}", "from": "tree replay"}
+        if t.accept_length is None:
+            entry["unsupported"] = "no cycle replayed"
+        elif engine == "sglang" and t.choices is None:
+            entry.update(_sglang(t.accept_length, t.topk, t.steps, t.tokens))
+        elif engine == "sglang":
+            entry["unsupported"] = "SGLang builds its trees dynamically (--tree K,D,N)"
+        elif t.choices is None and t.topk > 1:
+            entry["unsupported"] = "vLLM serves static trees (--tree-choices)"
+        else:
+            paths = t.choices or [[0] * (j + 1) for j in range(t.steps)]
+            entry["speculative_config"] = {
+                "num_speculative_tokens": len(paths), "rejection_sample_method": "synthetic",
+                **({"synthetic_acceptance_rates": [round(x, 4) for x in t.accepted_by_depth]}
+                   if t.choices is None else
+                   {"speculative_token_tree": str([tuple(p) for p in paths]),
+                    "synthetic_acceptance_length": round(t.accept_length, 4)})}
+        out.append(entry)
+    return out
+
+
+def _sglang(length: float, topk: int, steps: int, tokens: int) -> dict[str, Any]:
+    return {"env": {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
+                    "SGLANG_SIMULATE_ACC_METHOD": "match-expected"},
+            "args": ["--speculative-num-steps", str(steps), "--speculative-eagle-topk",
+                     str(topk), "--speculative-num-draft-tokens", str(tokens)]}
+
+
+def format_engine_config(entries: Sequence[dict[str, Any]]) -> str:
+    """engine_config as lines to paste."""
+    lines = [RULE, "  engine settings that accept as measured here (no draft needed)"]
+    for e in entries:
+        lines.append(f"    {e['for']} ({e['from']}):")
+        if "speculative_config" in e:
+            lines.append(f"      --speculative-config '{json.dumps(e['speculative_config'])}'")
+        elif "env" in e:
+            env = " ".join(f"{k}={v}" for k, v in e["env"].items())
+            lines.append(f"      {env} python -m sglang.launch_server ... {' '.join(e['args'])}")
+        else:
+            lines.append(f"      not served: {e['unsupported']}")
     return "\n".join(lines)
 
 
@@ -3585,6 +4202,15 @@ class Measurement:
         if any(max(q.ids) >= vocab for q in seqs):
             raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
                              f"vocabulary")
+        for spec in s.trees:
+            spec.check(vocab)
+        if s.trees and s.continuation_tokens < 2:
+            raise UsageError("--tree replays trees on text the target wrote: give "
+                             "--continuation-tokens >= 2")
+        flat = next((d.name for d in drafters if s.trees and not d.drafts_trees), None)
+        if flat is not None:
+            raise UsageError(f"--tree: {flat} proposes one chain, not a distribution to draft "
+                             f"a tree from; measure it without --tree")
         return [d.for_run(self.eos, s.gammas) for d in drafters]
 
     def batches(self) -> list[list[int]]:
@@ -3632,6 +4258,9 @@ class Measurement:
                 side = self.target_side(batch, vocab)
                 for k in members:
                     self.score(drafters[k], side, vocab, into[k])
+                    self.replay(drafters[k], batch, vocab, [r[len(self.sequences[i].ids):]
+                                                            for i, r in zip(batch, side.rows)],
+                                into[k])
                 for k in members if s.simulate else ():
                     for i, row in self.simulate(drafters[k], batch, vocab).items():
                         into[k][i].sim = row
@@ -3644,6 +4273,7 @@ class Measurement:
                 self.score(d, emitted_pass(batch, self.sequences, conts, kept)
                            if kept is not None else self.target_side(batch, vocab, conts),
                            vocab, into[k])
+                self.replay(d, batch, vocab, conts, into[k])
                 for i, row in sims.items():
                     into[k][i].sim = row
 
@@ -3683,12 +4313,27 @@ class Measurement:
                 stats = position_stats(
                     lambda a, b: head_logits(target, states[a:b], route), scores,
                     self.sampling, vocab, where=lambda n: "prompt {}, position {}".format(
-                        *labels[n]))
+                        *labels[n]), ranks=TREE_RANKS if s.trees else 0)
                 per_step.append({key: v.split(sizes) for key, v in stats.items()})
         for j, i in enumerate(side.batch):
             into[i] = PromptResult.of(i, self.sequences[i].category,
                                       [{key: v[j] for key, v in st.items()} for st in per_step],
-                                      s.gammas, self.sampling.proposal, drafter.steps is not None)
+                                      s, self.sampling.proposal, drafter.steps is not None)
+
+    def replay(self, drafter: Drafter, batch: list[int], vocab: int,
+               conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
+        """Each tree of Settings.trees replayed on the batch's texts (prompt and continuation:
+        the target's own sample), into[i].trees one TreeStats per tree."""
+        if not self.settings.trees:
+            return
+        self.progress.set_description("trees")
+        texts = {i: list(self.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
+        firsts = {i: len(self.sequences[i].ids) for i in batch}
+        with step(f"the trees of draft {drafter.name}"):
+            done = [replay_trees(self.target, drafter, texts, firsts, self.config(vocab), spec)
+                    for spec in self.settings.trees]
+        for i in batch:
+            into[i].trees = [d[i] for d in done]
 
     def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
                  states: dict[int, torch.Tensor | None] | None = None) -> dict[int, RowStats]:
@@ -3744,7 +4389,7 @@ class Measurement:
                                 f"before sampling; exact only if the surplus rows are padding")
         run.run_key_parts = self.run_key_parts(drafter, run.target)
         run.run_key = run_key(run.run_key_parts)
-        return AcceptanceReport(run, tf, sim, table)
+        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost))
 
     def run_key_parts(self, drafter: Drafter, target_name: str) -> dict[str, Any]:
         """Everything a report's per-prompt numbers depend on (how the costs are found aside),
@@ -3760,7 +4405,8 @@ class Measurement:
                  "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
                  "device": self.device.type, "temperatures": [self.sampling.temperature],
                  **asdict(self.sampling),
-                 **{k: v for k, v in asdict(self.settings).items() if k != "cost_ratio"},
+                 **{k: v for k, v in asdict(self.settings).items()
+                    if k != "cost_ratio" and (k != "trees" or v)},  # (trees: when given)
                  "prompts": f"sha256 {_sha256([s.ids for s in self.sequences])[:16]} "
                             f"({len(self.sequences)} prompts)"}
         return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
@@ -5231,6 +5877,23 @@ def _measurement_options(ap: Any) -> None:
                     help="prompts per forward pass (default 8)")
 
 
+def _trees_options(ap: Any) -> None:
+    ap.add_argument("--tree", action="append", default=None, metavar="K,D,N",
+                    help="also replay a tree of drafts as the engines build it: top-K "
+                    "branches, D drafting steps, N tokens verified a cycle with the root "
+                    "(SGLang's --speculative-eagle-topk, --speculative-num-steps, "
+                    "--speculative-num-draft-tokens; EAGLE's top_k, depth, total_token); "
+                    "repeat to compare shapes; 1,G,G+1 is the chain of G")
+    ap.add_argument("--tree-choices", action="append", default=None, metavar="PATHS|FILE",
+                    help="also replay a static tree: a list of paths of candidate ranks, "
+                    "as Medusa's medusa_choices and vLLM's speculative_token_tree, e.g. "
+                    "'[(0,), (1,), (0, 0)]', or a file holding one")
+    ap.add_argument("--engine-config", default=None, choices=["vllm", "sglang"],
+                    help="also print (and write to the JSON) the engine's settings that make "
+                    "it accept as measured without a draft, for serving benchmarks: vLLM's "
+                    "synthetic rejection sampling, SGLang's SGLANG_SIMULATE_ACC_LEN")
+
+
 def _output_options(ap: Any) -> None:
     ap.add_argument("--json", metavar="PATH",
                     help="also write every number as JSON to PATH ('-' = stdout, the text report "
@@ -5296,6 +5959,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
     _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
     _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
+    _trees_options(ap.add_argument_group("trees", "trees of drafts, engine settings"))
     _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
     _scale_out_options(ap.add_argument_group("scale-out",
                                              "models larger than a device, many processes"))
@@ -5346,6 +6010,35 @@ def _cost_ratio(text: str) -> float | str:
     except ValueError:
         raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, "
                          f"got {text!r}") from None
+
+
+def _trees(args: argparse.Namespace) -> tuple[TreeSpec, ...]:
+    """--tree K,D,N and --tree-choices (a list of paths, or a file holding one) as TreeSpecs,
+    in the order given, each once."""
+    specs = []
+    for text in args.tree or []:
+        k = _number_list(text, "--tree", int)
+        if len(k) != 3:
+            raise UsageError(f"--tree takes K,D,N (top-k, steps, draft tokens), got {text!r}")
+        specs.append(TreeSpec(*k))
+    for text in args.tree_choices or []:
+        source = text
+        if not text.lstrip().startswith(("[", "(")):
+            try:
+                with open(text, encoding="utf-8") as f:
+                    source = f.read()
+            except OSError as e:
+                raise UsageError(f"--tree-choices {text}: not a list of paths and not a "
+                                 f"readable file ({e.strerror})") from None
+        try:
+            paths = ast.literal_eval(source.strip())
+            choices = tuple(tuple(int(r) for r in p) for p in paths)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise UsageError(f"--tree-choices: not a list of paths of ranks, such as "
+                             f"[(0,), (1,), (0, 0)]: {source.strip()[:60]!r}") from None
+        specs.append(TreeSpec(1, max(map(len, choices), default=0), len(choices) + 1,
+                              choices))
+    return tuple(dict.fromkeys(specs))
 
 
 def _context_lengths(args: argparse.Namespace) -> list[int] | None:
@@ -5546,7 +6239,7 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
               if args.draft_layers is not None else [])
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
-                        separate_continuation=args.separate_continuation)
+                        separate_continuation=args.separate_continuation, trees=_trees(args))
     _check_json_target(args.json)
     _check_plot_target(args.plot)
     earlier = _earlier_reports(args)
@@ -5640,12 +6333,16 @@ def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: 
     if not reports:
         return stop_status(stop) or 0  # a rank other than 0: rank 0 reports for all
     out = sys.stderr if args.json == "-" else sys.stdout
-    print("\n\n".join(format_report(r) for r in reports), file=out)
+    configs = [engine_config(r, args.engine_config) if args.engine_config else None
+               for r in reports]
+    print("\n\n".join(format_report(r) + ("\n" + format_engine_config(c) if c else "")
+                       for r, c in zip(reports, configs)), file=out)
     if args.context_lengths is not None:
         print("\n" + format_context_table(reports, _context_lengths(args)), file=out)
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
-    data = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
+    data = [r.to_dict() | ({"engine_config": c} if c else {}) for r, c in zip(reports, configs)]
+    data = data[0] if len(data) == 1 else data
     if args.json == "-":
         print(json.dumps(data, indent=2))
     elif args.json:

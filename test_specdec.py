@@ -37,6 +37,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import ast  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -1297,7 +1298,7 @@ def test_sliding_window_simulation_equals_the_plain_loop(family, batch_size, tok
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
-def test_sliding_window_continuations_alpha_and_costs(family, tok_plain):
+def test_sliding_window_continuations_alpha_and_costs(family, tok_plain, monkeypatch):
     t, d, seqs, _ = sliding_case(family, tok_plain)
     s = SAMPLINGS["topk_topp"]
     r = sd.measure_acceptance(t, d, seqs, sampling=s, device=CPU, continuation_tokens=20,
@@ -1307,7 +1308,8 @@ def test_sliding_window_continuations_alpha_and_costs(family, tok_plain):
     assert r.scored_positions == len(flat) == 19 * len(seqs)  # the first token: no draft
     assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
     # timing with a context three windows long: the cache is rolled back after every call
-    m = sd.measure_costs(t, d, list(range(3, 27)), [1, 4], CPU, repeats=1)
+    monkeypatch.setattr(sd, "TIMING_REPEATS", 1)
+    m = sd.measure_costs(t, d, list(range(3, 27)), [1, 4], CPU)
     assert m["cost_ratio"] > 0 and set(m["verify_cost"]) == {1, 4}
 
 
@@ -2158,8 +2160,8 @@ class Logged(sd.Session):
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
 
-    def propose(self, pending, npos, u):
-        self.log.append(self.inner.propose(pending, npos, u))
+    def propose(self, pending, npos, u, forced=None):
+        self.log.append(self.inner.propose(pending, npos, u, forced))
         return self.log[-1]
 
     def advance(self, n_acc, committed, view):
@@ -2226,7 +2228,8 @@ class RecomputedSession(sd.Session):
         self.states = [fed[b, fed.shape[1] - len(p) + 1:] if len(p) > 1 else None
                        for b, p in enumerate(prompts)]
 
-    def propose(self, pending, npos, u):
+    def propose(self, pending, npos, u, forced=None):
+        assert forced is None  # (the oracle of the simulation's sessions only)
         c = self.config
         tokens = torch.zeros(len(pending), c.gamma, dtype=torch.long)
         q = torch.zeros(len(pending), c.gamma, c.vocab)
@@ -3211,6 +3214,440 @@ def test_argmax_rule_is_lossless_and_the_test_can_tell_a_resampling_error(llama,
     assert chi2_pvalue(got, p) > 1e-3
     monkeypatch.setattr(sd, "residual", lambda p, q: p)
     assert chi2_pvalue(cycle_tokens(target, draft, prompt, s, n, seed=9, after=v), p) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# trees: drafted as SGLang and EAGLE draft them, verified as the engines verify them
+
+
+def softmax64(logits) -> list[float]:
+    z = [float(x) for x in logits]
+    m = max(z)
+    e = [math.exp(x - m) for x in z]
+    return [x / sum(e) for x in e]
+
+
+def ranked(dist: list[float], n: int) -> list[int]:
+    return sorted(range(len(dist)), key=lambda t: -dist[t])[:n]
+
+
+def bf_tree(q_at, k: int, steps: int, tokens: int) -> set:
+    """A dynamic tree by plain enumeration, from SGLang's description (select_top_k_tokens,
+    organize_draft_results): the root's top-k; then, steps - 1 times, the k best paths of the
+    deepest level (by the product of q along them) each grown by its own top-k; the
+    tokens - 1 best of every path drafted are the tree. q_at(path) -> the drafter's softmax
+    after the path. -> the tree's token paths."""
+    q = q_at(())
+    score = {(t,): q[t] for t in ranked(q, k)}
+    frontier = list(score)
+    for _ in range(steps - 1):
+        level = {}
+        for f in frontier:
+            qf = q_at(f)
+            level.update({f + (t,): score[f] * qf[t] for t in ranked(qf, k)})
+        score.update(level)
+        frontier = sorted(level, key=lambda p: -level[p])[:k]
+    kept = set(sorted(score, key=lambda p: -score[p])[:tokens - 1])
+    return {p for p in kept if all(p[:j] in kept for j in range(1, len(p)))}
+
+
+def bf_static_tree(q_at, choices) -> set:
+    """A static tree: each path of ranks, the token of its last rank in q after its parent."""
+    paths = {}
+    for c in sorted(choices, key=lambda c: (len(c), c)):
+        parent = paths[c[:-1]] if len(c) > 1 else ()
+        paths[c] = parent + (ranked(q_at(parent), c[-1] + 1)[-1],)
+    return set(paths.values())
+
+
+def paths_of(nodes) -> set:
+    """specdec's tree, [(token, parent index)], as its set of token paths."""
+    out = []
+    for tok, parent in nodes:
+        out.append((out[parent] if parent >= 0 else ()) + (tok,))
+    return set(out)
+
+
+def trees_drafted(monkeypatch) -> list:
+    """Every tree specdec replays from now on: (its TreeSpec, its token paths, the text up to
+    its pending token)."""
+    seen, shape, follow, replay = [], [], sd.follow, sd.replay_trees
+
+    def replay_shape(*args):
+        shape[:] = [args[-1]]
+        return replay(*args)
+    monkeypatch.setattr(sd, "replay_trees", replay_shape)
+    monkeypatch.setattr(sd, "follow", lambda nodes, text, start, stats: seen.append(
+        (shape[0], paths_of(nodes), list(text[:start + 1]))) or follow(nodes, text, start,
+                                                                       stats))
+    return seen
+
+
+def model_q(model):
+    """q_at for a draft model after a context: its softmax, computed from scratch."""
+    return lambda ctx: lambda path: softmax64(last_logits(model, ctx + list(path)))
+
+
+SHAPES = (sd.TreeSpec(1, 3, 4), sd.TreeSpec(2, 3, 6), sd.TreeSpec(3, 2, 9),
+          sd.TreeSpec(2, 4, 7), sd.TreeSpec(choices=((0,), (1,), (0, 0), (1, 0), (0, 1),
+                                                     (0, 0, 0))))
+
+
+@pytest.mark.parametrize("kind", ["model", "early-exit", "mistral", "gemma3"])
+def test_trees_are_drafted_as_the_engines_draft_them(kind, llama, llama2, tok_plain,
+                                                     monkeypatch):
+    """Every tree of every cycle, in batches of prompts of different lengths (left-padded),
+    equals the plain, uncached enumeration (bf_tree, bf_static_tree) of the draft's softmax:
+    a draft model, an early-exit view, sliding-window drafts (Mistral, Gemma-3 mixed), whose
+    per-branch forks crop nothing they still need."""
+    draft = {"model": llama2, "early-exit": sd.early_exit_draft(llama, 1),
+             "mistral": make_sliding("mistral", 3, window=4),
+             "gemma3": make_sliding("gemma3", 3, window=4)}[kind]
+    seen = trees_drafted(monkeypatch)
+    seqs = sd.build_sequences(PROMPTS, tok_plain)
+    sd.measure_drafts(llama, [("d", draft)], seqs, sampling=sd.SamplingParams(1.0),
+                      settings=sd.Settings(gamma=3, continuation_tokens=8, seed=1,
+                                           batch_size=4, trees=SHAPES))
+    assert len(seen) > 5 * len(SHAPES)
+    q = model_q(draft)
+    for spec, tree, ctx in seen:
+        want = (bf_static_tree(q(ctx), spec.choices) if spec.choices else
+                bf_tree(q(ctx), spec.topk, spec.steps, spec.tokens))
+        assert tree == want, (spec, ctx)
+
+
+def constant_law(seed: int, sharpen: float = 3.0):
+    """A model whose next-token law is the same after any text: attention zeroed and every
+    token embedding equal, so its state never changes; logits scaled by `sharpen`."""
+    m = bigram_llama(seed, hidden=32)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[:] = m.model.embed_tokens.weight[0]
+        m.lm_head.weight.mul_(sharpen)
+    return m
+
+
+def tree_value(tree: set, p: list[float]) -> float:
+    """1 + the sum over a tree's nodes of the product of p along their path: its expected
+    accept length under a target whose law p never changes."""
+    return 1 + sum(math.prod(p[t] for t in path) for path in tree)
+
+
+@pytest.mark.slow
+def test_tree_accept_length_matches_the_closed_form_of_a_constant_law(tok_plain):
+    """Target and draft with laws p, q that never change (constant_law): the engines' walk
+    accepts each node with the product of p along its path, so the accept length is
+    tree_value(tree, p) exactly, the tree built by bf_tree from q. Replayed on 24 prompts of
+    200 sampled tokens (about 2,500 cycles a shape), within 0.05 of it; planting an error
+    (the deepest level's acceptance dropped: 0.07 to 0.16 lower here) fails every shape."""
+    target, draft = constant_law(7), constant_law(7)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.4 * torch.randn(draft.lm_head.weight.shape,
+                                                    generator=torch.Generator().manual_seed(1)))
+    p = softmax64(last_logits(target, [1, 2]))
+    q = softmax64(last_logits(draft, [3]))
+    assert softmax64(last_logits(target, [5, 9, 11])) == pytest.approx(p, abs=1e-6)
+    seqs = sd.build_sequences((PROMPTS * 4)[:24], tok_plain)
+    r, = sd.measure_drafts(target, [("d", draft)], seqs, sampling=sd.SamplingParams(1.0),
+                           settings=sd.Settings(gamma=3, continuation_tokens=200, seed=4,
+                                                batch_size=8, trees=SHAPES))
+    for spec, row in zip(SHAPES, r.trees.rows):
+        tree = (bf_static_tree(lambda path: q, spec.choices) if spec.choices
+                else bf_tree(lambda path: q, spec.topk, spec.steps, spec.tokens))
+        want = tree_value(tree, p)
+        assert row.accept_length == pytest.approx(want, abs=0.05), (spec, want)
+        assert row.accept_length_ci[0] < want < row.accept_length_ci[1], spec
+        assert row.cycles > 2000 and row.nodes_per_cycle == len(tree) + 1
+        assert 1 + sum(row.accepted_by_depth) == pytest.approx(row.accept_length, abs=1e-9)
+        assert all(a >= b for a, b in zip(row.accepted_by_depth, row.accepted_by_depth[1:]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_that_is_the_target_accepts_the_whole_depth(temperature, llama, tok_plain):
+    """Draft = target. T = 0: a tree that holds the argmax chain (K = 1, a static tree with
+    (0, 0, 0)) accepts its whole depth, accept length D + 1 exactly; every tree accepts its
+    first depth; none passes D + 1 (a dynamic tree of N nodes can leave the chain's deep end
+    out, for a likelier side branch: SGLang keeps the N - 1 likeliest). T = 1: K = 1 accepts
+    what the chain's argmax rule does (teacher-forced p(argmax q), within the replay's
+    interval) and wider trees accept more."""
+    seqs = sd.build_sequences(PROMPTS, tok_plain)
+    r, = sd.measure_drafts(llama, [("same", llama)], seqs,
+                           sampling=sd.SamplingParams(temperature),
+                           settings=sd.Settings(gamma=3, continuation_tokens=40, seed=2,
+                                                trees=SHAPES))
+    for spec, row in zip(SHAPES, r.trees.rows):
+        assert row.accept_length <= spec.depth + 1 + 1e-12, spec
+        if temperature == 0:
+            assert row.alpha_by_depth[0] == 1.0
+        if temperature == 0 and (spec.topk == 1 or spec.choices):
+            assert row.accept_length == spec.depth + 1 and row.alpha_by_depth == [1.0] * \
+                spec.depth, spec
+    if temperature:
+        chain, wide = r.trees.rows[0], r.trees.rows[1]
+        assert wide.accept_length > chain.accept_length
+        assert chain.accept_length_ci[0] - 0.05 < 1 + sum(
+            math.prod([r.alpha_by_rule["argmax"]] * j) for j in (1, 2, 3)) < \
+            chain.accept_length_ci[1] + 0.05
+
+
+def test_a_top1_tree_replays_the_argmax_chains_cycles(llama, tok_plain):
+    """T = 0: the tree (1, g, g + 1) is the argmax chain of g; replayed on the text the
+    simulation emitted, its cycles are the simulation's, offset by offset, in every prompt
+    whose text the replay did not run out of (the simulation's last cycle, cut by its
+    budget, is one the replay sees only in part)."""
+    d = sd.early_exit_draft(llama, 1)
+    seqs = sd.build_sequences(PROMPTS + EAGLE_PROMPTS, tok_plain)
+    m = sd.Measurement(llama, seqs, sd.SamplingParams(0.0),
+                       sd.Settings(gamma=3, continuation_tokens=16, simulate=True,
+                                   trees=(sd.TreeSpec(1, 3, 4),)), CPU)
+    into = [{}]
+    m.measure(m.drafters([("d", d)]), m.batches(), into)
+    same = [r for r in into[0].values() if r.trees[0].censored == 0]
+    assert len(same) >= len(seqs) // 2
+    for r in same:
+        t = r.trees[0]
+        assert (t.reached, t.accepted, t.cycles) == (r.sim.reached, r.sim.accepted_at,
+                                                      r.sim.cycles), r.index
+
+
+@pytest.mark.slow
+def test_tree_replay_matches_the_engines_walk_at_t1(llama, tok_plain):
+    """The claim the replay rests on, checked against the engines' walk itself (written here
+    from SGLang's tree_speculative_sampling_target_only: at a node, each child c in turn is
+    kept with p(c) over the mass not yet rejected; none kept: the token comes from p without
+    the rejected ones): a generative loop, uncached, trees from bf_tree, 40 prompts of 64
+    tokens, a target sharpened (logits x 3) so that trees accept something. Its mean accept
+    length and the replay's agree within 0.1 (about 3.4 standard errors of the difference,
+    0.029, prompts the replay's units); the replay with only each node's first child followed
+    (a planted error: 1.36 where both say 1.50) does not."""
+    target = copy.deepcopy(llama)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for w in draft.parameters():
+            w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    spec = sd.TreeSpec(2, 3, 6)
+    seqs = sd.build_sequences(((PROMPTS + EAGLE_PROMPTS) * 4)[:40], tok_plain)
+    gen = torch.Generator().manual_seed(11)
+    lengths = []
+    for seq in seqs:
+        ctx = list(seq.ids)
+        ctx.append(bf_sample(softmax64(last_logits(target, ctx)), torch.rand(1, generator=gen)
+                             .item()))
+        start = len(ctx)
+        while len(ctx) - start < 64:
+            tree = bf_tree(model_q(draft)(ctx), spec.topk, spec.steps, spec.tokens)
+            path = ()
+            while True:
+                p = softmax64(last_logits(target, ctx + list(path)))
+                mass, kept = 1.0, None
+                for c in sorted(t[-1] for t in tree if t[:-1] == path):
+                    if torch.rand(1, generator=gen).item() < p[c] / mass:
+                        kept = c
+                        break
+                    mass -= p[c]
+                    p[c] = 0.0
+                if kept is None:  # the walk ends: one token from what is left of p
+                    path += (bf_sample(p, torch.rand(1, generator=gen).item()),)
+                    break
+                path += (kept,)
+            lengths.append(len(path))
+            ctx += list(path)
+    walk = sum(lengths) / len(lengths)
+    sd_walk = (sum((x - walk) ** 2 for x in lengths) / len(lengths)) ** 0.5
+    r, = sd.measure_drafts(target, [("d", draft)], seqs, sampling=sd.SamplingParams(1.0),
+                           settings=sd.Settings(gamma=3, continuation_tokens=64, seed=8,
+                                                trees=(spec,)))
+    row = r.trees.rows[0]
+    half = (row.accept_length_ci[1] - row.accept_length_ci[0]) / 2  # 1.96 standard errors
+    se = ((half / 1.96) ** 2 + sd_walk ** 2 / len(lengths)) ** 0.5
+    assert abs(row.accept_length - walk) < 0.1 and se < 0.035, (row.accept_length, walk, se)
+
+
+def bf_best_static(acc, nodes: int, depth: int) -> float:
+    """The largest 1 + sum over paths of the product of acc[depth][rank] along them, over
+    every tree of nodes - 1 paths closed under parents (ranks < len(acc[0]), depth <= depth),
+    by growing every such tree from the empty one."""
+    ranks, best = len(acc[0]), 0.0
+    trees = {frozenset()}
+    for _ in range(nodes - 1):
+        grown = set()
+        for t in trees:
+            for p in [(r,) for r in range(ranks)] + [c + (r,) for c in t for r in range(ranks)
+                                                      if len(c) < depth]:
+                if p not in t:
+                    grown.add(t | {p})
+        trees = grown
+    for t in trees:
+        best = max(best, 1 + sum(math.prod(acc[min(j, len(acc) - 1)][r]
+                                           for j, r in enumerate(p)) for p in t))
+    return best
+
+
+@pytest.mark.parametrize("steps,nodes,depth", [(1, 6, 3), (3, 6, 3), (2, 5, 4)])
+def test_the_best_static_tree_is_the_best_of_every_tree(steps, nodes, depth):
+    """best_static_tree against every tree of its size: the acceptance by depth and rank
+    made from per-prompt sums (decreasing in rank, as a drafter's ranks are), one row per
+    drafting step (one step: the same row at every depth)."""
+    gen = torch.Generator().manual_seed(steps * 10 + nodes)
+    ranks = 4
+    acc = [sorted(torch.rand(ranks, generator=gen).mul(0.9 ** (k + 1)).tolist(), reverse=True)
+           for k in range(steps)]
+    results = [sd.PromptResult(index=i, scored=50, head_scored=[50] * (steps - 1),
+                               rank_sums=[[a * 50 for a in row] for row in acc])
+               for i in range(2)]
+    got = sd.best_static_tree(results, nodes, depth)
+    assert got.expected_accept_length == pytest.approx(bf_best_static(acc, nodes, depth),
+                                                       rel=1e-12)
+    assert len(got.choices) == nodes - 1 and got.nodes == nodes
+    paths = {tuple(c) for c in got.choices}
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)
+    assert max(map(len, paths)) <= depth
+
+
+def test_medusa_heads_draft_trees_from_each_heads_own_q(tok_plain, tmp_path, monkeypatch):
+    """A Medusa tree: depth d's candidates are head d's top tokens at the last verified
+    state, whatever the path above them (the heads read no drafted token), so the children
+    of one rank under two parents are one token; a tree deeper than the heads stops at the
+    last head. Heads that reproduce the target's greedy chain accept every depth they have
+    (T = 0): accept length 4 with 3 heads, however deep or wide the tree."""
+    target = bigram_llama()
+    make_medusa_checkpoint(tmp_path, "fd-st", hidden=64, t=exact_medusa_heads(target))
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seen = trees_drafted(monkeypatch)
+    wide = sd.TreeSpec(choices=((0,), (1,), (0, 0), (1, 0), (0, 1), (1, 1), (0, 0, 0),
+                                (1, 1, 0)))
+    deep = sd.TreeSpec(2, 5, 12)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+    r, = sd.measure_drafts(target, [drafter], seqs, sampling=sd.SamplingParams(0.0),
+                           settings=sd.Settings(gamma=3, continuation_tokens=16, seed=3,
+                                                trees=(wide, deep, sd.TreeSpec(1, 3, 4))))
+    assert {spec for spec, _, _ in seen} == {wide, deep, sd.TreeSpec(1, 3, 4)}
+    for spec, tree, ctx in seen:
+        assert max(map(len, tree)) <= 3, spec  # 3 heads
+        if spec == wide:
+            last = {d: {p[-1] for p in tree if len(p) == d} for d in (1, 2, 3)}
+            assert len(tree) == 8 and [len(last[d]) for d in (1, 2, 3)] == [2, 2, 1], ctx
+    assert [row.accept_length for row in r.trees.rows] == [4.0, 4.0, 4.0]
+    assert r.trees.rows[1].alpha_by_depth[3:] == [0.0, None]  # nothing past the last head
+
+
+def test_engine_settings_accept_as_the_report_measured(llama, llama2, tok_plain):
+    """--engine-config: vLLM's synthetic_acceptance_rates are P(first j accepted), non-
+    increasing, summing to tokens per cycle - 1 (the simulation's, or the teacher-forced
+    chain's without it); a static tree goes to vLLM with its speculative_token_tree, a
+    dynamic one to SGLang with its flags and SGLANG_SIMULATE_ACC_LEN = its accept length;
+    what an engine cannot serve says so."""
+    seqs = sd.build_sequences(PROMPTS, tok_plain)
+    static = sd.TreeSpec(choices=((0,), (1,), (0, 0)))
+    kw = dict(sampling=sd.SamplingParams(0.8), settings=sd.Settings(
+        gamma=3, continuation_tokens=12, seed=1, trees=(sd.TreeSpec(2, 2, 5), static,
+                                                         sd.TreeSpec(1, 2, 3))))
+    sim, = sd.measure_drafts(llama, [("d", llama2)], seqs, simulate=True, **kw)
+    tf, = sd.measure_drafts(llama, [("d", llama2)], seqs, **kw)
+    for r, tpc in ((sim, sim.empirical_tokens_per_cycle), (tf, tf.tokens_per_cycle)):
+        chain, dyn, stat, top1 = sd.engine_config(r, "vllm")
+        rates = chain["speculative_config"]["synthetic_acceptance_rates"]
+        assert len(rates) == 3 and rates == sorted(rates, reverse=True)
+        assert 1 + sum(rates) == pytest.approx(tpc, abs=2e-4)
+        assert chain["speculative_config"]["rejection_sample_method"] == "synthetic"
+        assert "unsupported" in dyn
+        got = stat["speculative_config"]
+        assert ast.literal_eval(got["speculative_token_tree"]) == [(0,), (1,), (0, 0)]
+        assert got["num_speculative_tokens"] == 3
+        assert got["synthetic_acceptance_length"] == pytest.approx(
+            r.trees.rows[1].accept_length, abs=1e-4)
+        assert 1 + sum(top1["speculative_config"]["synthetic_acceptance_rates"]) == \
+            pytest.approx(r.trees.rows[2].accept_length, abs=2e-4)
+        chain, dyn, stat, top1 = sd.engine_config(r, "sglang")
+        assert float(chain["env"]["SGLANG_SIMULATE_ACC_LEN"]) == pytest.approx(tpc, abs=1e-4)
+        assert float(dyn["env"]["SGLANG_SIMULATE_ACC_LEN"]) == pytest.approx(
+            r.trees.rows[0].accept_length, abs=1e-4)
+        assert dyn["args"] == ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+                               "--speculative-num-draft-tokens", "5"]
+        assert "unsupported" in stat
+
+
+def test_a_report_with_trees_reads_back_and_prices_each_tree(llama, llama2, tok_plain,
+                                                             monkeypatch):
+    """The JSON's trees read back to the same report; a tree cycle costs D drafting steps of
+    its width and a verify of its N nodes (measured: the timings of those widths and sizes;
+    auto: D x c + 1), its est. speedup its accept length over that."""
+    seqs = sd.build_sequences(PROMPTS[:4], tok_plain)
+    specs = (sd.TreeSpec(2, 2, 5), sd.TreeSpec(choices=((0,), (1,), (2,), (0, 0))))
+    kw = dict(sampling=sd.SamplingParams(1.0), gamma=2, continuation_tokens=8, seed=1,
+              trees=specs)
+    r, = sd.measure_drafts(llama, [("d", llama2)], seqs, **kw)
+    back = sd.AcceptanceReport.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert json.loads(json.dumps(back.to_dict())) == json.loads(json.dumps(r.to_dict()))
+    assert back.trees.rows[0].accept_length == r.trees.rows[0].accept_length
+    c = r.cost_ratio
+    for spec, row in zip(specs, r.trees.rows):
+        assert row.cost == pytest.approx(spec.depth * c + 1)
+        assert row.est_speedup == pytest.approx(row.accept_length / (spec.depth * c + 1))
+    assert "trees" not in sd.measure_drafts(llama, [("d", llama2)], seqs, **{
+        **kw, "trees": ()})[0].to_dict()
+    fake = {"target_step_s": 1.0, "draft_step_s": 1.2, "cost_ratio": 1.2, "device": "cpu",
+            "verify_cost": {g: 1 + 0.1 * g for g in range(1, 9)},
+            "width_ratio": {1: 1.2, 2: 1.5}}  # (above the draft's parameter share, 1)
+    seen = []
+    monkeypatch.setattr(sd, "measure_costs", lambda *a, **k: seen.append(a) or fake)
+    r, = sd.measure_drafts(llama, [("d", llama2)], seqs, **{**kw, "cost_ratio": "measure"})
+    assert seen[0][3] == list(range(1, 9)) and seen[0][5] == [1, 2]  # N - 1 = 4 drafts
+    assert r.trees.rows[0].cost == pytest.approx(2 * 1.5 + 1.4)  # 2 steps of 2 rows, 5 nodes
+    assert r.trees.rows[1].cost == pytest.approx(2 * 1.2 + 1.4)  # static: one row a step
+
+
+def test_cli_trees_and_engine_settings(capsys, tmp_path, model_dirs, data_txt, monkeypatch):
+    """--tree, --tree-choices (a list or a file) and --engine-config: the report's trees
+    section, the JSON's trees and engine_config, and a run interrupted and resumed with trees
+    gives the JSON of one run."""
+    (tmp_path / "tree.txt").write_text("[(0,), (1,), (0, 0)]\n")
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--continuation-tokens", "6", "--batch-size", "2", "--quiet",
+            "--tree", "2,2,4", "--tree", "1,3,4", "--tree-choices", str(tmp_path / "tree.txt"),
+            "--tree-choices", "[(0,), (0, 0), (0, 1)]", "--engine-config", "sglang"]
+    rc, out, err = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json")])
+    assert rc == 0, err
+    assert "trees, the engines' rule" in out and "best static tree of 4 nodes" in out
+    assert "SGLANG_SIMULATE_ACC_LEN=" in out and "not served" in out
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    assert [row["tree"] for row in whole["trees"]["rows"]] == [
+        "topk 2, steps 2, 4 tokens", "topk 1, steps 3, 4 tokens", "static, 4 nodes, depth 2",
+        "static, 4 nodes, depth 2"]
+    assert [e["for"] for e in whole["engine_config"]][0] == "chain of 4"
+    path = str(tmp_path / "run.json")
+    interrupt_after(monkeypatch, 2)  # the second batch
+    rc, _, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
+    monkeypatch.undo()
+    assert rc == 130
+    rc, _, err = run_cli(capsys, argv + ["--json", path, "--resume"])
+    assert rc == 0, err
+    assert json.loads(open(path).read()) == whole
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--tree", "0,2,3"], "topk and steps must be >= 1"),
+    (["--tree", "2,2,9"], "hold 6 candidates"),
+    (["--tree", "2,2"], "takes K,D,N"),
+    (["--tree", "a,b,c"], "--tree"),
+    (["--tree", "60,1,3"], "vocabulary of 48"),
+    (["--tree-choices", "[(0, 1)]"], "without its parent"),
+    (["--tree-choices", "[(0,), (0,)]"], "distinct"),
+    (["--tree-choices", "[(0,), (-1,)]"], "ranks >= 0"),
+    (["--tree-choices", "[(0,), oops]"], "not a list of paths"),
+    (["--tree-choices", "no/such/file"], "not a list of paths and not a readable file"),
+    (["--tree-choices", "[(0,), (50,)]"], "past the vocabulary"),
+    (["--tree", "1,2,3", "--continuation-tokens", "0"], "--continuation-tokens >= 2"),
+    (["--tree", "1,2,3", "--draft", "ngram"], "proposes one chain"),
+])
+def test_cli_refuses_trees_no_engine_could_serve(args, word, capsys, model_dirs, data_txt):
+    argv = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
+            "--continuation-tokens", "4"]
+    if "--draft" not in args:
+        argv += ["--draft", model_dirs["draft"]]
+    rc, _, err = run_cli(capsys, argv + args)
+    assert rc == 2 and err.count("\n") == 1 and word in err, err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4938,9 +5375,9 @@ def hooked(name, orig, nth, pause):
     calls = []
     def hook(*args, **kwargs):
         calls.append(1)
-        if name == "measure_batch":
+        if name == "measure_batch":  # (a method: args[0] the Measurement)
             with open("batches" + rank, "a") as f:
-                f.write(str(args[5].temperature) + "\\n")
+                f.write(str(args[0].sampling.temperature) + "\\n")
         if len(calls) == nth:
             with open("mark.tmp" + rank, "w") as f:
                 f.write(str(os.getpid()))
@@ -4950,7 +5387,8 @@ def hooked(name, orig, nth, pause):
         return orig(*args, **kwargs)
     return hook
 for name, (nth, pause) in dict({{"measure_batch": (0, False)}}, **plan).items():
-    setattr(specdec, name, hooked(name, getattr(specdec, name), nth, pause))
+    owner = specdec.Measurement if name == "measure_batch" else specdec
+    setattr(owner, name, hooked(name, getattr(owner, name), nth, pause))
 rc = specdec.main()
 with open("rc" + rank, "w") as f:
     f.write(str(rc))
@@ -5726,7 +6164,8 @@ def test_cli_reads_a_gguf_file_with_an_early_exit_draft(tmp_path, capsys):
                          "--continuation-tokens", "6", "--quiet", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
-    assert data["draft"].endswith("[first 20 layers]") and data["scored_positions"] == 12
+    assert data["draft"].endswith("[first 20 layers]")
+    assert data["scored_positions"] == 10  # 2 prompts x 5: the first of 6 is the prefill's
     assert data["cost_ratio_source"].startswith("parameters")
     # 20 of 30 decoder layers plus the (tied) head, counted against 30 layers plus the head
     assert 0.6 < data["cost_ratio"] < 0.75
