@@ -93,9 +93,11 @@ __all__ = [
     # measure
     "measure_acceptance", "measure_drafts", "Measurement", "Settings", "SamplingParams",
     "run_simulation", "LoopConfig",
+    # trees as the engines serve them
+    "TreeSpec", "replay_trees", "best_static_tree", "engine_config",
     # reports
-    "AcceptanceReport", "RunInfo", "TeacherForced", "Simulated", "GammaRow", "format_report",
-    "plot_reports",
+    "AcceptanceReport", "RunInfo", "TeacherForced", "Simulated", "GammaRow", "Trees", "TreeRow",
+    "StaticTree", "format_report", "plot_reports",
     # models and data
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
     "TokenSequence", "build_documents", "at_context_lengths",
@@ -3913,25 +3915,32 @@ def _gamma_lines(r: AcceptanceReport) -> list[str]:
     return lines
 
 
-def _tree_lines(trees: Trees) -> list[str]:
-    """Each tree replayed: accept length, by depth, est. speedup; the best static tree."""
-    lines = [RULE, "  trees, the engines' rule replayed on the target's text (* = highest est. "
-                   "speedup)"]
+def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
+    """A row per tree replayed, the best marked; the best static tree, ready to paste."""
+    lines = [RULE, "  trees (* = highest est. speedup): the engines' walk replayed on the "
+                   "target's own text",
+             f"    {'tree':<29}{'nodes':>6}  {'accept length, 95% CI':<24}{'speedup':>8}   "
+             f"P(accepted length >= j)"]
     for row in trees.rows:
-        lines += [f"    {'*' if row.best else ' '} {row.tree}",
-                  f"      accept length {_num(row.accept_length, '.3f')} tokens per cycle"
-                  f"{_ci(row.accept_length_ci)}   ({row.cycles:,} cycles, "
-                  f"{row.nodes_per_cycle:.1f} nodes verified per cycle)",
-                  "      P(accepted length >= j)  " + "".join(
-                      f"{a:>6.2f}" for a in row.accepted_by_depth),
-                  f"      est. speedup {_num(row.est_speedup, '.2f')}x"
-                  f"{_ci(row.est_speedup_ci, '.2f')}   (a cycle costs {row.cost:.2f} target "
-                  f"steps)"]
+        ci = f" [{row.accept_length_ci[0]:.2f}, {row.accept_length_ci[1]:.2f}]" \
+            if row.accept_length_ci else ""
+        lines.append(f"  {'*' if row.best else ' '} {row.tree:<29}{row.nodes_per_cycle:>6.1f}  "
+                     f"{_num(row.accept_length, '.3f') + ci:<24}"
+                     f"{_num(row.est_speedup, '.2f') + 'x':>8}   "
+                     + " ".join(f"{a:.2f}" for a in row.accepted_by_depth))
+    lines.append("      (accept length: tokens per cycle, the bonus included, as SGLang and vLLM "
+                 "log it; a cycle costs D drafting steps and a verify of N nodes)")
+    if run.temperature > 0 and run.proposal == "sample":
+        lines.append("      (trees: the engines' rule, as they serve trees; the chain above is "
+                     "--proposal sample's: compare with its engines' rule line)")
     if trees.best_static is not None:
         b = trees.best_static
-        lines += [f"    best static tree of {b.nodes} nodes (teacher-forced acceptance by "
-                  f"depth and rank): expected accept length {b.expected_accept_length:.3f}",
-                  f"      {[tuple(c) for c in b.choices]}"]
+        paths = [tuple(c) for c in b.choices]
+        lines += [f"    best static tree of {b.nodes} nodes, from the teacher-forced acceptance "
+                  f"by depth and rank: expected accept length {b.expected_accept_length:.3f}",
+                  f"      medusa_choices = {[list(c) for c in paths]}",
+                  f"      speculative_token_tree = \"{paths}\"   (vLLM; "
+                  f"num_speculative_tokens {len(paths)}; specdec --tree-choices)"]
     return lines
 
 
@@ -3965,7 +3974,7 @@ def format_report(r: AcceptanceReport) -> str:
     if r.gamma_table:
         lines += _gamma_lines(r)
     if r.trees is not None:
-        lines += _tree_lines(r.trees)
+        lines += _tree_lines(r.trees, run)
     if t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
         rates = t.proposal_rate_by_category or {}
