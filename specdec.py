@@ -41,7 +41,9 @@ but the checkpoints drafters read.
                        draft model, or an early_exit_draft of the target), NgramDrafter (prompt
                        lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
                        Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
-                       heads); DRAFTERS lists them, find_drafter asks them in turn
+                       heads), PardDrafter and DFlashDrafter (parallel drafters: the whole
+                       block from one pass, mask tokens for the drafts not made yet);
+                       DRAFTERS lists them, find_drafter asks them in turn
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
   statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
@@ -2339,7 +2341,7 @@ class PardDrafter(Drafter):
 
     def param_cost(self, target):
         return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target: one draft pass per cycle")
+                "parameters per token, draft/target")
 
     def networks(self):
         return [self.model]
@@ -2563,7 +2565,7 @@ class DFlashDrafter(Drafter):
         head = target.get_output_embeddings().weight.numel()
         return ((net + head) / params_per_token(target),
                 "parameters per token: the DFlash layers, fc and the target's output head, "
-                "against the target; one draft pass per cycle")
+                "against the target")
 
     def networks(self):
         return [self.net]

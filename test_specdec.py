@@ -5893,6 +5893,10 @@ def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tm
         assert rc == 0, err
         got[name] = json.loads((tmp_path / "r.json").read_text())
         assert "alpha by draft offset" in text and "one draft pass" in text
+    rc, _, err = run_cli(capsys, common + ["--draft-layers", "1", "--pard-mask", str(PARD_MASK),
+                                           "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["draft"].endswith(
+        f"[first 1 layers] [PARD, mask {PARD_MASK}]"), err
     one, two = got["checkpoint"], got["flag"]
     assert two["draft"].endswith(f"[PARD, mask {PARD_MASK}]") and one["one_draft_pass"]
     assert one["alpha_by_head"] == two["alpha_by_head"] and len(one["alpha_by_head"]) == 8
@@ -5981,6 +5985,28 @@ def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_p
     for i, row in enumerate(ref):
         assert counts(got[i]) == row, i
     assert sum(row["accepted"] for row in ref) >= 5
+
+
+@pytest.mark.parametrize("ids,size", [([1, 3], 4), ([2], 2)])
+def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4, tok_plain,
+                                                             tmp_path):
+    """A draft that reads the target's last layer (its output: the final, normed states, as
+    output_hidden_states holds them) and the smallest block (block_size 2: one draft a pass,
+    one layer read): per-offset teacher-forced alpha and the simulation equal dflash_draft
+    through reference_loop (T = 1)."""
+    c = dict(DFLASH, ids=ids, size=size, layers=len(ids))
+    w = dflash_tensors(c, seed=4)
+    save_dflash(tmp_path, "zlab", w, c)
+    drafter = sd.head_drafter(str(tmp_path), biased4)
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
+    plain = dflash_draft(biased4, w, c)
+    r = sd.measure_acceptance(biased4, drafter, seqs, sampling=s, device=CPU, gamma=size - 1,
+                              continuation_tokens=6, seed=2)
+    want = head_step_alphas(biased4, plain, seqs, s, 6, 2, size - 1)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    got = simulate(biased4, drafter, seqs, s, size - 1, 10, seed=3)
+    for i, row in enumerate(reference_loop(biased4, plain, seqs, s, size - 1, 10, seed=3)):
+        assert counts(got[i]) == row, i
 
 
 def test_dflash_greedy_simulation_is_transformers_dflash(biased4, tok_plain, dflash_folders,
@@ -6083,6 +6109,10 @@ def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, caps
     save_dflash(tmp_path / "odd", "zlab", {**w, "extra.weight": torch.zeros(2)}, DFLASH)
     with pytest.raises(sd.UsageError, match="its own code .* which specdec does not run"):
         sd.head_drafter(str(tmp_path / "odd"), biased4)
+    loaded = make_llama(0)  # a DFlash config a hub id loaded as a causal LM: not run as one
+    loaded.config.dflash_config = {"mask_token_id": PARD_MASK}
+    with pytest.raises(sd.UsageError, match="huggingface-cli download"):
+        sd.DFlashDrafter.from_model("z-lab/x-DFlash", loaded, biased4)
     save_dflash(tmp_path / "ok", "zlab", w, DFLASH)
     seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
     with pytest.raises(sd.UsageError, match="--gamma 4: .* drafts at most 3 tokens a pass"):
@@ -6189,3 +6219,20 @@ def test_cli_reads_a_gguf_file_with_an_early_exit_draft(tmp_path, capsys):
     # 20 of 30 decoder layers plus the (tied) head, counted against 30 layers plus the head
     assert 0.6 < data["cost_ratio"] < 0.75
     assert "alpha" in capsys.readouterr().out
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_as_its_own_pard_draft_is_exact_at_offset_one(smol):
+    """SmolLM2 in PARD mode, its own <empty_output> token as the mask (it was never trained for
+    one), as its own draft: offset 1 of a pass is the model's own next-token prediction, so
+    alpha there is 1 in both routes; the untrained masks fall far below it (seen: 0.07 at
+    offset 2, 0 after): an honest lower bound for a PARD draft of this family."""
+    target, tok, dev, seqs = smol
+    drafter = sd.PardDrafter("smol", target, tok.get_vocab()["<empty_output>"])
+    r = sd.measure_acceptance(target, drafter, seqs[:3], sampling=sd.SamplingParams(0.0),
+                              device=dev, gamma=3, continuation_tokens=12, simulate=True,
+                              eos=sd.eos_ids(target, tok))
+    assert r.alpha_by_head[0] == pytest.approx(1.0, abs=1e-6)
+    assert r.alpha_by_draft_offset[0] == 1.0 and max(r.alpha_by_head[1:]) < 0.5
+    assert 2.0 <= r.empirical_tokens_per_cycle < 3.0 and r.one_draft_pass
