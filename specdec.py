@@ -2314,12 +2314,15 @@ class PardDrafter(Drafter):
         masked = [real[:, :0, None].expand(-1, -1, k, -1)]  # (B, starts, k, ...) by chunk
         for a in range(lo, hi, SCORE_STARTS) if k else ():
             t = torch.arange(a, min(a + SCORE_STARTS, hi), device=device)  # the starts
-            j = torch.arange(1, k + 1, device=device)
-            start, at = t.repeat_interleave(k), (t[:, None] + j).flatten()  # (n k,)
-            own = (start[:, None] == start[None, :]) & (at[None, :] <= at[:, None])
+            j = torch.arange(1, k + 1, device=device).repeat(len(t))  # (n k,) mask j of start
+            start = t.repeat_interleave(k)
+            own = (start[:, None] == start[None, :]) & (j[None, :] <= j[:, None])
             seen = live[:, None, :].bool() & (pos[:, None, :] <= start[None, :, None])
             allowed = torch.cat([seen, own.expand(len(rows), -1, -1)], -1)  # (B, n k, T + n k)
-            qpos = at.expand(len(rows), -1)
+            # mask j of start t sits at t + j; one at the row's last position or past it drafts
+            # a token the row lacks (never scored, nor the later ones it alone feeds): clamped,
+            # such positions stay inside the model's window
+            qpos = (start + j).clamp_max(width - 1).expand(len(rows), -1)
             out = module(input_ids=torch.full_like(qpos, self.mask), position_ids=qpos,
                          attention_mask=block_masks(model, allowed, torch.cat([pos, qpos], 1),
                                                     qpos),
@@ -2349,15 +2352,17 @@ class PardDrafter(Drafter):
     @classmethod
     def from_model(cls, name, model, target):
         """A causal LM whose config names a PARD mask token (pard_token, as AMD-AGI/PARD's
-        training writes it: its PARD-Llama, -Qwen and -DeepSeek checkpoints)."""
+        training writes it: its PARD-Llama, -Qwen and -DeepSeek checkpoints). A PARD-2 draft
+        runs in its target-independent mode (pard2_infer's --p2), tokens only: its
+        target-dependent mode, which adds the target's states through target_proj, is not
+        measured, and its name says so."""
         config = getattr(model, "config", None)
         mask = getattr(config, "pard_token", None)
         if mask is None:
             return None
-        if getattr(config, "pard2_target_layers", None):
-            raise UsageError(f"{name}: a PARD-2 target-dependent draft (pard2_target_layers) "
-                             f"reads the target's hidden states; specdec measures PARD drafts "
-                             f"that read tokens only")
+        if getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
+                or getattr(config, "spd_type", None) == "pard2":
+            name = f"{name} [PARD-2, target-independent mode]"
         return cls(name, model, mask[0] if isinstance(mask, (list, tuple)) else mask)
 
 
@@ -2449,9 +2454,10 @@ class DFlashSession(CommittedStates):
             raise UsageError(f"--gamma {config.gamma}: {drafter.name} drafts at most "
                              f"{drafter.max_gamma} tokens a pass (its block of "
                              f"{drafter.max_gamma + 1})")
-        self.drafter, rows = drafter, len(prompts)
+        self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
         empty = torch.zeros(rows, 0, dtype=torch.long, device=config.device)
-        self.live, self.pos, self.kv = empty, empty.clone(), None
+        self.live, self.pos = empty, empty.clone()  # (B, S) of the context
+        self.kv = drafter.net.context(fc.new_zeros(rows, 0, fc.shape[1]), empty)  # none yet
         super().__init__(prompts, view, config)
 
     def states_of(self, view):
@@ -2459,8 +2465,8 @@ class DFlashSession(CommittedStates):
 
     def absorb(self, ids, states, live, pos):
         kv = self.drafter.net.context(states, pos - 1)  # the states' own positions
-        self.kv = kv if self.kv is None else [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
-                                              for (k0, v0), (k, v) in zip(self.kv, kv)]
+        self.kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                   for (k0, v0), (k, v) in zip(self.kv, kv)]
         self.live = torch.cat([self.live, live], 1)
         self.pos = torch.cat([self.pos, pos - 1], 1)
 

@@ -5904,6 +5904,10 @@ def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tm
     for row in one["gamma_table"]:
         assert row["est_speedup"] == pytest.approx(row["tokens_per_cycle"]
                                                    / (one["cost_ratio"] + 1), rel=1e-9)
+    two_modes = make_llama(1)  # a PARD-2 draft: measured in its target-independent mode
+    two_modes.config.pard_token, two_modes.config.pard2_target_layers = PARD_MASK, [1, 2]
+    assert sd.PardDrafter.from_model("p2", two_modes, two_modes).name == \
+        "p2 [PARD-2, target-independent mode]"
     cfg = json.loads((pard / "config.json").read_text())
     cfg["pard_token"] = 99
     (pard / "config.json").write_text(json.dumps(cfg))
