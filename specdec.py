@@ -41,7 +41,9 @@ but the checkpoints drafters read.
                        draft model, or an early_exit_draft of the target), NgramDrafter (prompt
                        lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
                        Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
-                       heads); DRAFTERS lists them, find_drafter asks them in turn
+                       heads), PardDrafter and DFlashDrafter (parallel drafters: the whole
+                       block from one pass, mask tokens for the drafts not made yet);
+                       DRAFTERS lists them, find_drafter asks them in turn
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
   statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
@@ -104,7 +106,7 @@ __all__ = [
     # drafters: the interface, the kinds here, and the registry that finds them
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "ModelDrafter",
     "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
-    "DRAFTERS", "find_drafter", "head_drafter",
+    "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -383,7 +385,12 @@ class Drafter(abc.ABC):
     # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
     layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3), besides the
     # final hidden states
-    drafts_trees: bool = True  # a distribution per step to draft a tree from (not a lookup)
+    drafts_trees: bool = True  # drafts the trees engines serve: a distribution per step (not
+    # a lookup) drafted step by step (not a block in one pass, which no engine serves as a tree)
+    one_pass: bool = False  # drafts its whole block in one pass (PARD, DFlash): a cycle costs
+    # one draft step whatever gamma is
+    max_gamma: int | None = None  # the largest block one pass drafts, where a larger gamma is
+    # refused (a DFlash block of B: B - 1)
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -2293,13 +2300,476 @@ class MedusaDrafter(Drafter):
         return heads
 
 
+# Parallel drafters draft a whole block in one pass: mask tokens stand in for the drafts not
+# yet made, and no drafted token is read back (PARD, DFlash). So a cycle costs one draft pass
+# whatever gamma is (one_pass), and a block depends only on the context it starts from: the
+# teacher-forced route scores offset j of the block exactly, with no chain of its own drafts.
+
+
+def block_masks(model: nn.Module, allowed: torch.Tensor, key_pos: torch.Tensor,
+                query_pos: torch.Tensor) -> Any:
+    """What `model` takes as attention_mask for queries at query_pos (B, t) that see the keys
+    at key_pos (B, S) where allowed (B, t, S) says: a pattern no causal mask makes (the mask
+    tokens of several blocks in one forward, each seeing its own context and block only);
+    sliding-window layers also only within their window, counted as attention_mask counts."""
+    window, mixed = sliding_layout(model)
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    full = additive_mask(allowed, dtype)
+    if window is None:
+        return full
+    near = additive_mask(allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window), dtype)
+    return {"full_attention": full, "sliding_attention": near} if mixed else near
+
+
+class PardSession(Session):
+    """A PARD draft's cache of the committed tokens it has read (Slots), and per row the
+    accepted drafts it has not read yet. A cycle is one forward over those, the pending token
+    and gamma - 1 mask tokens at the positions after it (AMD-AGI/PARD pard_infer, vLLM's
+    parallel drafting): the pending token's output drafts offset 1, mask j's offset j + 1, and
+    no draft is read back; the masks' slots are dropped after the pass."""
+
+    def __init__(self, drafter: PardDrafter, prompts: list[list[int]], config: LoopConfig):
+        self.drafter, self.config = drafter, config
+        self.device = model_device(drafter.model) or config.device
+        self.slots, _ = prefill(drafter.model, [r[:-1] for r in prompts], self.device)
+        self.unread: list[list[int]] = [[] for _ in prompts]  # accepted, not yet fed
+
+    def propose(self, pending, npos, u):
+        c, d, dev = self.config, self.drafter, self.device
+        pending, npos = pending.to(dev), npos.to(dev)
+        ids, live, _ = left_pad(self.unread, dev)  # (B, n): fed before the pending token
+        n, rows = ids.shape[1], len(pending)
+        x = torch.cat([ids, pending[:, None], torch.full((rows, c.gamma - 1), d.mask,
+                                                         device=dev)], 1)  # (B, n + G)
+        pos = (npos[:, None] - n + torch.arange(n + c.gamma, device=dev)).clamp_min(0)
+        live = torch.cat([live, torch.ones(rows, c.gamma, dtype=torch.long, device=dev)], 1)
+        logits = extend(d.model, self.slots, x, pos, live)[:, n:, :c.vocab]  # (B, G, V)
+        drop_slots(self.slots, c.gamma - 1)  # the masks' slots: never part of the history
+        self.unread = [[] for _ in self.unread]
+        q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
+        back = c.device  # the target's: where the acceptance test runs
+        return Proposal(sample_from(q, u.to(dev)).to(back), q.to(back),
+                        torch.isfinite(logits).flatten(1).all(1).to(back))
+
+    def advance(self, n_acc, committed, view):
+        self.unread = [new[:-1] for new in committed]  # the target's token is pending
+
+    def keep(self, rows):
+        select_slots(self.slots, rows.to(self.device))
+        self.unread = [self.unread[r] for r in rows.tolist()]
+
+
+class PardDrafter(Drafter):
+    """PARD (An et al. 2025, "PARD: Accelerating LLM Inference with Low-Cost PARallel Draft
+    Model Adaptation"; AMD-AGI/PARD): a causal LM trained so that mask tokens after a context
+    predict the tokens further ahead. One forward over the context, then gamma - 1 copies of
+    its mask token (config pard_token) at the next positions, causal attention: the last real
+    token's output drafts offset 1, mask j's drafts offset j + 1. An ordinary causal LM runs
+    the same way with any token as its mask (--pard-mask): an untrained lower bound.
+
+    Teacher-forced, every scored position t is a block's start: the row through the draft
+    once, then, for a chunk of starts at a time, their masks in one forward, mask j of start t
+    at position t + j seeing the row's tokens up to t and its own start's masks before it
+    (the pattern PARD trains with). Offset j's alpha is thus exactly what a cycle from t
+    proposes, as many offsets as the run's largest block."""
+
+    one_pass, drafts_trees = True, False
+
+    def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE)):
+        rows = model.get_input_embeddings().weight.shape[0]
+        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < rows:
+            raise UsageError(f"{name}: the PARD mask token {mask!r} is not in the draft's "
+                             f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
+                             f"of its tokenizer (--pard-mask)")
+        self.name, self.model, self.mask, self.steps = name, model, mask, steps
+        self.width = vocab_width(model)
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def for_run(self, eos, gammas):
+        """As many offsets as the run's largest block (the best-gamma table included)."""
+        return PardDrafter(self.name, self.model, self.mask, max(gammas))
+
+    @torch.no_grad()
+    def score(self, rows, spans, states, sampling, vocab, device):
+        model, k = self.model, self.steps - 1  # k: mask tokens after each start
+        device = model_device(model) or device
+        if self.route is None:
+            self.route = head_route(model, _probe(rows, device))
+        module, key = (model.base_model, "last_hidden_state") if self.route else (model, "logits")
+        ids, live, pos = right_pad(rows, device)  # (B, T)
+        slots, width = new_slots(len(rows), device), ids.shape[1]
+        real = torch.cat([getattr(feed(model, slots, ids[:, c], pos[:, c], live[:, c], module),
+                                  key) for c in column_chunks(width)], 1)  # (B, T, ...)
+        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        masked = [real[:, :0, None].expand(-1, -1, k, -1)]  # (B, starts, k, ...) by chunk
+        for a in range(lo, hi, SCORE_STARTS) if k else ():
+            t = torch.arange(a, min(a + SCORE_STARTS, hi), device=device)  # the starts
+            j = torch.arange(1, k + 1, device=device).repeat(len(t))  # (n k,) mask j of start
+            start = t.repeat_interleave(k)
+            own = (start[:, None] == start[None, :]) & (j[None, :] <= j[:, None])
+            seen = live[:, None, :].bool() & (pos[:, None, :] <= start[None, :, None])
+            allowed = torch.cat([seen, own.expand(len(rows), -1, -1)], -1)  # (B, n k, T + n k)
+            # mask j of start t sits at t + j; one at the row's last position or past it drafts
+            # a token the row lacks (never scored, nor the later ones it alone feeds): clamped,
+            # such positions stay inside the model's window
+            qpos = (start + j).clamp_max(width - 1).expand(len(rows), -1)
+            out = module(input_ids=torch.full_like(qpos, self.mask), position_ids=qpos,
+                         attention_mask=block_masks(model, allowed, torch.cat([pos, qpos], 1),
+                                                    qpos),
+                         use_cache=True, **{_cache_keyword(type(module)): slots.cache})
+            slots.cache.crop(-qpos.shape[1])  # the masks go: the next starts see the row
+            masked.append(getattr(out, key).unflatten(1, (len(t), k)))
+        masked_t = torch.cat(masked, 1)  # (B, hi - lo, k, ...)
+        head, scores = model_head(model, self.route, sampling, vocab), []
+        for step in range(self.steps):  # offset step + 1 at start t drafts row[t + 1 + step]
+            picked = torch.cat([real[b, s:e] if step == 0 else
+                                masked_t[b, s - lo:max(e - step, s) - lo, step - 1]
+                                for b, (s, e) in enumerate(spans)]).to(device)
+            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
+                                                    device=device), head))
+        return scores
+
+    def start(self, prompts, view, config):
+        return PardSession(self, prompts, config)
+
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self):
+        return [self.model]
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        """A causal LM whose config names a PARD mask token (pard_token, as AMD-AGI/PARD's
+        training writes it: its PARD-Llama, -Qwen and -DeepSeek checkpoints). A PARD-2 draft
+        runs in its target-independent mode (pard2_infer's --p2), tokens only: its
+        target-dependent mode, which adds the target's states through target_proj, is not
+        measured, and its name says so."""
+        config = getattr(model, "config", None)
+        mask = getattr(config, "pard_token", None)
+        if mask is None:
+            return None
+        if getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
+                or getattr(config, "spd_type", None) == "pard2":
+            name = f"{name} [PARD-2, target-independent mode]"
+        return cls(name, model, mask[0] if isinstance(mask, (list, tuple)) else mask)
+
+
+class DFlashNet(nn.Module):
+    """DFlash's draft network (z-lab, "DFlash: Block Diffusion for Flash Speculative
+    Decoding", arXiv 2602.06036), as z-lab's dflash/model.py, vLLM's qwen3_dflash and
+    transformers' Muse-Glimmer assistant run it: the target's hidden states at some layers,
+    joined, `fc` to the draft's width and `hidden_norm`, are the context; every draft layer
+    (Qwen3-style: q/k norms, RoPE) turns the context into keys and values with its own k and v
+    projections, beside those of the block. The block (the newest committed token and mask
+    tokens, embedded by the target) attends all its context and itself both ways; `norm`
+    ends it, and the target's own output head makes its logits."""
+
+    def __init__(self, config: Any, features: int):
+        from transformers.models.qwen3 import modeling_qwen3 as qwen3
+        super().__init__()
+        h, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or h // self.heads
+        self.fc = nn.Linear(features, h, bias=False)
+        self.hidden_norm, self.norm = qwen3.Qwen3RMSNorm(h, eps), qwen3.Qwen3RMSNorm(h, eps)
+        self.layers = nn.ModuleList()
+        for _ in range(config.num_hidden_layers):
+            attn, layer = nn.Module(), nn.Module()
+            for name, rows in (("q_proj", self.heads), ("k_proj", self.kv_heads),
+                               ("v_proj", self.kv_heads)):
+                setattr(attn, name, nn.Linear(h, rows * self.dim, bias=bias))
+            attn.o_proj = nn.Linear(self.heads * self.dim, h, bias=bias)
+            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(self.dim, eps), \
+                qwen3.Qwen3RMSNorm(self.dim, eps)
+            layer.self_attn, layer.mlp = attn, qwen3.Qwen3MLP(config)
+            layer.input_layernorm = qwen3.Qwen3RMSNorm(h, eps)
+            layer.post_attention_layernorm = qwen3.Qwen3RMSNorm(h, eps)
+            self.layers.append(layer)
+        self.rotary = qwen3.Qwen3RotaryEmbedding(config)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x (B, heads, t, d) at positions pos (B, t)."""
+        cos, sin = (a[:, None] for a in self.rotary(x, pos))  # (B, 1, t, d)
+        d = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., d:], x[..., :d]], -1) * sin
+
+    def keys_values(self, layer: nn.Module, x: torch.Tensor, pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys (RoPE'd) and values (B, kv_heads, t, d) of inputs x (B, t, H)."""
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.dim))).transpose(1, 2)
+        v = a.v_proj(x).unflatten(-1, (self.kv_heads, self.dim)).transpose(1, 2)
+        return self.rope(k, pos), v
+
+    def context(self, feats: torch.Tensor, pos: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The target's joined hidden states feats (B, t, F) at positions pos (B, t) -> each
+        layer's context keys and values: they depend on the context alone, so a session
+        computes them once per committed position."""
+        ctx = self.hidden_norm(self.fc(feats.to(self.fc.weight)))
+        return [self.keys_values(layer, ctx, pos) for layer in self.layers]
+
+    def block(self, x: torch.Tensor, pos: torch.Tensor,
+              context: Sequence[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor
+              ) -> torch.Tensor:
+        """Blocks' embeddings x (B, n, H) at positions pos (B, n) through every layer, each
+        query seeing the context's S keys and the n block keys where allowed (B, n, S + n)
+        says -> the normed outputs (B, n, H)."""
+        mask = additive_mask(allowed, x.dtype)  # (B, 1, n, S + n)
+        for layer, (ck, cv) in zip(self.layers, context):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.dim))).transpose(1, 2)
+            k, v = self.keys_values(layer, h, pos)
+            group = self.heads // self.kv_heads
+            k = torch.cat([ck, k], 2).repeat_interleave(group, 1)  # (B, heads, S + n, d)
+            v = torch.cat([cv, v], 2).repeat_interleave(group, 1)
+            out = nn.functional.scaled_dot_product_attention(self.rope(q, pos), k, v, mask,
+                                                             scale=self.dim ** -0.5)
+            x = x + a.o_proj(out.transpose(1, 2).flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class DFlashSession(CommittedStates):
+    """Each DFlash layer's context keys and values at the committed positions (the target's
+    states there; the pending token's are not known yet), grown by every pass the session is
+    shown (as vLLM's precompute_and_store_context_kv): a cycle runs only the block, the
+    pending token and block_size - 1 masks at the positions from it, one pass."""
+
+    def __init__(self, drafter: DFlashDrafter, prompts: list[list[int]],
+                 view: TargetView | None, config: LoopConfig):
+        if config.gamma > drafter.max_gamma:
+            raise UsageError(f"--gamma {config.gamma}: {drafter.name} drafts at most "
+                             f"{drafter.max_gamma} tokens a pass (its block of "
+                             f"{drafter.max_gamma + 1})")
+        self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
+        empty = torch.zeros(rows, 0, dtype=torch.long, device=config.device)
+        self.live, self.pos = empty, empty.clone()  # (B, S) of the context
+        self.kv = drafter.net.context(fc.new_zeros(rows, 0, fc.shape[1]), empty)  # none yet
+        super().__init__(prompts, view, config)
+
+    def states_of(self, view):
+        return self.drafter.features(view.layers, view.hidden)
+
+    def absorb(self, ids, states, live, pos):
+        kv = self.drafter.net.context(states, pos - 1)  # the states' own positions
+        self.kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                   for (k0, v0), (k, v) in zip(self.kv, kv)]
+        self.live = torch.cat([self.live, live], 1)
+        self.pos = torch.cat([self.pos, pos - 1], 1)
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        size = d.max_gamma + 1
+        ids = torch.cat([pending[:, None], torch.full((len(pending), size - 1), d.mask,
+                                                      device=pending.device)], 1)  # (B, size)
+        pos = npos[:, None] + torch.arange(size, device=npos.device)
+        allowed = torch.cat([self.live[:, None, :].bool().expand(-1, size, -1),
+                             torch.ones(len(ids), size, size, dtype=torch.bool,
+                                        device=ids.device)], -1)  # context, then both ways
+        out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
+        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.gamma],
+                                                      lambda r: f"row {r}")  # (B, G, V)
+        return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
+                                                         device=ids.device))
+
+    def keep(self, rows):
+        self.kv = [(k[rows], v[rows]) for k, v in self.kv]
+        self.live, self.pos = self.live[rows], self.pos[rows]
+        super().keep(rows)
+
+
+DFLASH_BLOCK_QUERIES = 256  # block tokens a teacher-forced DFlash forward runs: 256 / size starts
+
+
+class DFlashDrafter(Drafter):
+    """A DFlash block-diffusion draft (z-lab/dflash: from_checkpoint): per cycle one pass of
+    DFlashNet over the pending token and block_size - 1 mask tokens, from the target's states
+    at the committed positions, drafts offsets 1..block_size - 1 (gamma of them are
+    proposed; the whole block runs, as z-lab's code, SGLang and transformers run it).
+    Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
+    the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
+
+    reads_target, one_pass, drafts_trees = True, True, False
+
+    def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
+                 mask: int, name: str):
+        self.target, self.net, self.ids, self.mask, self.name = target, net, list(ids), mask, name
+        self.n_layers = len(decoder_layers(target))
+        self.layers = tuple(sorted({i + 1 for i in self.ids if i + 1 < self.n_layers}))
+        self.width, self.steps, self.max_gamma = vocab_width(target), size - 1, size - 1
+
+    def features(self, inputs: dict[int, torch.Tensor], final: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """The target's states DFlash reads, joined (B, t, F): the output of each layer of
+        target_layer_ids (the input of the next; of the last, the final states, as an
+        output_hidden_states tuple holds them)."""
+        return torch.cat([inputs[i + 1] if i + 1 < self.n_layers else final for i in self.ids],
+                         -1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block's tokens, embedded by the target (DFlash has no embedding of its own)."""
+        return self.target.get_input_embeddings()(ids).to(self.net.fc.weight)
+
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Outputs (..., H) -> q through the target's output head (DFlash borrows it)."""
+        out = self.target.get_output_embeddings()
+        return q_head(lambda h: out(h.to(out.weight)).to(h.device), sampling, vocab, propose)
+
+    @torch.no_grad()
+    def score(self, rows, spans, states, sampling, vocab, device):
+        last = self.n_layers - 1 in self.ids
+        with final_states(self.target, last) as seen, \
+                layer_inputs(self.target, self.layers) as got:
+            teacher_forced(self.target, rows, device, True)
+        feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
+                              torch.cat(seen, 1) if last else None)  # (B, T, F)
+        _, live, pos = right_pad(rows, device)
+        context, size = self.net.context(feats, pos), self.steps + 1
+        ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
+                           device=device)
+        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        outs = []  # (B, n, size - 1, H) per chunk of starts
+        per = max(1, DFLASH_BLOCK_QUERIES // size)
+        for a in range(lo, hi, per):
+            t = torch.arange(a, min(a + per, hi), device=device)  # the starts
+            start = t.repeat_interleave(size)  # (n size,)
+            at = start + torch.arange(size, device=device).repeat(len(t))
+            x = torch.where(at == start, ids[:, start], self.mask)  # (B, n size)
+            seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
+            own = (start[:, None] == start[None, :]).expand(len(rows), -1, -1)
+            out = self.net.block(self.embed(x), at.expand(len(rows), -1), context,
+                                 torch.cat([seen_ctx, own], -1))
+            outs.append(out.unflatten(1, (len(t), size))[:, :, 1:])
+        blocks = torch.cat(outs, 1)  # (B, hi - lo, size - 1, H)
+        head, scores = self.head(sampling, vocab), []
+        for k in range(self.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
+            picked = torch.cat([blocks[b, s - lo:max(e - k, s) - lo, k]
+                                for b, (s, e) in enumerate(spans)]).to(device)
+            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
+                                                    device=device), head))
+        return scores
+
+    def start(self, prompts, view, config):
+        return DFlashSession(self, prompts, view, config)
+
+    def param_cost(self, target):
+        net = sum(p.numel() for p in self.net.parameters())
+        head = target.get_output_embeddings().weight.numel()
+        return ((net + head) / params_per_token(target),
+                "parameters per token: the DFlash layers, fc and the target's output head, "
+                "against the target")
+
+    def networks(self):
+        return [self.net]
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        """A DFlash checkpoint loaded as a causal LM (a hub id): refused, in one line."""
+        config = getattr(model, "config", None)
+        if getattr(config, "dflash_config", None) is None and "DFlash" not in " ".join(
+                getattr(config, "architectures", None) or []):
+            return None
+        raise UsageError(f"{name}: a DFlash draft is read from its folder, not loaded as a "
+                         f"causal LM; download it (huggingface-cli download {name} --local-dir "
+                         f"DIR) and give --draft DIR")
+
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """A DFlash draft from its checkpoint: z-lab's (architectures DFlashDraftModel, a
+        Qwen3 config with block_size, num_target_layers and dflash_config {mask_token_id,
+        target_layer_ids}; weights layers.*, fc, hidden_norm, norm) or transformers' (model
+        type muse_glimmer_assistant: block_size, mask_token_id, target_layer_ids at the top;
+        encoder.fc, encoder.output_norm_enc). specdec builds the network itself from the
+        config and the weights: no code of the checkpoint's (its auto_map) runs. Refuses, in
+        one line, a draft that does not fit the target or that specdec cannot build."""
+        archs = " ".join(config.get("architectures") or [])
+        if not ("DFlash" in archs or "dflash_config" in config
+                or config.get("model_type") == "muse_glimmer_assistant"):
+            return None
+        keys = {**config, **(config.get("dflash_config") or {})}  # dflash_config's first
+        n_draft = int(config.get("num_hidden_layers", 1))
+        n_target = len(decoder_layers(target))
+        ids = keys.get("target_layer_ids") or (
+            [n_target // 2] if n_draft == 1 else  # z-lab's build_target_layer_ids
+            [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)])
+        cfg, w = cls.check(folder, keys, ids, target)
+        net = DFlashNet(cfg, w["fc.weight"].shape[1])
+        missing, unexpected = net.load_state_dict(w, strict=False)
+        if [k for k in missing if not k.startswith("rotary.")] or unexpected:
+            raise UsageError(f"{folder}: not a DFlash checkpoint specdec can build (missing "
+                             f"{missing[:2]}, unexpected {list(unexpected)[:2]}): its own code "
+                             f"({config.get('auto_map') or archs}) would be needed, which "
+                             f"specdec does not run")
+        return cls(target, on_target(net, target), ids, int(keys["block_size"]),
+                   int(keys["mask_token_id"]), folder)
+
+    @staticmethod
+    def check(folder: str, keys: dict[str, Any], ids: Sequence[int], target: nn.Module
+              ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """One clear line for a DFlash draft that does not fit the target or that specdec
+        cannot build; else its layers' config (a Qwen3Config) and its weights, named as
+        DFlashNet names them."""
+        tcfg = target.config.get_text_config(decoder=True)
+        n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
+        for key in ("block_size", "mask_token_id"):
+            if not isinstance(keys.get(key), int):
+                raise UsageError(f"{folder}: a DFlash config without {key}")
+        if keys["block_size"] < 2:
+            raise UsageError(f"{folder}: a DFlash block_size of {keys['block_size']} drafts "
+                             f"nothing (the block holds the pending token and the masks)")
+        rows = target.get_input_embeddings().weight.shape[0]
+        if not 0 <= keys["mask_token_id"] < rows:
+            raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
+                             f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
+                             f"block reads: a draft for another target")
+        told = keys.get("num_target_layers")
+        if not all(0 <= i < n_target for i in ids) or told not in (None, n_target):
+            raise UsageError(f"{folder}: reads target layers {list(ids)} of a target of "
+                             f"{told or 'more'} layers, but this target has {n_target}: a "
+                             f"draft for another target")
+        kinds = set(keys.get("layer_types") or ["full_attention"])
+        if keys.get("use_sliding_window"):
+            kinds.add("sliding_attention")
+        if kinds != {"full_attention"}:
+            raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
+                             f"whose attention within a block engines run with code of their "
+                             f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
+                             f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
+                             f"LLaMA-3.1 ones) and cannot run this one")
+        from transformers import Qwen3Config
+        cfg = Qwen3Config(**{k: v for k, v in keys.items() if k not in (
+            "architectures", "auto_map", "dflash_config", "model_type", "layer_types",
+            "target_layer_ids", "transformers_version", "dtype", "torch_dtype")})
+        if cfg.hidden_size != hidden:
+            raise UsageError(f"{folder}: a DFlash draft {cfg.hidden_size} wide reads the "
+                             f"embedding and head of a target {hidden} wide: a draft for "
+                             f"another target")
+        names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+        w = {}
+        for k, v in read_weights(folder).items():
+            k = k.removeprefix("model.")
+            for old, new in names.items():
+                k = new + k[len(old):] if k.startswith(old) else k
+            w[k] = v
+        if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
+            raise UsageError(f"{folder}: its fc reads "
+                             f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
+                             f"features, but {len(ids)} layers of this target give "
+                             f"{len(ids)} x {hidden}: a draft for another target")
+        return cfg, w
+
 
 # The kinds of drafter, in the order find_drafter asks them: the names first, then the
 # checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
 # causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
 # __all__.
 DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
-                                       AssistantDrafter, ModelDrafter)
+                                       DFlashDrafter, AssistantDrafter, PardDrafter,
+                                       ModelDrafter)
 
 
 def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
@@ -2975,14 +3445,18 @@ class Cost:
     notes: tuple[str, ...] = ()  # the clamps applied to measured costs (clamp_costs)
     trees: dict[Any, float] = field(default_factory=dict)  # TreeSpec -> a tree cycle's cost:
     # D drafter steps of its width in rows, then a verify of its N nodes
+    per_cycle: bool = False  # ratio is one draft pass per cycle, whatever it proposes (a
+    # drafter whose one pass drafts the block: PARD, DFlash), not one per drafted token
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
         """proposed[k] = the share (or count) of cycles that proposed k tokens, k = 0..gamma;
         None = every cycle proposed gamma."""
         if proposed is None:
-            return est_speedup(tokens_per_cycle, gamma, self.ratio, self.verify[gamma])
-        costs = [1.0] + [k * self.ratio + self.verify[k] for k in range(1, gamma + 1)]
+            return est_speedup(tokens_per_cycle, 1 if self.per_cycle else gamma, self.ratio,
+                               self.verify[gamma])
+        costs = [1.0] + [(1 if self.per_cycle else k) * self.ratio + self.verify[k]
+                         for k in range(1, gamma + 1)]
         return tokens_per_cycle * sum(proposed) / sum(w * c for w, c in zip(proposed, costs))
 
 
@@ -3025,17 +3499,19 @@ class Run(NamedTuple):
 
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device,
-               rows: int = 1) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
+               gamma: int = 1, rows: int = 1
+               ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
     """(run, setup) for timing one drafting step after `ids`, in `rows` rows at once (a tree's
     step drafts its width of branches): setup opens a fresh session (the target's prefill, the
     drafter's start) and makes the target pass that verifies ids[-1]; run follows that pass as
     a cycle's advance does (committing ids[-1] again, one token, which drafters with a cache of
-    their own run through it) and proposes one token."""
-    config = LoopConfig(SamplingParams(1.0), 1, 1, shared_vocab(target, drafter), frozenset(),
-                        device)
+    their own run through it) and proposes gamma tokens (one: a step; a drafter whose one pass
+    drafts the block is timed proposing its largest)."""
+    config = LoopConfig(SamplingParams(1.0), gamma, gamma, shared_vocab(target, drafter),
+                        frozenset(), device)
     n = len(ids)
     last = torch.tensor([ids[-1]] * rows, device=device)
-    u = torch.full((rows, 1), 0.5, device=device)
+    u = torch.full((rows, gamma), 0.5, device=device)
 
     def setup() -> tuple[Session, TargetView | None]:
         with final_states(target, drafter.reads_target) as seen, \
@@ -3065,7 +3541,8 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
                   gammas: Sequence[int], device: torch.device, widths: Sequence[int] = (1,)
                   ) -> dict[str, Any]:
     """Time one cached decode step of the target, a (gamma+1)-token verify pass of it, and one
-    drafting step: the drafter's own advance by one committed token and propose of one token,
+    drafting step: the drafter's own advance by one committed token and propose of one token
+    (of a drafter whose one pass drafts the block: the pass that drafts the largest block),
     after the target and the drafter have read `ids` (so MTP layers, EAGLE-3, assistants and
     n-gram lookups are timed doing what they do in the loop, and nothing that runs a network
     comes out free).
@@ -3088,8 +3565,13 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
         return lambda _: extend(target, slots, x, pos), drop_new_slots
 
     timed = {"step": verify(1), **{g: verify(g + 1) for g in gammas}}
-    for w in [] if drafter is None else widths:
-        timed["draft", w] = draft_step(target, as_drafter("draft", drafter), ids, device, w)
+    drafted = 1  # tokens the timed drafting proposes
+    if drafter is not None:
+        drafter = as_drafter("draft", drafter)  # one pass drafts a block: time the largest
+        if drafter.one_pass:
+            drafted = min(max(gammas), drafter.max_gamma or max(gammas))
+        for w in widths:
+            timed["draft", w] = draft_step(target, drafter, ids, device, drafted, w)
     times: dict[Any, list[float]] = {k: [] for k in timed}
     for i in range(TIMING_REPEATS + 2):
         for key, (run, setup) in timed.items():
@@ -3103,7 +3585,8 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     step_p, step_q = med["step"], med.get(("draft", 1), 0.0)
     out = {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-           "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device)}
+           "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device),
+           "draft_tokens": drafted}
     if tuple(widths) != (1,):  # (the tree's steps, only when asked)
         out["width_ratio"] = {w: med.get(("draft", w), 0.0) / step_p for w in widths}
     return out
@@ -3138,6 +3621,7 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
     gammas, how, specs = settings.gammas, settings.cost_ratio, settings.trees
+    once = drafter.one_pass
     if how == "measure":
         nodes = sorted(set(gammas) | {spec.nodes - 1 for spec in specs})
         with step(f"timing the models ({drafter.name})"):
@@ -3147,16 +3631,18 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
         # a tree: D steps of its width in rows (never cheaper than one row), a verify of N
         trees = {spec: spec.depth * max(ratio, m.get("width_ratio", {}).get(spec.width, 0.0))
                  + verify[spec.nodes - 1] for spec in specs}
+        drafted = f"draft pass of {m['draft_tokens']}" if once else "draft step"
         return Cost(ratio, {g: verify[g] for g in gammas},
-                    f"measured on {m['device']}: draft step {m['draft_step_s'] * 1e3:.2f} ms, "
+                    f"measured on {m['device']}: {drafted} {m['draft_step_s'] * 1e3:.2f} ms, "
                     f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
                     f"{settings.gamma + 1} tokens {verify[settings.gamma]:.2f} target steps", m,
-                    tuple(notes), trees)
+                    tuple(notes), trees, per_cycle=once)
     ones = {g: 1.0 for g in gammas}
     ratio, source = drafter.param_cost(target) if how in (None, "auto") else (float(how),
                                                                              "given")
     # a tree's D steps of K rows cost D steps (memory-bound), its verify of N nodes one
-    return Cost(ratio, ones, source, trees={spec: spec.depth * ratio + 1.0 for spec in specs})
+    return Cost(ratio, ones, source, trees={spec: spec.depth * ratio + 1.0 for spec in specs},
+                per_cycle=once)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3203,6 +3689,8 @@ class RunInfo:
     # (config, weights files), dtype, device kind, sampling (the whole temperature sweep),
     # settings, prompts (see run_key_parts)
     notes: list[str] = field(default_factory=list)
+    one_draft_pass: bool = False  # the drafter drafts its block in one pass (PARD, DFlash):
+    # cost_ratio is one pass per cycle, whatever gamma is
 
 
 @dataclass
@@ -3837,12 +4325,23 @@ def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
             f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
 
 
+def _offset_lines(t: TeacherForced, run: RunInfo) -> list[str]:
+    """A one-pass drafter's teacher-forced alpha by draft offset: its primary figure."""
+    if not run.one_draft_pass or t.alpha_by_head is None:
+        return []
+    return ["    alpha by draft offset 1.." + f"{len(t.alpha_by_head):<3}"
+            + "".join(f"{a:>6.3f}" for a in t.alpha_by_head),
+            "      (offset j of one draft pass, exact at every position; alpha above pools "
+            "them as a cycle examines them)"]
+
+
 def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str]:
     std = "" if t.alpha_std is None else f"   ± {t.alpha_std:.3f} (per-seq)"
     est = "positional" if t.estimator == "positional" else "i.i.d. closed form"
     return [
         f"  teacher-forced (distributional), on {SCORED_ON[t.scored_on]}",
         f"    acceptance rate  alpha        {_num(t.alpha, '.3f')}{std}{_ci(t.alpha_ci)}",
+        *_offset_lines(t, run),
         f"    scored positions              {t.scored_positions:,} over {t.n_sequences} sequences",
         *([] if t.proposal_rate in (None, 1) else [
             f"    proposals made at             {t.proposal_rate:.1%} of the positions "
@@ -3857,7 +4356,7 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
         *([] if t.draft_vocab_coverage is None else [
             f"    draft vocabulary covers       {t.draft_vocab_coverage:.3f} of p's mass "
             f"(the rest can never be accepted)"]),
-        *([] if t.alpha_by_head is None else [
+        *([] if t.alpha_by_head is None or run.one_draft_pass else [
             "    alpha by step                 "
             + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
             + "   (step k against the target's token k ahead; alpha above pools them as "
@@ -3901,7 +4400,8 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
 
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
     table, best = r.gamma_table, r.teacher_forced.best_gamma
-    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f} "
+    once = " a cycle (one draft pass drafts any gamma)" if r.run.one_draft_pass else ""
+    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f}{once} "
                    f"(* = highest est. speedup, teacher-forced)",
              "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
              "    tokens/cycle     " + "".join(f"{row.tokens_per_cycle:>7.2f}" for row in table),
@@ -3986,9 +4486,11 @@ def format_report(r: AcceptanceReport) -> str:
     verify = "1" if run.verify_cost == 1 else f"{run.verify_cost:.2f}"
     some = "" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
                                                   "does not)"
-    lines.append(f"  note: est. speedup = tokens per cycle / (gamma x cost_ratio + {verify})"
-                 f"{some}, cost_ratio from {run.cost_ratio_source}: an indication, not a "
-                 f"benchmark")
+    drafts = "cost_ratio" if run.one_draft_pass else "gamma x cost_ratio"
+    once = "; one draft pass a cycle, whatever gamma" if run.one_draft_pass else ""
+    lines.append(f"  note: est. speedup = tokens per cycle / ({drafts} + {verify})"
+                 f"{some}{once}, cost_ratio from {run.cost_ratio_source}: an indication, not "
+                 f"a benchmark")
     return "\n".join(lines)
 
 
@@ -4218,8 +4720,15 @@ class Measurement:
                              "--continuation-tokens >= 2")
         flat = next((d.name for d in drafters if s.trees and not d.drafts_trees), None)
         if flat is not None:
-            raise UsageError(f"--tree: {flat} proposes one chain, not a distribution to draft "
-                             f"a tree from; measure it without --tree")
+            raise UsageError(f"--tree: {flat} drafts no tree (an n-gram lookup proposes one "
+                             f"chain; PARD and DFlash draft their block in one pass, served as a "
+                             f"chain); measure it without --tree")
+        for d in drafters:
+            if d.max_gamma is not None and s.gamma > d.max_gamma:
+                raise UsageError(f"--gamma {s.gamma}: {d.name} drafts at most {d.max_gamma} "
+                                 f"tokens a pass (its block of {d.max_gamma + 1}: the pending "
+                                 f"token and {d.max_gamma} masks); use --gamma {d.max_gamma} "
+                                 f"or less")
         return [d.for_run(self.eos, s.gammas) for d in drafters]
 
     def batches(self) -> list[list[int]]:
@@ -4373,7 +4882,8 @@ class Measurement:
                       proposal=sampling.proposal, drafted_by=drafter.drafted_by(s.gamma),
                       vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
                       costs=cost.timings, per_prompt=[r.row() for r in results_
-                                                      if r.positions or r.sim is not None])
+                                                      if r.positions or r.sim is not None],
+                      one_draft_pass=cost.per_cycle)
         tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal, drafter.steps)
         if tf is None and not interrupted:  # (no position at all to look at)
             raise UsageError("nothing to score: no scored position in any sequence; use "
@@ -5864,6 +6374,15 @@ def _drafters_options(ap: Any) -> None:
                     "model's MTP layer (default: L, each layer once)")
 
 
+def _parallel_options(ap: Any) -> None:
+    ap.add_argument("--pard-mask", default=None, metavar="TOKEN|ID",
+                    help="run each draft model (--draft MODEL, --draft-layers N) in PARD mode: "
+                    "per cycle one forward over the context and gamma - 1 copies of this mask "
+                    "token (an id, or a token of the target's tokenizer) drafts the whole "
+                    "block. A PARD checkpoint (config pard_token) and a DFlash folder need no "
+                    "flag; a model never trained for it gives an honest lower bound")
+
+
 def _measurement_options(ap: Any) -> None:
     ap.add_argument("--simulate", action="store_true",
                     help="also run the real speculative-sampling loop (the simulated route); "
@@ -5967,6 +6486,8 @@ def build_parser() -> argparse.ArgumentParser:
     _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
     _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
     _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
+    _parallel_options(ap.add_argument_group("parallel drafters", "PARD and DFlash: a whole "
+                                            "block from one draft pass"))
     _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
     _trees_options(ap.add_argument_group("trees", "trees of drafts, engine settings"))
     _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
@@ -6180,6 +6701,21 @@ def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Lau
     return torch.device("cuda", gpus[0]), {**placement, "max_memory": cut}
 
 
+def _pard_mode(mask: str, tok: Any, found: dict[str, Drafter]) -> dict[str, Drafter]:
+    """--pard-mask: each draft model of the run as a PARD draft with that mask token (an id,
+    or a token of the tokenizer's vocabulary); the other drafters as they are."""
+    token = int(mask) if mask.isdigit() else (tok.get_vocab() if tok is not None else {}).get(
+        mask)
+    if token is None:
+        raise UsageError(f"--pard-mask {mask!r}: no such token in the tokenizer's vocabulary; "
+                         f"give one it has (one of its special tokens) or an id")
+    if not any(isinstance(d, (ModelDrafter, PardDrafter)) for d in found.values()):
+        raise UsageError("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
+                         "--draft-layers N, or drop --pard-mask")
+    return {n: PardDrafter(f"{d.name} [PARD, mask {token}]", d.model, token)
+            if isinstance(d, (ModelDrafter, PardDrafter)) else d for n, d in found.items()}
+
+
 def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
                ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
     """Load the target, then each --draft as the kinds of DRAFTERS recognise it (a model
@@ -6207,6 +6743,8 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
     for n in layers:
         name = f"{base} [first {n} layers]"
         found[name] = ModelDrafter(name, early_exit_draft(loaded[base][0], n))
+    if args.pard_mask is not None:
+        found = _pard_mode(args.pard_mask, tok, found)
     return target, tok, list(found.values()), device
 
 

@@ -27,7 +27,8 @@ Sections, in specdec.py's order (stand-ins and oracles first, the real model las
   19. loading models and data
   20. many processes
   21. command line
-  22. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
+  22. drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
+  23. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 """
 import os
 
@@ -1018,7 +1019,8 @@ REPORT_JSON = (
     '0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2,"examined":4,"cycles":2'
     ',"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0],"proposed":[0,0,2],"g'
     'enerated":4}],"notes":["cost ratio from parameter counts: a rough guide; memory-bound serv'
-    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],"alpha"'
+    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],'
+    '"one_draft_pass":false,"alpha"'  # (issue 28: a key added)
     ':0.20843751852711043,"alpha_std":0.028615811774595375,"alpha_stderr":0.02023443455497424,"'
     'alpha_ci":[0.18820308397213617,0.22867195308208466],"scored_positions":6,"n_sequences":2,"'
     'alpha_by_head":null,"alpha_by_rule":{"sample":0.20843751852711043,"argmax":0.0035700780184'
@@ -6190,6 +6192,496 @@ def test_pip_install_gives_a_specdec_command(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
+
+
+PARD_MASK = V - 1  # the stand-ins' mask token: '-', in no prompt below
+
+
+def pard_draft(model, mask=PARD_MASK):
+    """PARD as its paper and AMD-AGI/PARD's pard_infer run it, as draft(prefix, drafted):
+    the whole context, then one mask token per draft already made, through the model with no
+    cache; the last position's logits. The drafts themselves are never read."""
+    return lambda prefix, drafted: last_logits(model, list(prefix) + [mask] * len(drafted))
+
+
+def rope_rows(x, positions, theta):
+    """Rotary embedding, written out: x (T, heads, d) at positions (T,)."""
+    d = x.shape[-1]
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs],
+                                                                        -1).sin().float()
+    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos[:, None] + half * sin[:, None]
+
+
+def dflash_layer(w, i, x, ctx, ctx_pos, pos, heads, kv_heads, dim, theta):
+    """DFlash's layer i, plain (z-lab's Qwen3DFlashDecoderLayer written from tensors): the
+    block x (n, H) at positions pos attends the context ctx (S, H) at ctx_pos and itself, both
+    ways, no mask; keys and values of both through the layer's own projections."""
+    p = f"layers.{i}."
+    h = rms(x, w[p + "input_layernorm.weight"])
+    both = torch.cat([ctx, h])  # (S + n, H)
+    q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(len(h), heads, dim),
+            w[p + "self_attn.q_norm.weight"])
+    k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(len(both), kv_heads, dim),
+            w[p + "self_attn.k_norm.weight"])
+    v = (both @ w[p + "self_attn.v_proj.weight"].T).view(len(both), kv_heads, dim)
+    q, k = rope_rows(q, pos, theta), rope_rows(k, torch.cat([ctx_pos, pos]), theta)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+    attn = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(len(h), heads * dim)
+    r = x + attn @ w[p + "self_attn.o_proj.weight"].T
+    y = rms(r, w[p + "post_attention_layernorm.weight"])
+    return r + (nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
+                * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+
+
+@torch.no_grad()
+def dflash_draft(target, w, c):
+    """DFlash as z-lab's dflash_generate runs it, as draft(prefix, drafted), no cache: the
+    target over the prefix but its last token (the pending one), its states at c["ids"]
+    (hidden_states[i + 1]) through fc and hidden_norm are the context; the block [pending,
+    mask x (size - 1)] at the positions from the pending one's, through every layer, norm,
+    the target's head; offset len(drafted) + 1 is the block's entry len(drafted) + 1."""
+    embed, blocks = target.get_input_embeddings().weight, {}
+
+    def logits(prefix, drafted):
+        if tuple(prefix) not in blocks:  # one block per cycle (its offsets asked in turn)
+            blocks[tuple(prefix)] = block(prefix)
+        return blocks[tuple(prefix)][len(drafted) + 1]
+
+    def block(prefix):
+        n = len(prefix) - 1
+        hs = target.model(input_ids=torch.tensor([prefix[:-1]]),
+                          output_hidden_states=True).hidden_states
+        ctx = rms(torch.cat([hs[i + 1][0] for i in c["ids"]], -1) @ w["fc.weight"].T,
+                  w["hidden_norm.weight"])
+        x = embed[torch.tensor([prefix[-1]] + [c["mask"]] * (c["size"] - 1))]
+        for i in range(c["layers"]):
+            x = dflash_layer(w, i, x, ctx, torch.arange(n), n + torch.arange(c["size"]),
+                             c["heads"], c["kv_heads"], c["dim"], c["theta"])
+        return target.lm_head(rms(x, w["norm.weight"]))
+    return logits
+
+
+DFLASH = dict(ids=[0, 2], size=4, mask=PARD_MASK, layers=2, heads=4, kv_heads=2, dim=8,
+              theta=10000.0)  # a 4-layer target's draft: the smallest, two drafted layers
+
+
+def dflash_tensors(c, seed=0):
+    """DFlash weights from a seeded generator, named as z-lab's checkpoints name them."""
+    g = torch.Generator().manual_seed(seed)
+    h, q, kv = 32, c["heads"] * c["dim"], c["kv_heads"] * c["dim"]
+
+    def r(*shape):
+        return 0.3 * torch.randn(*shape, generator=g)
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+    w = {"fc.weight": r(h, len(c["ids"]) * h), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h)}
+    for i in range(c["layers"]):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+                  p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+                  p + "self_attn.q_norm.weight": norm(c["dim"]),
+                  p + "self_attn.k_norm.weight": norm(c["dim"]),
+                  p + "mlp.gate_proj.weight": r(64, h), p + "mlp.up_proj.weight": r(64, h),
+                  p + "mlp.down_proj.weight": r(h, 64), p + "input_layernorm.weight": norm(h),
+                  p + "post_attention_layernorm.weight": norm(h)})
+    return w
+
+
+def save_dflash(folder, fmt, w, c, **config):
+    """A DFlash checkpoint as its makers publish it: "zlab" (z-lab's: a Qwen3 config,
+    architectures DFlashDraftModel, auto_map to their code, dflash_config {mask_token_id,
+    target_layer_ids}, num_target_layers; weights fc, hidden_norm, layers.*, norm) or
+    "transformers" (transformers' own MuseGlimmerAssistantModel, save_pretrained: the keys at
+    the top, encoder.fc and encoder.output_norm_enc) -> that model ("transformers"), or None."""
+    from safetensors.torch import save_file
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=c["layers"],
+                  num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                  head_dim=c["dim"], rms_norm_eps=1e-6, max_position_embeddings=256,
+                  block_size=c["size"], **config)
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "zlab":
+        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3",
+                   auto_map={"AutoModel": "dflash.DFlashDraftModel"}, vocab_size=V,
+                   rope_theta=c["theta"], rope_scaling=None, attention_bias=False,
+                   num_target_layers=4, layer_types=["full_attention"] * c["layers"],
+                   dflash_config={"mask_token_id": c["mask"], "target_layer_ids": c["ids"]})
+        cfg.update(common)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        save_file({k: v.contiguous() for k, v in w.items()},
+                  os.path.join(folder, "model.safetensors"))
+        return None
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    model = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(
+        mask_token_id=c["mask"], target_layer_ids=c["ids"],
+        layer_types=["full_attention"] * c["layers"], bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": c["theta"]},
+        **common)).eval()
+    renamed = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
+               k.replace("hidden_norm.", "encoder.output_norm_enc.", 1)
+               if k.startswith("hidden_norm.") else k: v for k, v in w.items()}
+    model.load_state_dict(renamed)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def biased4():
+    """A 4-layer Llama stand-in whose head favours three tokens: its greedy choice is among
+    them, but which one depends on the text, so a draft through the same head is accepted
+    often enough that (drafted, accepted) counts say something."""
+    return with_head_bias(make_llama(3, layers=4), {5: 3.0, 9: 3.0, 13: 3.0})
+
+
+@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
+def test_pard_simulation_is_the_no_cache_loop_with_mask_tokens(key, gamma, biased4, tok_plain):
+    """The batched, cached PARD session (the accepted drafts, the pending token and gamma - 1
+    masks in one forward, the masks' slots dropped after) against the paper's loop
+    (reference_loop) driving pard_draft, which runs the whole context plus its masks every
+    cycle with no cache: the same tokens and cycles, prompt by prompt, at T = 0 and T > 0 (one
+    random stream each). The draft is the target's first layer, so blocks are accepted in part
+    and in whole."""
+    draft = sd.early_exit_draft(biased4, 1)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS[:2], tok_plain)
+    want = reference_loop(biased4, pard_draft(draft), seqs, SAMPLINGS[key], gamma, 12, seed=3)
+    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, SAMPLINGS[key],
+                   gamma, 12, seed=3, batch_size=4)
+    for i, row in enumerate(want):
+        assert counts(got[i]) == row, i
+    assert sum(row["accepted"] for row in want) >= 10
+
+
+@pytest.mark.parametrize("key", ["t1", "greedy"])
+def test_pard_teacher_forced_alpha_by_offset_is_the_papers_block(key, biased4, tok_plain):
+    """Per offset j, teacher-forced alpha from one pass of masks over the continuation equals
+    pard_draft (no cache: the context up to t, then j - 1 masks) against the target at t + j - 1,
+    and the report chains them into tokens per cycle (the product of the offsets' alphas) and
+    prints them as its primary figure. gamma 1 (no mask at all, the smallest configuration)
+    is the draft model itself: the simulation equals reference_loop with the plain model."""
+    draft, s = sd.early_exit_draft(biased4, 1), SAMPLINGS[key]
+    seqs = sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
+    r = sd.measure_acceptance(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs,
+                              sampling=s, device=CPU, gamma=3, continuation_tokens=9, seed=2,
+                              batch_size=2)
+    want = head_step_alphas(biased4, pard_draft(draft), seqs, s, 9, 2, 8)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    a = r.alpha_by_head
+    assert r.tokens_per_cycle == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
+    text = sd.format_report(r)
+    assert "alpha by draft offset 1..8" in text and "alpha by step" not in text
+    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, s, 1, 10, seed=4)
+    for i, row in enumerate(reference_loop(biased4, draft, seqs, s, 1, 10, seed=4)):
+        assert counts(got[i]) == row, i
+
+
+def position_gpt2(seed: int = 5):
+    """A GPT-2 whose every position predicts a known token whatever the text: token
+    embeddings and the blocks' outputs zeroed, so its state at position m is its position
+    embedding alone, and the head maps it to a law of its own (sharp enough that the greedy
+    choice changes with m). As its own PARD draft, mask j after a context ending at t sits at
+    t + j and predicts exactly what the target predicts there, at any temperature."""
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                   bos_token_id=None, eos_token_id=None, initializer_range=0.3,
+                                   tie_word_embeddings=False))
+    with torch.no_grad():
+        m.transformer.wte.weight.zero_()
+        for block in m.transformer.h:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+        m.lm_head.weight.mul_(3.0)
+    return m.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_pard_draft_whose_masks_reproduce_the_target_accepts_everything(temperature,
+                                                                          tok_plain):
+    """alpha = 1 at every offset in both routes, tokens per cycle = gamma + 1, for a draft
+    whose mask positions reproduce the target (position_gpt2 as its own PARD draft), and no
+    gamma of the table claims more than gamma + 1 tokens a cycle. Planted: masks placed one
+    position further (t + j + 1) give alpha 0.05-0.15 at offsets 2.. here (simulated 0.5)."""
+    target = position_gpt2()
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, sd.PardDrafter("pard", target, PARD_MASK), seqs,
+                              sampling=sd.SamplingParams(temperature), device=CPU, gamma=4,
+                              continuation_tokens=12, seed=1, simulate=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * 8, abs=1e-6)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.alpha_by_draft_offset == [1.0] * 4
+    assert all(row.tokens_per_cycle <= row.gamma + 1 + 1e-9 for row in r.gamma_table)
+    assert r.gamma_table[3].tokens_per_cycle == pytest.approx(5.0)
+
+
+def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tmp_path,
+                                                                      model_dirs, data_txt):
+    """A causal LM whose config names pard_token is recognised by --draft PATH; the same
+    model given with --pard-mask gives the same numbers. The cost is one draft pass a cycle:
+    the speedup divides by cost_ratio + 1 at every gamma. A mask token outside the
+    vocabulary (an id, a token the tokenizer lacks, a checkpoint's), or the flag without a
+    draft model, is one line and exit 2."""
+    pard = tmp_path / "pard"
+    base = sd.load_model_and_tokenizer(model_dirs["draft"], "cpu", progress=False)
+    base[0].config.pard_token = PARD_MASK
+    base[0].save_pretrained(pard)
+    base[1].save_pretrained(pard)
+    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet", "--gamma", "3",
+              "--continuation-tokens", "8", "--simulate"]
+    got = {}
+    for name, argv in (("checkpoint", ["--draft", str(pard)]),
+                       ("flag", ["--draft", model_dirs["draft"], "--pard-mask", str(PARD_MASK)])):
+        rc, text, err = run_cli(capsys, common + argv + ["--json", str(tmp_path / "r.json")])
+        assert rc == 0, err
+        got[name] = json.loads((tmp_path / "r.json").read_text())
+        assert "alpha by draft offset" in text and "one draft pass" in text
+    rc, _, err = run_cli(capsys, common + ["--draft-layers", "1", "--pard-mask", str(PARD_MASK),
+                                           "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["draft"].endswith(
+        f"[first 1 layers] [PARD, mask {PARD_MASK}]"), err
+    one, two = got["checkpoint"], got["flag"]
+    assert two["draft"].endswith(f"[PARD, mask {PARD_MASK}]") and one["one_draft_pass"]
+    assert one["alpha_by_head"] == two["alpha_by_head"] and len(one["alpha_by_head"]) == 8
+    assert one["accepted_tokens"] == two["accepted_tokens"]
+    for row in one["gamma_table"]:
+        assert row["est_speedup"] == pytest.approx(row["tokens_per_cycle"]
+                                                   / (one["cost_ratio"] + 1), rel=1e-9)
+    two_modes = make_llama(1)  # a PARD-2 draft: measured in its target-independent mode
+    two_modes.config.pard_token, two_modes.config.pard2_target_layers = PARD_MASK, [1, 2]
+    assert sd.PardDrafter.from_model("p2", two_modes, two_modes).name == \
+        "p2 [PARD-2, target-independent mode]"
+    cfg = json.loads((pard / "config.json").read_text())
+    cfg["pard_token"] = 99
+    (pard / "config.json").write_text(json.dumps(cfg))
+    for argv, word in ((["--draft", str(pard)], "not in the draft's vocabulary"),
+                       (["--draft", model_dirs["draft"], "--pard-mask", "99"], "ids 0..47"),
+                       (["--draft", model_dirs["draft"], "--pard-mask", "<mask>"], "no such token"),
+                       (["--draft", "ngram", "--pard-mask", "1"], "runs a draft model")):
+        rc, _, err = run_cli(capsys, common + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
+
+
+def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_plain,
+                                                                dflash_folders, monkeypatch):
+    """--cost-ratio measure times one draft pass that drafts the largest block of the run
+    (PARD: 8 tokens from one forward), and every gamma's speedup divides by cost_ratio +
+    its verify: proposing more costs nothing at the draft; auto counts one pass of the
+    draft's parameters."""
+    timed, real = [], sd.PardSession.propose
+
+    def counted(self, pending, npos, u):
+        timed.append(self.config.gamma)
+        return real(self, pending, npos, u)
+    monkeypatch.setattr(sd.PardSession, "propose", counted)
+    seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
+    for drafter in (sd.PardDrafter("pard", sd.early_exit_draft(biased4, 1), PARD_MASK),
+                    sd.head_drafter(dflash_folders[1]["zlab"], biased4)):
+        r = sd.measure_acceptance(biased4, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                  gamma=2, continuation_tokens=4, cost_ratio="measure")
+        drafted = min(8, drafter.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
+        assert r.one_draft_pass and r.costs["draft_step_s"] > 0
+        assert r.costs["draft_tokens"] == drafted
+        assert f"draft pass of {drafted}" in r.cost_ratio_source
+        raw = r.costs["verify_cost"]
+        for row in r.gamma_table:
+            k = min(row.gamma, drafted)  # a block of 4 proposes 3 at a larger gamma
+            verify = max([1.0] + [raw[g] for g in range(1, k + 1)])
+            assert row.est_speedup == pytest.approx(row.tokens_per_cycle
+                                                    / (r.cost_ratio + verify), rel=1e-9)
+        auto = sd.cost_model(biased4, drafter, sd.Settings(), seqs, CPU)
+        assert auto.per_cycle and auto.ratio == drafter.param_cost(biased4)[0] > 0
+    assert timed == [8] * 9  # two warm-up rounds and seven timed, each one pass of 8
+
+
+@pytest.fixture(scope="session")
+def dflash_folders(tmp_path_factory):
+    """One set of DFlash tensors saved in both published layouts -> (tensors, folders, the
+    transformers model)."""
+    root = tmp_path_factory.mktemp("dflash")
+    w = dflash_tensors(DFLASH, seed=1)
+    save_dflash(root / "zlab", "zlab", w, DFLASH)
+    model = save_dflash(root / "transformers", "transformers", w, DFLASH)
+    return w, {f: str(root / f) for f in ("zlab", "transformers")}, model
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1"])
+def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_plain,
+                                                             dflash_folders):
+    """z-lab's layout and transformers' load as the same draft; per offset, teacher-forced
+    alpha equals dflash_draft (no cache: the target over the whole prefix, then the block),
+    and the simulation equals reference_loop driving it, prompt by prompt, at T = 0 and T = 1.
+    The whole block (block_size - 1 drafts) runs whatever gamma is."""
+    w, folders, _ = dflash_folders
+    s, seqs = SAMPLINGS[key], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    plain = dflash_draft(biased4, w, DFLASH)
+    want = head_step_alphas(biased4, plain, seqs, s, 7, 2, 3)
+    reports = []
+    for fmt, folder in folders.items():
+        d = sd.head_drafter(folder, biased4)
+        assert isinstance(d, sd.DFlashDrafter) and d.max_gamma == 3 and d.layers == (1, 3), fmt
+        reports.append(sd.measure_acceptance(biased4, d, seqs, sampling=s, device=CPU, gamma=2,
+                                             continuation_tokens=7, seed=2, batch_size=3))
+        assert reports[-1].alpha_by_head == pytest.approx([sum(a) / len(a) for a in want],
+                                                          abs=1e-5), fmt
+    assert [{k: v for k, v in numbers(r).items() if "run_key" not in k} for r in reports] == [
+        {k: v for k, v in numbers(reports[0]).items() if "run_key" not in k}] * 2
+    got = simulate(biased4, sd.head_drafter(folders["zlab"], biased4), seqs, s, 2, 12, seed=3,
+                   batch_size=3)
+    ref = reference_loop(biased4, plain, seqs, s, 2, 12, seed=3)
+    for i, row in enumerate(ref):
+        assert counts(got[i]) == row, i
+    assert sum(row["accepted"] for row in ref) >= 5
+
+
+@pytest.mark.parametrize("ids,size", [([1, 3], 4), ([2], 2)])
+def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4, tok_plain,
+                                                             tmp_path):
+    """A draft that reads the target's last layer (its output: the final, normed states, as
+    output_hidden_states holds them) and the smallest block (block_size 2: one draft a pass,
+    one layer read): per-offset teacher-forced alpha and the simulation equal dflash_draft
+    through reference_loop (T = 1)."""
+    c = dict(DFLASH, ids=ids, size=size, layers=len(ids))
+    w = dflash_tensors(c, seed=4)
+    save_dflash(tmp_path, "zlab", w, c)
+    drafter = sd.head_drafter(str(tmp_path), biased4)
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
+    plain = dflash_draft(biased4, w, c)
+    r = sd.measure_acceptance(biased4, drafter, seqs, sampling=s, device=CPU, gamma=size - 1,
+                              continuation_tokens=6, seed=2)
+    want = head_step_alphas(biased4, plain, seqs, s, 6, 2, size - 1)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    got = simulate(biased4, drafter, seqs, s, size - 1, 10, seed=3)
+    for i, row in enumerate(reference_loop(biased4, plain, seqs, s, size - 1, 10, seed=3)):
+        assert counts(got[i]) == row, i
+
+
+def test_dflash_greedy_simulation_is_transformers_dflash(biased4, tok_plain, dflash_folders,
+                                                         monkeypatch):
+    """The oracle is transformers' own DFlash generation (speculation_type "dflash", its
+    MuseGlimmerAssistantModel over the same tensors), which, like the engines and specdec,
+    takes the first token from the target's prefill: the same tokens and, cycle by cycle, the
+    same (drafted, accepted) counts (but the last, which transformers cuts at the budget)."""
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+    _, folders, model = dflash_folders
+    drafter = sd.head_drafter(folders["transformers"], biased4)
+    accepted = 0
+    for out, theirs, row, ours in transformers_from_the_prefill(
+            monkeypatch, DFlashTokenCandidateGenerator, biased4, drafter,
+            EAGLE_PROMPTS, tok_plain, 3, budget=24, assistant_model=model,
+            speculation_type="dflash", pad_token_id=V):
+        assert row.tokens == out
+        assert ours[:len(theirs) - 1] == theirs[:-1]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 10
+
+
+def copy_pair(scale: float = 100.0):
+    """A target that writes its last token again (its layers' outputs zeroed, its head its
+    own embedding rows of one length, times `scale`: sharp enough that T = 0.8 samples it too)
+    and a one-layer DFlash draft, made by hand, whose masks copy the block's first token: only
+    real tokens have keys (embedding dimension 0), only masks queries (dimension 1), in a RoPE
+    pair that barely turns (rope_theta 1e16), so each mask attends the block's first token
+    alone, and reads its embedding through v and o_proj. -> (target, tensors, config)."""
+    target = make_llama(6, layers=4)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = torch.randn(V, 32, generator=g)
+        e[:, 0], e[:, 1] = 0.5, 0.0
+        e[PARD_MASK] = 0.0
+        e[PARD_MASK, 1] = 1.0
+        e = e / e.norm(dim=-1, keepdim=True)
+        target.model.embed_tokens.weight.copy_(e)
+        target.lm_head.weight.copy_(scale * e)
+    c = dict(DFLASH, layers=1, kv_heads=4, theta=1e16)
+    pair = torch.zeros(32)
+    pair[[3, 7, 11, 15, 19, 23, 27, 31]] = 1.0  # each head's slowest RoPE pair (dims 3, 7)
+    w = {k: torch.zeros_like(v) for k, v in dflash_tensors(c).items()}
+    w.update({k: torch.ones_like(v) for k, v in w.items() if "norm" in k})
+    p = "layers.0.self_attn."
+    w[p + "q_proj.weight"][:, 1] = pair  # masks ask...
+    w[p + "k_proj.weight"][:, 0] = pair  # ...real tokens answer (a mask's key is zero)
+    w[p + "q_norm.weight"].fill_(10.0)
+    w[p + "k_norm.weight"].fill_(10.0)
+    w[p + "v_proj.weight"] = torch.eye(32)
+    w[p + "o_proj.weight"] = 10.0 * torch.eye(32)
+    return target.eval(), w, c
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_dflash_draft_that_reproduces_the_target_accepts_everything(temperature, tok_plain,
+                                                                      tmp_path):
+    """alpha = 1 at every offset in both routes for a DFlash draft whose masks reproduce the
+    target (copy_pair); tokens per cycle = gamma + 1, and no row of the best-gamma table claims
+    more than min(gamma, block_size - 1) + 1 (a block of 4 drafts 3). Planted: a real token
+    (id 7) in the block in place of the mask token gives alpha 0.08 at every offset."""
+    target, w, c = copy_pair()
+    save_dflash(tmp_path, "zlab", w, c)
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
+                              device=CPU, gamma=3, continuation_tokens=10, seed=1,
+                              simulate=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.alpha_by_draft_offset == [1.0] * 3 and r.tokens_per_cycle == pytest.approx(4.0)
+    assert all(row.tokens_per_cycle <= min(row.gamma, 3) + 1 + 1e-9 for row in r.gamma_table)
+    assert r.one_draft_pass and "a cycle (one draft pass drafts any gamma)" in sd.format_report(r)
+
+
+def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, capsys,
+                                                         model_dirs, data_txt, tok_plain):
+    """Target layers that do not exist (or a target of another depth), a mask token outside
+    the target's vocabulary, sliding-window layers (which engines run with code of their own),
+    a block too small for gamma, weights specdec cannot build: each one line (exit 2 on the
+    command line); the checkpoint's own code never runs."""
+    w = dflash_tensors(DFLASH)
+    cases = {"layers": (dict(DFLASH, ids=[0, 9]), {}, "target layers [0, 9]"),
+             "depth": (DFLASH, {"num_target_layers": 36}, "a target of 36 layers"),
+             "mask": (dict(DFLASH, mask=300), {}, "not in the target's vocabulary"),
+             "sliding": (DFLASH, {"use_sliding_window": True}, "sliding"),
+             "nosize": (dict(DFLASH, size=None), {}, "without block_size")}
+    for name, (c, extra, word) in cases.items():
+        save_dflash(tmp_path / name, "zlab", w, c)
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        cfg.update(extra)
+        if c["size"] is None:
+            cfg.pop("block_size")
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(sd.UsageError, match=re.escape(word)):
+            sd.head_drafter(str(tmp_path / name), biased4)
+    save_dflash(tmp_path / "odd", "zlab", {**w, "extra.weight": torch.zeros(2)}, DFLASH)
+    with pytest.raises(sd.UsageError, match="its own code .* which specdec does not run"):
+        sd.head_drafter(str(tmp_path / "odd"), biased4)
+    loaded = make_llama(0)  # a DFlash config a hub id loaded as a causal LM: not run as one
+    loaded.config.dflash_config = {"mask_token_id": PARD_MASK}
+    with pytest.raises(sd.UsageError, match="huggingface-cli download"):
+        sd.DFlashDrafter.from_model("z-lab/x-DFlash", loaded, biased4)
+    save_dflash(tmp_path / "ok", "zlab", w, DFLASH)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    with pytest.raises(sd.UsageError, match="--gamma 4: .* drafts at most 3 tokens a pass"):
+        sd.measure_acceptance(biased4, sd.head_drafter(str(tmp_path / "ok"), biased4), seqs,
+                              device=CPU, gamma=4, continuation_tokens=4)
+    save_dflash(tmp_path / "two", "zlab", w, dict(DFLASH, ids=[0, 1]),
+                num_target_layers=2)  # the CLI's 2-layer target: layers 0 and 1 exist
+    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet"]
+    for argv, word in ((["--draft", str(tmp_path / "two"), "--gamma", "5"], "at most 3"),
+                       (["--draft", str(tmp_path / "layers")], "target layers [0, 9]")):
+        rc, _, err = run_cli(capsys, common + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
+    rc, text, err = run_cli(capsys, common + ["--draft", str(tmp_path / "two"), "--gamma", "3",
+                                              "--simulate", "--continuation-tokens", "6"])
+    assert rc == 0 and "alpha by draft offset 1..3" in text, err
+
+
+# ----------------------------------------------------------------------------------------------
 # integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 
 
@@ -6279,3 +6771,20 @@ def test_cli_reads_a_gguf_file_with_an_early_exit_draft(tmp_path, capsys):
     # 20 of 30 decoder layers plus the (tied) head, counted against 30 layers plus the head
     assert 0.6 < data["cost_ratio"] < 0.75
     assert "alpha" in capsys.readouterr().out
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_as_its_own_pard_draft_is_exact_at_offset_one(smol):
+    """SmolLM2 in PARD mode, its own <empty_output> token as the mask (it was never trained for
+    one), as its own draft: offset 1 of a pass is the model's own next-token prediction, so
+    alpha there is 1 in both routes; the untrained masks fall far below it (seen: 0.07 at
+    offset 2, 0 after): an honest lower bound for a PARD draft of this family."""
+    target, tok, dev, seqs = smol
+    drafter = sd.PardDrafter("smol", target, tok.get_vocab()["<empty_output>"])
+    r = sd.measure_acceptance(target, drafter, seqs[:3], sampling=sd.SamplingParams(0.0),
+                              device=dev, gamma=3, continuation_tokens=12, simulate=True,
+                              eos=sd.eos_ids(target, tok))
+    assert r.alpha_by_head[0] == pytest.approx(1.0, abs=1e-6)
+    assert r.alpha_by_draft_offset[0] == 1.0 and max(r.alpha_by_head[1:]) < 0.5
+    assert 2.0 <= r.empirical_tokens_per_cycle < 3.0 and r.one_draft_pass
