@@ -27,7 +27,8 @@ Sections, in specdec.py's order (stand-ins and oracles first, the real model las
   19. loading models and data
   20. many processes
   21. command line
-  22. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
+  22. drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
+  23. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 """
 import os
 
@@ -43,6 +44,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
@@ -1017,7 +1019,8 @@ REPORT_JSON = (
     '0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2,"examined":4,"cycles":2'
     ',"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0],"proposed":[0,0,2],"g'
     'enerated":4}],"notes":["cost ratio from parameter counts: a rough guide; memory-bound serv'
-    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],"alpha"'
+    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],"cross_'
+    'vocab":null,"alpha"'
     ':0.20843751852711043,"alpha_std":0.028615811774595375,"alpha_stderr":0.02023443455497424,"'
     'alpha_ci":[0.18820308397213617,0.22867195308208466],"scored_positions":6,"n_sequences":2,"'
     'alpha_by_head":null,"alpha_by_rule":{"sample":0.20843751852711043,"argmax":0.0035700780184'
@@ -3668,7 +3671,7 @@ def test_a_failed_run_leaves_an_earlier_json_untouched(tmp_path, capsys, model_d
     rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
                                   model_dirs["badtok"], "--data", data_txt, "--json", path]
                          + CLI_COMMON)
-    assert rc == 2 and "disagree" in err
+    assert rc == 2 and "cannot decode" in err
     assert json.loads(path.read_text("utf-8")) == {"earlier": True}
 
 
@@ -5471,8 +5474,8 @@ def bad_cases(d, data_txt, tmp):
         "draft-layers-not-a-number": (["--target", d["target"], "--draft-layers", "two",
                                        "--data", data_txt], "--draft-layers"),
         "use-unsloth-without-gpu": (t + ["--use-unsloth"], "unsloth"),
-        "tokenizers-disagree": (["--target", d["target"], "--draft", d["badtok"], "--data",
-                                 data_txt, "--quiet"], "disagree"),
+        "draft-tokenizer-cannot-decode": (["--target", d["target"], "--draft", d["badtok"],
+                                           "--data", data_txt, "--quiet"], "cannot decode"),
         "cost-ratio-abc": (t + ["--cost-ratio", "abc"], "--cost-ratio"),
         "cost-ratio-negative": (t + ["--cost-ratio", "-1"], "--cost-ratio"),
         "no-draft": (["--target", d["target"], "--data", data_txt], "--draft"),
@@ -5640,6 +5643,388 @@ def test_pip_install_gives_a_specdec_command(tmp_path):
                             "import specdec; print(specdec.__file__)"], capture_output=True,
                            text=True, cwd=tmp_path)
     assert str(env_dir) in where.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
+#
+# Two real tokenizers built here over one text: the target's a GPT-2-style byte-level BPE, the
+# draft's a SentencePiece-style BPE (Metaspace, '▁' for a space). Their pre-tokenisers differ,
+# so their merges do: vocabularies of different sizes, ids that differ, each with texts the
+# other lacks (test_the_two_tokenizers_really_differ). Two tiny Llamas are trained a few steps
+# on the text, each in its own tokens (the draft smaller and shorter): they write text, agree
+# often and not always.
+
+
+VOCAB_TEXT = ("the quick brown fox jumps over the lazy dog. speculative decoding drafts tokens "
+              "and the target verifies them. a draft with another tokenizer reads the text its "
+              "own way.")
+
+
+def bpe_tokenizer(size: int, metaspace: bool):
+    """A BPE tokenizer trained on VOCAB_TEXT: byte-level (GPT-2's marks, every byte a token)
+    or Metaspace (SentencePiece's '▁', the text's characters)."""
+    from tokenizers import decoders, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    if metaspace:
+        tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = sorted(set(VOCAB_TEXT) | {"▁"})
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder, alphabet = decoders.ByteLevel(), pre_tokenizers.ByteLevel.alphabet()
+    tk.train_from_iterator([VOCAB_TEXT] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<|eos|>"], initial_alphabet=alphabet,
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|eos|>")
+
+
+def trained_llama(tok, seed: int, layers: int, steps: int):
+    """A tiny Llama over tok's vocabulary, trained `steps` Adam steps on VOCAB_TEXT twice over
+    (windows of 24 tokens, seeded): it writes the text back, more or less well."""
+    model = make_llama(seed, vocab=len(tok), layers=layers).train().requires_grad_(True)
+    ids = torch.tensor(tok(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"])
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        x = torch.stack([ids[a:a + 24] for a in torch.randint(len(ids) - 24, (8,), generator=g)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
+
+
+class Foreign(NamedTuple):
+    tok_t: Any  # the target's tokenizer (byte-level)
+    tok_d: Any  # the draft's (Metaspace)
+    target: Any
+    draft: Any  # over tok_d's vocabulary
+
+
+@pytest.fixture(scope="session")
+def foreign():
+    tok_t, tok_d = bpe_tokenizer(320, False), bpe_tokenizer(90, True)
+    return Foreign(tok_t, tok_d, trained_llama(tok_t, 0, 2, 200),
+                   trained_llama(tok_d, 1, 1, 60))
+
+
+FOREIGN_PROMPTS = ["the quick", "a draft with", "speculative", "the target", "the lazy dog",
+                   "tokens and", "reads the", "brown fox", "verifies them.", "own way", "the"]
+
+
+def oracle_shared(tok_t, tok_d) -> dict[int, int]:
+    """The shared vocabulary by hand, for these two tokenizers: a token's text is its string
+    with the space mark ('Ġ' or '▁') read as a space (their other characters are the text's
+    own); target id -> draft id, each text at its lowest id."""
+    def texts(tok, mark):
+        out: dict[str, int] = {}
+        for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+            if piece != "<|eos|>" and all(c == mark or c in VOCAB_TEXT for c in piece):
+                out.setdefault(piece.replace(mark, " "), i)
+        return out
+    on_t, on_d = texts(tok_t, "Ġ"), texts(tok_d, "▁")
+    shared = {on_t[k]: on_d[k] for k in on_t.keys() & on_d.keys()}
+    shared[tok_t.eos_token_id] = tok_d.eos_token_id  # the one special token, in both
+    return shared
+
+
+def test_the_two_tokenizers_really_differ(foreign):
+    """Not a nested pair (a smaller vocabulary trained the same way keeps the larger one's
+    ids): different sizes, different ids for the same text, texts on each side the other
+    lacks; both give the text back. The shared vocabulary is the oracle's."""
+    t, d = foreign.tok_t, foreign.tok_d
+    for tok in (t, d):
+        assert tok.decode(tok(VOCAB_TEXT)["input_ids"]) == VOCAB_TEXT
+    assert t(VOCAB_TEXT)["input_ids"] != d(VOCAB_TEXT)["input_ids"]
+    shared = oracle_shared(t, d)
+    assert len(t) == 320 and len(d) == 90 and 40 <= len(shared) < len(d)
+    assert sum(a != b for a, b in shared.items()) > 0.9 * len(shared)  # ids differ
+    assert len(shared) < len(d)  # the draft has texts the target lacks (and the target many)
+    v = sd.SharedVocab(t, d, len(t), len(d))
+    assert dict(zip(v.target_ids.tolist(), v.draft_ids.tolist())) == shared
+    assert not v.same
+
+
+def oracle_tli_alphas(foreign, seqs, conts, s: "sd.SamplingParams"):
+    """Per prompt: the sums of alpha_t and of p_t's mass on the shared vocabulary, by brute
+    force. At each scored position t (predicting the continuation's token t + 1, from its
+    second on) the draft reads row[:t + 1] token by token (the shared ones as its own token,
+    the others' text re-tokenised), runs alone over it, no cache; q~ = the processed
+    distribution of its logits restricted to the shared tokens; alpha_t = sum over the
+    shared tokens of min(p_t, q~_t), in float64 Python loops."""
+    t, d = foreign.tok_t, foreign.tok_d
+    shared = oracle_shared(t, d)
+    order = sorted(shared)  # target ids of the shared tokens
+    out = []
+    for q, c in zip(seqs, conts):
+        row = q.ids + c
+        alphas, masses = 0.0, 0.0
+        for pos in range(len(q.ids), len(row) - 1):
+            reading = []
+            for tok_id in row[:pos + 1]:
+                reading += ([shared[tok_id]] if tok_id in shared else
+                            d(t.decode([tok_id]), add_special_tokens=False)["input_ids"])
+            with torch.no_grad():
+                lp = foreign.target(torch.tensor([row[:pos + 1]])).logits[0, -1]
+                lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+            p = bf_processed(lp, s)
+            q_shared = bf_processed([lq[shared[i]] for i in order], s)
+            alphas += sum(min(p[i], qi) for i, qi in zip(order, q_shared))
+            masses += sum(p[i] for i in order)
+        out.append((alphas, masses))
+    return out
+
+
+@pytest.mark.parametrize("key", ["t1", "topk_topp", "greedy"])
+def test_tli_teacher_forced_alpha_matches_brute_force(key, foreign):
+    """TLI's teacher-forced alpha and p's mass on the shared vocabulary, per prompt, equal the
+    brute-force oracle's on the continuations the target wrote (1e-5: float32 against
+    float64)."""
+    s = SAMPLINGS[key]
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    r = sd.measure_drafts(foreign.target, [tli], seqs, sampling=s, device=CPU, gamma=3,
+                          continuation_tokens=6, batch_size=3)[0]
+    conts = continuations(foreign.target, seqs, s, 6, vocab=len(foreign.tok_t))
+    want = oracle_tli_alphas(foreign, seqs, conts, s)
+    got = sorted(r.run.per_prompt, key=lambda row: row["index"])
+    for row, (alpha_sum, mass_sum) in zip(got, want):
+        assert row["alpha_sum"] == pytest.approx(alpha_sum, rel=1e-5, abs=1e-6)
+        assert row["coverage_sum"] == pytest.approx(mass_sum, rel=1e-5, abs=1e-6)
+    assert 0.2 < r.alpha < 0.98 and 0.5 < r.draft_vocab_coverage < 1  # not a trivial pair
+    assert r.run.cross_vocab["method"] == "TLI"
+    assert r.run.cross_vocab["p_mass_shared"] == r.draft_vocab_coverage
+    assert r.run.cross_vocab["shared_tokens"] == len(oracle_shared(foreign.tok_t, foreign.tok_d))
+
+
+@torch.no_grad()
+def tli_cycle_law(foreign, prompt, s, f=1.0):
+    """Brute force, float64, after the prompt's most likely prefill token v: (v, the target's
+    law of the next token, the law of the first cycle's token when the acceptance test uses
+    f * q~ for the q~ the proposal was drawn from: f < 1 is a q~ not renormalised over the
+    shared tokens, which held the share f of the draft's mass)."""
+    t, d, vocab = foreign.tok_t, foreign.tok_d, len(foreign.tok_t)
+    v = int(torch.tensor(bf_processed(last_logits(foreign.target, prompt, vocab), s)).argmax())
+    ctx = list(prompt) + [v]
+    shared = oracle_shared(t, d)
+    reading = [x for tok_id in ctx for x in ([shared[tok_id]] if tok_id in shared else
+                                             d(t.decode([tok_id]), add_special_tokens=False)[
+                                                 "input_ids"])]
+    p = torch.tensor(bf_processed(last_logits(foreign.target, ctx, vocab), s),
+                     dtype=torch.float64)
+    lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+    q = torch.zeros(vocab, dtype=torch.float64)
+    q[sorted(shared)] = torch.tensor(bf_processed([lq[shared[i]] for i in sorted(shared)], s),
+                                     dtype=torch.float64)
+    take = q * torch.where(q > 0, (p / (f * q).clamp_min(1e-300)).clamp(max=1.0), 0.0)
+    left = (p - f * q).clamp_min(0)
+    return v, p, take + (1 - take.sum()) * left / left.sum()
+
+
+def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
+    """The first cycle's token, from 3,000 runs of one prompt (those after its most likely
+    prefill token, about 2,500), follows the target's law: chi-square against it.
+
+    Power, found by planting the error: the acceptance test run with 0.9 q~ (a q~ not
+    renormalised over the shared tokens, as if they held 90% of the draft's mass). Its law,
+    enumerated (tli_cycle_law), sits at chi-square noncentrality above 45 from the target's
+    for this many draws, against a critical value of 24 (7 d.f., p = 1e-3): power above
+    0.95; the planted run is rejected. 0.95 q~ (noncentrality 12) is not caught."""
+    s, n = sd.SamplingParams(1.0), 3000
+    prompt = foreign.tok_t("a draft")["input_ids"]
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+
+    def first_cycle_tokens(v):
+        rows = sd.run_simulation(foreign.target, tli, [sd.TokenSequence(prompt)] * n,
+                                 sd.LoopConfig(s, 1, 2, len(foreign.tok_t), frozenset(), CPU, 3),
+                                 batch_size=n)
+        got = [rows[i].tokens[1] for i in range(n) if rows[i].tokens[0] == v]
+        return torch.bincount(torch.tensor(got), minlength=len(foreign.tok_t))
+    v, p, planted = tli_cycle_law(foreign, prompt, s, f=0.9)
+    got = first_cycle_tokens(v)
+    assert sd.acceptance(p, tli_cycle_law(foreign, prompt, s)[2]).item() > 0.99  # (the law)
+    assert noncentrality(int(got.sum()), planted, p) > 45
+    assert chi2_pvalue(got, p) > 1e-3
+    real = sd.SharedVocab.on_target
+    monkeypatch.setattr(sd.SharedVocab, "on_target",
+                        lambda self, q, vocab: 0.9 * real(self, q, vocab))
+    assert chi2_pvalue(first_cycle_tokens(v), p) < 1e-3
+
+
+def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(foreign,
+                                                                            monkeypatch):
+    """SLEM against transformers' own generate(assistant_model=, tokenizer=,
+    assistant_tokenizer=) at T = 0 (its AssistedCandidateGeneratorDifferentTokenizers): per
+    prompt the same tokens, and cycle by cycle the same (target tokens proposed, accepted).
+    transformers drafts the first token itself where specdec takes it from the target's
+    prefill, so it runs on the prompt plus that token, one token less to go; it crops its last
+    block at max_new_tokens, so the cycles before it are compared. The assistant is set to a
+    constant block of gamma and no confidence cut; the two vocabulary sizes differ, as
+    transformers requires, and the pad id is one no model writes (transformers masks the
+    assistant's inputs equal to it)."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
+    draft = copy.deepcopy(foreign.draft)
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], slem.block(gamma), budget, vocab, frozenset(),
+                           CPU)
+    compared, accepted, partial, long_blocks = 0, 0, 0, 0
+    for text in FOREIGN_PROMPTS:
+        ids = foreign.tok_t(text)["input_ids"]
+        ours.clear()
+        row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
+        mine = ours[id(row)]
+        theirs.clear()
+        x = torch.tensor([ids + row.tokens[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = foreign.target.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=budget - 1,
+                assistant_model=draft, tokenizer=foreign.tok_t,
+                assistant_tokenizer=foreign.tok_d, pad_token_id=vocab + 7)[0, x.shape[1]:]
+        assert row.tokens == row.tokens[:1] + out.tolist()
+        assert row.tokens[0] == int(last_logits(foreign.target, ids, vocab).argmax())
+        done, whole = 1, 0  # (the prefill's token) the cycles that end inside the budget
+        for k, n in mine:
+            if done + k + 1 > budget:
+                break
+            done, whole = done + n + 1, whole + 1
+        assert whole >= 5 and mine[:whole] == theirs[:whole], (text, mine, theirs)
+        compared += whole
+        accepted += sum(n for _, n in mine[:whole])
+        partial += sum(0 < n < k for k, n in mine[:whole])
+        long_blocks += sum(k > gamma for k, _ in mine[:whole])
+    assert compared >= 60 and accepted >= 60 and partial >= 3
+    assert long_blocks >= 3  # blocks of more target tokens than the draft wrote: counted so
+
+
+def numbers_of(report) -> dict:
+    """Every number of a report, the draft's name and the translation's record aside."""
+    out = report.to_dict()
+    for k in ("draft", "run_key", "run_key_parts", "cross_vocab", "draft_vocab_coverage"):
+        out.pop(k)
+    for row in out["per_prompt"]:
+        row.pop("coverage_sum")
+    return out
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1", "topk_topp"])
+def test_a_pair_of_one_tokenizer_gives_todays_numbers_whichever_method_is_forced(key, foreign):
+    """With the target's tokenizer on both sides nothing is translated: TLI gives every number
+    of the draft model measured as today (both routes, bit for bit: the same forwards, the
+    shared vocabulary all of it), and SLEM the simulated ones of today's argmax proposal
+    (its draft writes its argmax: under --proposal argmax the rules are the same)."""
+    s = SAMPLINGS[key]
+    tok = foreign.tok_t
+    target, draft = foreign.target, sd.early_exit_draft(foreign.target, 1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:5], tok)
+    kw = dict(device=CPU, gamma=3, continuation_tokens=12, simulate=True, batch_size=2)
+    today = sd.measure_drafts(target, [("d", draft)], seqs, sampling=s, **kw)[0]
+    tli = sd.measure_drafts(target, [sd.TliDrafter("d", draft, target, tok, tok)], seqs,
+                            sampling=s, **kw)[0]
+    assert numbers_of(tli) == numbers_of(today)
+    assert tli.run.cross_vocab["same_tokenizer"]
+    assert tli.draft_vocab_coverage == pytest.approx(1, abs=1e-6)
+    argmax = sd.measure_drafts(target, [("d", draft)], seqs, sampling=argmax_rule(s), **kw)[0]
+    slem = sd.measure_drafts(target, [sd.SlemDrafter("d", draft, target, tok, tok)], seqs,
+                             sampling=s, **kw)[0]
+    assert asdict_equal(slem.simulated, argmax.simulated)
+    assert slem.alpha is None and slem.gamma_table == []  # no teacher-forced form
+    assert 0 < argmax.simulated.alpha < 1
+
+
+@pytest.fixture(scope="session")
+def foreign_dirs(tmp_path_factory, foreign):
+    """target/ and draft/ saved as users have them (weights and tokenizer), draft-no-tok/
+    (the draft's weights alone), thin/ (a draft whose tokenizer shares little with the
+    target's: upper-case text)."""
+    root = tmp_path_factory.mktemp("foreign")
+    dirs = {}
+    for name, model, tok in [("target", foreign.target, foreign.tok_t),
+                             ("draft", foreign.draft, foreign.tok_d),
+                             ("draft-no-tok", foreign.draft, None)]:
+        model.save_pretrained(root / name)
+        if tok is not None:
+            tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp_path, foreign,
+                                                                     foreign_dirs):
+    """Tokenizers that disagree are no longer refused: TLI by default, SLEM when asked, the
+    header says which, with the shared vocabulary's size and p's mass in it; the numbers are
+    the library's. SLEM's speedup counts gamma draft steps a cycle, whatever number of target
+    tokens it proposed."""
+    data = tmp_path / "p.txt"
+    data.write_text("\n".join(FOREIGN_PROMPTS[:4]) + "\n", "utf-8")
+    base = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data", data,
+            "--chat-template", "off", "--temperature", "0", "--gamma", "3",
+            "--continuation-tokens", "12", "--simulate", "--quiet", "--cost-ratio", "0.1"]
+    rc, out, _ = run_cli(capsys, base + ["--json", tmp_path / "tli.json"])
+    assert rc == 0 and "draft's own tokenizer: TLI (token-level intersection" in out
+    got = json.loads((tmp_path / "tli.json").read_text("utf-8"))
+    shared = len(oracle_shared(foreign.tok_t, foreign.tok_d))
+    assert got["cross_vocab"]["method"] == "TLI" and got["cross_vocab"]["shared_tokens"] == shared
+    assert f"shared vocabulary {shared} tokens (target 320, draft 90)" in out
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    lib = sd.measure_drafts(foreign.target, [sd.TliDrafter(
+        foreign_dirs["draft"] + " (TLI)", foreign.draft, foreign.target, foreign.tok_t,
+        foreign.tok_d)], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
+        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
+    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--json",
+                                         tmp_path / "slem.json"])
+    assert rc == 0 and "teacher-forced (distributional): none for SLEM" in out
+    got = json.loads((tmp_path / "slem.json").read_text("utf-8"))
+    assert got["cross_vocab"]["method"] == "SLEM" and got["alpha"] is None
+    assert got["cross_vocab"]["most_target_tokens_per_cycle"] == 3 * sd.SLEM_WIDTH
+    assert got["empirical_est_speedup"] == pytest.approx(
+        got["empirical_tokens_per_cycle"] / (3 * 0.1 + 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("more,word", [
+    (["--cross-vocab", "slem"], "add --simulate"),  # SLEM has no teacher-forced form
+    (["--draft", "draft-no-tok"], "no tokenizer of its own"),
+])
+def test_cli_drafts_with_another_tokenizer_bad_input_is_one_line(more, word, capsys, tmp_path,
+                                                                 foreign_dirs):
+    data = tmp_path / "p.txt"
+    data.write_text("the quick\n", "utf-8")
+    argv = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data",
+            data, "--quiet"] + more
+    if "draft-no-tok" in more:
+        argv = argv[:4] + argv[6:]
+        argv[3] = foreign_dirs["draft-no-tok"]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and word in err, err
+
+
+def test_a_thin_shared_vocabulary_is_a_warning_with_its_number(foreign):
+    """A draft whose tokenizer shares next to nothing with the target's (whole words, split at
+    spaces: only words at the start of a text match the target's tokens) is measured, with a
+    note that says how little of p's mass its vocabulary holds."""
+    from tokenizers import pre_tokenizers
+    words = ["[UNK]"] + sorted(set(sd.DECODE_PROBE.split()))
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    thin = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    draft = make_llama(3, vocab=len(thin), layers=1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:2], foreign.tok_t)
+    r = sd.measure_drafts(foreign.target, [sd.TliDrafter("thin", draft, foreign.target,
+                                                         foreign.tok_t, thin)], seqs,
+                          sampling=sd.SamplingParams(1.0), device=CPU, continuation_tokens=6)[0]
+    mass = r.run.cross_vocab["p_mass_shared"]
+    assert mass == r.draft_vocab_coverage < 0.1
+    assert r.run.notes[0] == (f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, "
+                              f"under 10%: TLI can accept no more than that")
+    assert r.alpha <= mass + 1e-6  # nothing off the shared vocabulary is ever accepted
 
 
 # ----------------------------------------------------------------------------------------------
