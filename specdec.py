@@ -41,7 +41,9 @@ but the checkpoints drafters read.
                        draft model, or an early_exit_draft of the target), NgramDrafter (prompt
                        lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
                        Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
-                       heads); DRAFTERS lists them, find_drafter asks them in turn
+                       heads), TliDrafter and SlemDrafter (a draft model with a tokenizer of
+                       its own: token-level intersection, string-level exact match);
+                       DRAFTERS lists them, find_drafter asks them in turn
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
   statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
@@ -2311,8 +2313,8 @@ class SharedVocab:
         self.target_ids, self.draft_ids = t, d
         self.in_target = torch.zeros(target_width, dtype=torch.bool).index_fill_(0, t, True)
         self.in_draft = torch.zeros(draft_width, dtype=torch.bool).index_fill_(0, d, True)
-        self.draft_to_target = torch.full((draft_width,), -1, dtype=torch.long).index_copy_(0, d,
-                                                                                          t)
+        self.draft_to_target = torch.full((draft_width,), -1, dtype=torch.long)  # -1: unshared
+        self.draft_to_target[d] = t
         self.to_draft = dict(zip(t.tolist(), d.tolist()))
         self.read_as: dict[int, list[int]] = {}  # the draft's reading of unshared target ids
         # what a text starts with when its first token reads as nothing: the draft's BOS
@@ -2443,15 +2445,16 @@ class TliSession(ReadingSession):
         return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back))
 
     def advance(self, n_acc, committed, view):
-        drafted, fed = self.drafted.tolist(), self.config.gamma - 1
+        # (no block before it: a timed step's session, measure_costs, commits one token first)
+        drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
         for b, new in enumerate(committed):
-            self.held[b] += drafted[b][:fed]  # fed while drafting; sync keeps what was accepted
+            self.held[b] += drafted[b][:self.config.gamma - 1]  # fed while drafting; sync
             self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
+        self.drafted = None  # keeps what was accepted
 
     def keep(self, rows):
         super().keep(rows)
         self.text = [self.text[r] for r in rows.tolist()]
-        self.drafted = self.drafted[rows.to(self.drafted.device)]
 
 
 class TliDrafter(Drafter):
@@ -5161,14 +5164,17 @@ def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
         heads = r.alpha_by_head or [r.alpha or 0.0]
         ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
     else:
-        js = range(1, r.gamma + 1)
-        rates = [a or 0.0 for a in r.alpha_by_draft_offset]
+        # the offsets up to the last one reached (a SLEM block can reach more than gamma)
+        reached = r.reached_by_draft_offset[:max([r.gamma] + [
+            j + 1 for j, n in enumerate(r.reached_by_draft_offset) if n])]
+        js = range(1, len(reached) + 1)
+        rates = [a or 0.0 for a in r.alpha_by_draft_offset[:len(reached)]]
         lows, highs = zip(*(wilson(t, n) if n else (0.0, 0.0) for t, n in zip(
-            r.accepted_by_draft_offset, r.reached_by_draft_offset)))
+            r.accepted_by_draft_offset, reached)))
         ax.bar(js, rates, color="tab:orange", label="simulated, 95% interval",
                yerr=[[a - lo for a, lo in zip(rates, lows)],
                      [hi - a for a, hi in zip(rates, highs)]], capsize=4)
-        for j, n in zip(js, r.reached_by_draft_offset):
+        for j, n in zip(js, reached):
             ax.annotate(f"{n:,} cycles", (j, 1.02), ha="center", fontsize=8)
         ax.set_xticks(list(js))
     if r.alpha is not None:
@@ -5192,6 +5198,9 @@ def _plot_gammas(tokens_ax: Any, speed_ax: Any, r: AcceptanceReport) -> None:
         ax.set_xlabel("gamma (draft block)")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
+        if not table:  # SLEM: the simulated block alone, no teacher-forced table
+            ax.text(0.5, 0.5, "no teacher-forced route (SLEM)", ha="center",
+                    transform=ax.transAxes)
     speed_ax.axhline(1.0, color="black", linewidth=0.8)
 
 

@@ -6027,6 +6027,19 @@ def test_a_thin_shared_vocabulary_is_a_warning_with_its_number(foreign):
     assert r.alpha <= mass + 1e-6  # nothing off the shared vocabulary is ever accepted
 
 
+
+@pytest.mark.parametrize("kind", ["TliDrafter", "SlemDrafter"])
+def test_measured_cost_times_a_step_of_the_drafts_own_tokens(kind, foreign):
+    """--cost-ratio measure opens the draft's session as the loop does (its reading of the
+    text included) and times one step of its own tokens: a time, and a ratio no lower than
+    its parameter share (clamp_costs)."""
+    d = getattr(sd, kind)("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:1], foreign.tok_t)
+    cost = sd.cost_model(foreign.target, d, sd.Settings(gamma=2, cost_ratio="measure"), seqs,
+                         CPU)
+    assert cost.timings["draft_step_s"] > 0
+    assert cost.ratio >= d.param_cost(foreign.target)[0] > 0
+
 # ----------------------------------------------------------------------------------------------
 # integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 
@@ -6116,3 +6129,87 @@ def test_cli_reads_a_gguf_file_with_an_early_exit_draft(tmp_path, capsys):
     # 20 of 30 decoder layers plus the (tied) head, counted against 30 layers plus the head
     assert 0.6 < data["cost_ratio"] < 0.75
     assert "alpha" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def transplanted(model, tok_from, tok_to, layers: int):
+    """The first `layers` layers of `model` (a Llama with a tied head) speaking tok_to's
+    vocabulary: a token whose bytes are a tok_from token takes its embedding row, any other the
+    mean of the rows of tok_from's tokens for its bytes (the mean row when there are none)."""
+    spell = {b: c for c, b in sd._byte_chars().items()}  # byte -> byte-level character
+    rows_of = {k: i for i, k in enumerate(sd.token_texts(tok_from)) if k is not None}
+    emb = model.get_input_embeddings().weight
+    rows = []
+    for key in sd.token_texts(tok_to):
+        text = key[1] if isinstance(key, tuple) else "".join(spell[b] for b in key)
+        ids = [rows_of[key]] if key in rows_of else [
+            rows_of[bytes(sd._byte_chars()[c] for c in piece.value)]
+            for piece in tok_from.backend_tokenizer.model.tokenize(text)]
+        rows.append(emb[ids].mean(0) if ids else emb.mean(0))
+    config = model.config.to_dict()
+    config.update(num_hidden_layers=layers, vocab_size=len(tok_to), tie_word_embeddings=True)
+    config.pop("layer_types", None)
+    draft = LlamaForCausalLM(type(model.config)(**config))
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    state["model.embed_tokens.weight"] = state["lm_head.weight"] = torch.stack(rows)
+    draft.load_state_dict(state)
+    return draft.eval().requires_grad_(False)
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_runs_it(
+        smol, monkeypatch):
+    """A real pair of tokenizers: SmolLM2's, and one re-merged here from it (its byte-level
+    BPE retrained on the builtin prompts: about 1,150 tokens, ids unrelated past the bytes),
+    spoken by SmolLM2's first 24 layers through an embedding transplant. SLEM at T = 0 equals
+    transformers' universal assisted generation per prompt (tokens; cycles before its last,
+    cropped one), run after the target's first token; TLI's greedy simulation writes the
+    target's own greedy text (lossless), and its alpha never passes p's mass on the shared
+    vocabulary."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    target, tok, _, _ = smol
+    texts = [p.content if isinstance(p.content, str) else " ".join(m["content"] for m in
+                                                                   p.content)
+             for p in sd.load_texts("builtin")]
+    tok_d = tok.train_new_from_iterator(texts * 3, vocab_size=1200)
+    draft = transplanted(target, tok, tok_d, 24)
+    gamma, budget, vocab = 3, 16, sd.vocab_width(target)
+    seqs = sd.build_sequences(sd.load_texts("builtin"), tok, max_samples=2)
+    tli = sd.TliDrafter("d", draft, target, tok, tok_d)
+    r = sd.measure_drafts(target, [tli], seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                          gamma=gamma, continuation_tokens=budget, simulate=True)[0]
+    for i, q in enumerate(seqs):
+        greedy = target.generate(torch.tensor([q.ids]), do_sample=False, max_new_tokens=budget,
+                                 pad_token_id=vocab + 7)[0, len(q.ids):].tolist()
+        assert r.per_prompt[i]["generated"] == budget and greedy == sd.run_simulation(
+            target, tli, [q], sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab,
+                                             frozenset(), CPU))[0].tokens
+    assert 0 < r.alpha <= r.draft_vocab_coverage < 1
+    slem = sd.SlemDrafter("d", draft, target, tok, tok_d)
+    draft.generation_config.num_assistant_tokens = gamma  # (for transformers)
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], slem.block(gamma), budget, vocab, frozenset(),
+                           CPU)
+    for q in seqs:
+        ours.clear()
+        row = sd.run_simulation(target, slem, [q], config)[0]
+        theirs.clear()
+        x = torch.tensor([q.ids + row.tokens[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=budget - 1, assistant_model=draft,
+                                  tokenizer=tok, assistant_tokenizer=tok_d,
+                                  pad_token_id=vocab + 7)[0, x.shape[1]:].tolist()
+        assert row.tokens == row.tokens[:1] + out
+        mine, done, whole = ours[id(row)], 1, 0  # the cycles that end inside the budget
+        for k, n in mine:
+            if done + k + 1 > budget:
+                break
+            done, whole = done + n + 1, whole + 1
+        assert whole >= 2 and mine[:whole] == theirs[:whole], (mine, theirs)
