@@ -2985,9 +2985,11 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
                    indices: Sequence[int] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
-    by indices[i] (default i), which also names prompt i's random stream."""
+    by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
+    draft block (a SLEM block's width in target tokens follows: Drafter.block)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
+    config = config._replace(gamma=drafter.block(config.gamma))
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)

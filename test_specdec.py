@@ -5871,8 +5871,7 @@ def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(fo
     draft.generation_config.assistant_confidence_threshold = 0.0
     slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
     theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
-    config = sd.LoopConfig(SAMPLINGS["greedy"], slem.block(gamma), budget, vocab, frozenset(),
-                           CPU)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
     compared, accepted, partial, long_blocks = 0, 0, 0, 0
     for text in FOREIGN_PROMPTS:
         ids = foreign.tok_t(text)["input_ids"]
@@ -6193,8 +6192,7 @@ def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_run
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
     theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
-    config = sd.LoopConfig(SAMPLINGS["greedy"], slem.block(gamma), budget, vocab, frozenset(),
-                           CPU)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
     for q in seqs:
         ours.clear()
         row = sd.run_simulation(target, slem, [q], config)[0]
