@@ -42,7 +42,9 @@ but the checkpoints drafters read.
                        lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
                        Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
                        heads), PardDrafter and DFlashDrafter (parallel drafters: the whole
-                       block from one pass, mask tokens for the drafts not made yet);
+                       block from one pass, mask tokens for the drafts not made yet),
+                       TliDrafter and SlemDrafter (a draft model with a tokenizer of its own:
+                       token-level intersection, string-level exact match);
                        DRAFTERS lists them, find_drafter asks them in turn
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
@@ -107,6 +109,7 @@ __all__ = [
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "ModelDrafter",
     "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
     "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
+    "TliDrafter", "SlemDrafter",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -391,6 +394,7 @@ class Drafter(abc.ABC):
     # one draft step whatever gamma is
     max_gamma: int | None = None  # the largest block one pass drafts, where a larger gamma is
     # refused (a DFlash block of B: B - 1)
+    simulated_only: bool = False  # no teacher-forced form (SLEM: SlemDrafter says why)
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -423,6 +427,16 @@ class Drafter(abc.ABC):
         """The networks it runs besides the target: the run key names them, and a draft
         model's window is checked against long contexts."""
         return []
+
+    def block(self, gamma: int) -> int:
+        """The most target tokens a cycle of gamma drafting steps proposes: gamma, but a draft
+        whose text is re-tokenised into the target's tokens proposes what it comes to (SLEM)."""
+        return gamma
+
+    def translation(self) -> dict[str, Any] | None:
+        """For a draft with a tokenizer of its own, how it is translated (method, the shared
+        vocabulary's size: RunInfo.cross_vocab); None for one that proposes the target's ids."""
+        return None
 
     # Each kind recognises and loads itself; find_drafter asks the kinds of DRAFTERS in turn.
 
@@ -2763,13 +2777,520 @@ class DFlashDrafter(Drafter):
         return cfg, w
 
 
+# Drafts with another tokenizer (Timor et al. 2025, "Accelerating LLM Inference with Lossless
+# Speculative Decoding Algorithms for Heterogeneous Vocabularies"): a draft model whose
+# tokenizer is not the target's reads the text in its own tokens and is run one of two ways,
+# both lossless. TLI (token-level intersection: transformers' UniversalSpeculativeDecoding-
+# Generator, vLLM's use_heterogeneous_vocab): it proposes only tokens whose text both
+# vocabularies hold, from its q renormalised over them. SLEM (string-level exact match:
+# transformers' AssistedCandidateGeneratorDifferentTokenizers at T = 0): its greedy text is
+# re-tokenised into the target's tokens, and the target keeps the prefix it would have written.
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_chars() -> dict[str, int]:
+    """The printable stand-in GPT-2 gave each byte, as byte-level vocabularies spell their
+    tokens ('Ġ' for a space) -> the byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+def token_texts(tok: Any) -> list[Any]:
+    """What each id of a tokenizer stands for, comparable across tokenizers: the bytes of its
+    text (a byte-level vocabulary's characters read back as bytes; SentencePiece's '▁' as a
+    space and its <0xNN> as byte NN), or ("special", name) for a special token; None for an
+    id no token has. (transformers compares vocabulary strings after swapping the two space
+    marks, vLLM after reading a leading mark as a space; on byte-level pairs all agree.)"""
+    vocab = tok.get_vocab()
+    texts: list[Any] = [None] * (max(vocab.values(), default=-1) + 1)
+    special = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
+    backend = getattr(tok, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") or {} if backend else {}
+    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    byte_level, chars = any(s.get("type") == "ByteLevel" for s in steps), _byte_chars()
+    for piece, i in vocab.items():
+        byte = BYTE_PIECE.fullmatch(piece)
+        if piece in special:
+            texts[i] = ("special", piece)
+        elif byte_level and all(c in chars for c in piece):
+            texts[i] = bytes(chars[c] for c in piece)
+        else:
+            texts[i] = (bytes([int(byte.group(1), 16)]) if byte
+                        else piece.replace("▁", " ").encode())
+    return texts
+
+
+DECODE_PROBE = "the quick brown fox jumps over the lazy dog"  # any real tokenizer gives it back
+
+
+def check_decodes(tok: Any, which: str) -> None:
+    """Refuse a tokenizer that is missing or whose decode does not give a plain text back: a
+    draft in another vocabulary reads and writes text through both tokenizers."""
+    if tok is None:
+        raise UsageError(f"the {which} has no tokenizer: a draft in another vocabulary needs "
+                         f"the target's and its own (save them beside the models)")
+    try:
+        back = tok.decode(tok(DECODE_PROBE, add_special_tokens=False)["input_ids"],
+                          skip_special_tokens=True)
+    except Exception as e:  # a tokenizer without a decoder of any kind
+        back = f"an error ({type(e).__name__}: {_one_line(e)[:80]})"
+    if back.strip() != DECODE_PROBE:
+        raise UsageError(f"the {which}'s tokenizer cannot decode: {DECODE_PROBE!r} comes back "
+                         f"as {back!r}, and a draft in another vocabulary is read and written "
+                         f"through both tokenizers; give tokenizers that decode")
+
+
+class SharedVocab:
+    """The tokens of a target's and a draft's tokenizers whose texts (token_texts) are the
+    same, and how the draft reads text the target wrote. A text held by several ids of one
+    vocabulary counts for the lowest of them. With one tokenizer on both sides (the same
+    vocabulary) every id of the prefix both models have is itself: nothing is translated."""
+
+    def __init__(self, target_tok: Any, draft_tok: Any, target_width: int, draft_width: int):
+        self.target_tok, self.draft_tok = target_tok, draft_tok
+        self.same = target_tok.get_vocab() == draft_tok.get_vocab()
+        if self.same:
+            pairs = [(i, i) for i in range(min(target_width, draft_width))]
+        else:
+            lowest: list[dict[Any, int]] = [{}, {}]
+            for seen, tok, width in zip(lowest, (target_tok, draft_tok),
+                                        (target_width, draft_width)):
+                for i, text in enumerate(token_texts(tok)[:width]):
+                    if text is not None:
+                        seen.setdefault(text, i)
+            pairs = sorted((lowest[0][k], i) for k, i in lowest[1].items() if k in lowest[0])
+        t = torch.tensor([a for a, _ in pairs], dtype=torch.long)  # (I,) target ids
+        d = torch.tensor([b for _, b in pairs], dtype=torch.long)  # (I,) the same texts' ids
+        self.target_ids, self.draft_ids = t, d
+        self.in_target = torch.zeros(target_width, dtype=torch.bool).index_fill_(0, t, True)
+        self.in_draft = torch.zeros(draft_width, dtype=torch.bool).index_fill_(0, d, True)
+        self.draft_to_target = torch.full((draft_width,), -1, dtype=torch.long)  # -1: unshared
+        self.draft_to_target[d] = t
+        self.to_draft = dict(zip(t.tolist(), d.tolist()))
+        self.read_as: dict[int, list[int]] = {}  # the draft's reading of unshared target ids
+        # what a text starts with when its first token reads as nothing: the draft's BOS
+        self.start = next((i for i in (draft_tok.bos_token_id, draft_tok.eos_token_id)
+                           if isinstance(i, int) and i < draft_width), 0)
+
+    def read(self, token: int) -> list[int]:
+        """A target token as the draft reads it: its own token where the text is shared, else
+        the token's text re-tokenised by the draft's tokenizer (nothing for a special token it
+        does not have)."""
+        if token in self.to_draft:
+            return [self.to_draft[token]]
+        if token not in self.read_as:
+            text = self.target_tok.decode([token], skip_special_tokens=True)
+            self.read_as[token] = list(self.draft_tok(text, add_special_tokens=False)[
+                "input_ids"]) if text else []
+        return self.read_as[token]
+
+    def reading(self, row: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The draft's ids for a row of target ids, token by token (read), and ends[t]: how
+        many of them read row[:t + 1]. A row whose first token reads as nothing starts with
+        the draft's BOS: the draft never reads an empty text."""
+        ids: list[int] = []
+        ends = []
+        for i, token in enumerate(row):
+            ids += self.read(token) or ([self.start] if i == 0 else [])
+            ends.append(len(ids))
+        return ids, ends
+
+    def on_target(self, q: torch.Tensor, vocab: int) -> torch.Tensor:
+        """q over the draft's ids (..., V_d), zero off the shared ones -> over the target's
+        (..., vocab)."""
+        out = q.new_zeros(*q.shape[:-1], vocab)
+        out[..., self.target_ids.to(q.device)] = q[..., self.draft_ids.to(q.device)]
+        return out
+
+    def describe(self, method: str) -> dict[str, Any]:
+        """The report's record of the translation (RunInfo.cross_vocab, less p's mass)."""
+        return {"method": method, "shared_tokens": len(self.target_ids),
+                "target_tokens": len(self.target_tok), "draft_tokens": len(self.draft_tok),
+                "same_tokenizer": self.same}
+
+
+class OtherVocabulary(NamedTuple):
+    """A draft model whose tokenizer is not the target's, as the command line hands it to the
+    kinds (find_drafter's load): TliDrafter or SlemDrafter takes it, by `method`."""
+
+    model: nn.Module
+    target_tokenizer: Any
+    draft_tokenizer: Any
+    method: str  # "tli" or "slem" (--cross-vocab)
+
+
+class ReadingSession(Session):
+    """A draft model following each row in its own tokens: `held[b]`, the ids whose keys and
+    values its cache holds live (slots at positions 0..len-1), and sync, which brings the
+    cache to the ids it must have read before a proposal."""
+
+    def __init__(self, model: nn.Module, readings: list[list[int]], config: LoopConfig):
+        self.model, self.config = model, config
+        self.device = model_device(model) or config.device
+        self.held = [list(r[:-1]) for r in readings]  # the last id is fed by the first sync
+        self.slots, _ = prefill(model, self.held, self.device)
+
+    def sync(self, wanted: list[list[int]]) -> torch.Tensor:
+        """Each row's cache to wanted[b]: the longest prefix it holds stays (it is the same
+        text in the same tokens), the slots after it die, columns dead in every row are
+        cropped, and the ids it lacks are fed, right-aligned after dead slots -> the logits at
+        each row's last id (B, 1, V_d)."""
+        s, news, firsts = self.slots, [], []
+        for b, (held, want) in enumerate(zip(self.held, wanted)):
+            assert want, f"row {b} reads as no token"
+            k = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
+                     min(len(held), len(want)))
+            k = min(k, len(want) - 1)  # the last id is fed again: its logits are wanted
+            if k < len(held):
+                s.live[b] = s.live[b] * (s.pos[b] < k).long()
+            news.append(want[k:])
+            firsts.append(k)
+            self.held[b] = list(want)
+        drop_slots(s, int((s.live.sum(0) == 0).flip(0).long().cumprod(0).sum()))
+        width = max(len(n) for n in news)
+        pad = [width - len(n) for n in news]
+        ids = torch.tensor([[0] * p + n for p, n in zip(pad, news)], device=self.device)
+        live = torch.tensor([[0] * p + [1] * len(n) for p, n in zip(pad, news)],
+                            device=self.device)
+        pos = torch.tensor([[max(k - p + j, 0) for j in range(width)]
+                            for k, p in zip(firsts, pad)], device=self.device)
+        return extend(self.model, s, ids, pos, live, last_only=True)
+
+    def positions(self) -> torch.Tensor:
+        """(B,) where each row's next drafted id goes."""
+        return torch.tensor([len(h) for h in self.held], device=self.device)
+
+    def keep(self, rows):
+        select_slots(self.slots, rows.to(self.device))
+        self.held = [self.held[r] for r in rows.tolist()]
+
+
+class TliSession(ReadingSession):
+    """TLI's draft: each row's reading of its committed text (`text`: SharedVocab.reading, then
+    each cycle's accepted drafts as the draft wrote them and the target's token read), and
+    gamma shared tokens of its own a cycle, each drawn from q renormalised over them."""
+
+    def __init__(self, drafter: TliDrafter, prompts: list[list[int]], config: LoopConfig):
+        self.drafter = drafter
+        self.text = [drafter.vocab.reading(p)[0] for p in prompts]
+        super().__init__(drafter.model, self.text, config)
+        self.drafted: torch.Tensor | None = None  # (B, G) the last block, the draft's own ids
+
+    def propose(self, pending, npos, u):
+        c, d = self.config, self.drafter
+        logits = self.sync(self.text)
+        at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
+        qs, ds = [], []
+        finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
+        for i in range(c.gamma):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            q = draft_probs(d.masked(logits[:, -1, :cut]), c.sampling)  # (B, V_d), 0 off I
+            ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
+            qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
+            if i < c.gamma - 1:
+                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
+                                last_only=True)
+        self.drafted = torch.stack(ds, 1)  # (B, G)
+        tokens = d.vocab.draft_to_target.to(self.device)[self.drafted]  # (B, G) target ids
+        back = c.device
+        return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back))
+
+    def advance(self, n_acc, committed, view):
+        # (no block before it: a timed step's session, measure_costs, commits one token first)
+        drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
+        for b, new in enumerate(committed):
+            self.held[b] += drafted[b][:self.config.gamma - 1]  # fed while drafting; sync
+            self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
+        self.drafted = None  # keeps what was accepted
+
+    def keep(self, rows):
+        super().keep(rows)
+        self.text = [self.text[r] for r in rows.tolist()]
+
+
+class TliDrafter(Drafter):
+    """A draft model with a tokenizer of its own, drafting by token-level intersection (TLI).
+    It reads the text in its own tokens (SharedVocab.reading: its own token for each target
+    token whose text both vocabularies hold, that token's text re-tokenised by its tokenizer
+    otherwise; the prompt too), proposes only shared tokens, from its processed q over them
+    (top-k and top-p among them), and the target accepts by the usual rule: lossless at every
+    temperature. Teacher-forced alpha_t = sum over the shared tokens of min(p_t, q~_t); p's mass
+    off them can never be accepted (its share: draft_vocab_coverage)."""
+
+    method, drafts_trees = "TLI", False
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        check_decodes(target_tokenizer, "target")
+        check_decodes(draft_tokenizer, f"draft {name}")
+        self.name, self.model = name, model
+        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
+                                 vocab_width(model))
+        if not len(self.vocab.target_ids):
+            raise UsageError(f"{name}: its tokenizer and the target's share no token: it could "
+                             f"propose nothing")
+        # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
+        self.width = vocab_width(model) if self.vocab.same else None
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def cut(self, vocab: int) -> int | None:
+        """The draft's logit columns it proposes from: all (None), or, with one tokenizer on
+        both sides, the prefix both models have (vocab), as a draft model is cut today."""
+        return vocab if self.vocab.same else None
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits (..., V_d), -inf off the shared vocabulary."""
+        shared = self.vocab.in_draft[:logits.shape[-1]].to(logits.device)
+        return logits.masked_fill(~shared, float("-inf"))
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        device = model_device(self.model) or device
+        read = [self.vocab.reading(r) for r in rows]
+        drows = [ids for ids, _ in read]
+        if self.route is None:
+            self.route = head_route(self.model, _probe(drows, device))
+        # scored position t of a row predicts row[t + 1]: the draft has read row[:t + 1]
+        at = [[ends[t] - 1 for t in range(s, e)] for (_, ends), (s, e) in zip(read, spans)]
+        first = 0 if self.route else min((a[0] for a in at if a), default=0)
+        out = teacher_forced(self.model, drows, device, self.route, first)  # (B, T_d - first, .)
+        picked = torch.cat([out[b, (torch.tensor(a, dtype=torch.long, device=out.device)
+                                    - first).clamp_min(0)]
+                            for b, a in enumerate(at)]).to(device)  # (N, ...)
+        made = torch.tensor([t >= 0 for a in at for t in a], device=device)
+        inner = q_head(lambda x: self.masked(head_logits(self.model, x, self.route)[
+            ..., :self.cut(vocab)]), sampling, vocab_width(self.model))
+        return [Scores(picked, made, lambda x, where: self.vocab.on_target(inner(x, where), vocab),
+                       self.vocab.in_target)]
+
+    def start(self, prompts, view, config):
+        return TliSession(self, prompts, config)
+
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self):
+        return [self.model]
+
+    def translation(self):
+        return self.vocab.describe(self.method)
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        if isinstance(model, OtherVocabulary) and model.method == "tli":
+            return cls(f"{name} (TLI)", model.model, target, model.target_tokenizer,
+                       model.draft_tokenizer)
+        return None
+
+
+SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
+# target_lookbehind)
+
+
+SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
+
+
+def longest_run(old: Sequence[int], new: Sequence[int]) -> tuple[int, int] | None:
+    """Where a re-tokenised window `new` continues the ids `old` it overlaps, as transformers
+    aligns them (_get_tokens_diag): the longest run new[i:i + n] == old[j:j + n], the first by
+    i then j among the longest -> (i + n: where new goes on; len(old) - (j + n): the ids of
+    old after the run, which new replaces); None when no id is in both."""
+    best = None
+    for i in range(len(new)):
+        for j in range(len(old)):
+            if new[i] != old[j] or (i and j and new[i - 1] == old[j - 1]):
+                continue  # not the start of a run
+            n = 1
+            while i + n < len(new) and j + n < len(old) and new[i + n] == old[j + n]:
+                n += 1
+            if best is None or n > best[2]:
+                best = (i, j, n)
+    return None if best is None else (best[0] + best[2], len(old) - best[1] - best[2])
+
+
+class SlemSession(ReadingSession):
+    """SLEM's draft, as transformers runs it (AssistedCandidateGeneratorDifferentTokenizers):
+    per row the target's committed ids (`text`), the draft's ids after its last block
+    (`last`) and the length of text then (`seen`). Each cycle: the draft's input is the last
+    block's ids with a re-tokenised look-behind window of the text aligned onto it (the whole
+    text re-tokenised at first), the draft writes `steps` tokens greedily, a look-behind
+    window of its ids is decoded and re-tokenised by the target's tokenizer, aligned onto the
+    text, and what follows is proposed. With one tokenizer nothing is translated: the draft's
+    ids are proposed as they are."""
+
+    def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], config: LoopConfig):
+        self.drafter = drafter
+        self.steps = max(1, config.gamma // drafter.factor)  # config.gamma counts target ids
+        self.text = [list(p) for p in prompts]
+        self.last: list[list[int] | None] = [None] * len(prompts)
+        self.seen = [0] * len(prompts)
+        with _quiet_loggers("transformers"):
+            readings = [drafter.draft_input(t, None, 0) for t in self.text]
+        super().__init__(drafter.model, readings, config)
+
+    def propose(self, pending, npos, u):
+        c, d, k = self.config, self.drafter, self.steps
+        with _quiet_loggers("transformers"):  # (decode's notes on its own arguments)
+            inputs = [d.draft_input(t, last, seen)
+                      for t, last, seen in zip(self.text, self.last, self.seen)]
+        logits = self.sync(inputs)
+        at, ds = self.positions(), []
+        finite = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
+        greedy = replace(c.sampling, proposal="argmax")  # the draft writes its argmax
+        cut = c.vocab if d.vocab.same else None  # (one tokenizer: as a draft model is cut)
+        for i in range(k):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            ds.append(draft_probs(logits[:, -1, :cut], greedy).argmax(-1))  # (B,)
+            if i < k - 1:
+                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
+                                last_only=True)
+        drafts = torch.stack(ds, 1).tolist()  # the cycle's one host sync
+        for held, new in zip(self.held, drafts):
+            held += new[:k - 1]
+        with _quiet_loggers("transformers"):
+            proposed = [d.proposal(t, a, new)
+                        for t, a, new in zip(self.text, inputs, drafts)]
+        for b, (a, new) in enumerate(zip(inputs, drafts)):
+            self.last[b], self.seen[b] = a + d.written(new), len(self.text[b])
+        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:c.gamma]
+                    for p in proposed]  # ids the target has, a cycle's most
+        width = max(1, max(len(p) for p in proposed))
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposed], device=c.device)
+        count = torch.tensor([len(p) for p in proposed], device=c.device)
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(width, device=c.device) < count[:, None])[..., None]  # (B, W, V)
+        return Proposal(tokens, q, finite.to(c.device), None if d.vocab.same else count)
+
+    def advance(self, n_acc, committed, view):
+        for text, new in zip(self.text, committed):
+            text += new
+
+    def keep(self, rows):
+        super().keep(rows)
+        keep = rows.tolist()
+        self.text, self.last = [self.text[r] for r in keep], [self.last[r] for r in keep]
+        self.seen = [self.seen[r] for r in keep]
+
+
+class SlemDrafter(Drafter):
+    """A draft model with a tokenizer of its own, drafting by string-level exact match (SLEM),
+    as transformers' universal assisted generation runs it at temperature 0 (its candidate
+    generator for assistant_tokenizer; SlemSession): gamma tokens of its own a cycle, greedily,
+    whose text the target's tokenizer re-tokenises; the target keeps the longest prefix equal
+    to its own choices (its argmax at T = 0, its sample at T > 0: q is one-hot on the
+    proposal, accepted with p(x)), lossless. Tokens per cycle count target tokens, a cycle
+    proposing as many as the text re-tokenises to (at most SLEM_WIDTH * gamma); its cost is
+    gamma draft steps and a verify pass. There is no teacher-forced form: whether a drafted
+    token is kept depends on how a whole block of the draft's text re-tokenises and aligns
+    with the target's tokens, which no single position's p and q determine (simulated_only)."""
+
+    method = "SLEM"
+    simulated_only, drafts_trees = True, False
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        check_decodes(target_tokenizer, "target")
+        check_decodes(draft_tokenizer, f"draft {name}")
+        self.name, self.model = name, model
+        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
+                                 vocab_width(model))
+        self.width = vocab_width(model) if self.vocab.same else None
+        self.factor = 1 if self.vocab.same else SLEM_WIDTH
+        self.eos = frozenset(eos_ids(model, draft_tokenizer))  # the draft's text ends there
+
+    def block(self, gamma):
+        return gamma * self.factor
+
+    def convert(self, ids: Sequence[int], to_draft: bool) -> list[int]:
+        """Ids decoded by one tokenizer, the text encoded by the other, as transformers does
+        (convert_source_tokens_to_target_tokens: special tokens skipped in the text, added by
+        the encoding); the identity with one tokenizer."""
+        if self.vocab.same:
+            return list(ids)
+        src, dst = ((self.vocab.target_tok, self.vocab.draft_tok) if to_draft else
+                    (self.vocab.draft_tok, self.vocab.target_tok))
+        text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
+        return list(dst(text, add_special_tokens=True)["input_ids"])
+
+    def draft_input(self, text: list[int], last: list[int] | None, seen: int) -> list[int]:
+        """The draft's ids for the target's committed `text` (transformers'
+        _prepare_assistant_input_ids): at first, or while the text is short, all of it
+        re-tokenised; then the last block's ids (`last`, its drafts included), with the
+        re-tokenised window from SLEM_LOOKBEHIND ids before `seen` aligned onto their end
+        (longest_run): the ids after the run are replaced by the window's, the rest appended."""
+        if last is None or seen <= SLEM_LOOKBEHIND or self.vocab.same:
+            return self.convert(text, True) or [self.vocab.start]  # (never an empty text)
+        new = self.convert(text[seen - SLEM_LOOKBEHIND:], True)
+        run = longest_run(last[-len(new):], new)  # ([-0:]: all of it, as transformers slices)
+        if run is None:
+            return last + new
+        go_on, after = run
+        fix = new[go_on:go_on + after]
+        out = last[:len(last) - after] + fix if after and fix else list(last)
+        return out + new[go_on + after:]
+
+    def written(self, drafts: list[int]) -> list[int]:
+        """A block of drafts up to and including the first of the draft's own EOS ids."""
+        return drafts[:next((i + 1 for i, t in enumerate(drafts) if t in self.eos),
+                            len(drafts))]
+
+    def proposal(self, text: list[int], inputs: list[int], drafts: list[int]) -> list[int]:
+        """The target ids a block proposes (transformers' _process_assistant_outputs): the
+        draft's ids from SLEM_LOOKBEHIND before its input's end, through its drafts,
+        re-tokenised, aligned onto the end of the text (longest_run), what follows the run
+        and the text's ids after it; all of them when nothing aligns."""
+        if self.vocab.same:
+            return list(drafts)
+        out = inputs + self.written(drafts)
+        window = self.convert(out[len(inputs) - SLEM_LOOKBEHIND:], False)
+        run = longest_run(text[-len(window):], window)
+        return window if run is None else window[sum(run):]
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        n = sum(e - s for s, e in spans)  # proposes nowhere: p's mass on the shared tokens only
+        return [Scores(torch.zeros(n, 1, device=device), torch.zeros(n, dtype=torch.bool,
+                                                                     device=device),
+                       lambda x, where: torch.zeros(len(x), vocab, device=x.device),
+                       self.vocab.in_target)]
+
+    def start(self, prompts, view, config):
+        return SlemSession(self, prompts, config)
+
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self):
+        return [self.model]
+
+    def translation(self):
+        return self.vocab.describe(self.method)
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        if isinstance(model, OtherVocabulary) and model.method == "slem":
+            return cls(f"{name} (SLEM)", model.model, target, model.target_tokenizer,
+                       model.draft_tokenizer)
+        return None
+
+
 # The kinds of drafter, in the order find_drafter asks them: the names first, then the
 # checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
 # causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
 # __all__.
 DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
                                        DFlashDrafter, AssistantDrafter, PardDrafter,
-                                       ModelDrafter)
+                                       TliDrafter, SlemDrafter, ModelDrafter)
 
 
 def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
@@ -3002,8 +3523,9 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
             if not record_cycle(stats[b], cyc, c):
                 still.append(r)
             progress.update(len(stats[b].tokens) - before)
-        # 4. advance: rejected slots die; the new token is pending
-        settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), c.gamma)
+        # 4. advance: rejected slots die; the new token is pending (a proposal is gamma wide,
+        # or narrower: SLEM's, as wide as the batch's longest)
+        settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), proposal.tokens.shape[1])
         session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
                         view_of(seen if drafter.reads_target else [], slots, got))
         pending, npos = new, npos + n_acc + 1
@@ -3025,9 +3547,11 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
                    indices: Sequence[int] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
-    by indices[i] (default i), which also names prompt i's random stream."""
+    by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
+    draft block (a SLEM block's width in target tokens follows: Drafter.block)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
+    config = config._replace(gamma=drafter.block(config.gamma))
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
@@ -3447,11 +3971,16 @@ class Cost:
     # D drafter steps of its width in rows, then a verify of its N nodes
     per_cycle: bool = False  # ratio is one draft pass per cycle, whatever it proposes (a
     # drafter whose one pass drafts the block: PARD, DFlash), not one per drafted token
+    draft_steps: int | None = None  # every cycle runs this many draft steps and one verify
+    # pass, whatever it proposes (SLEM: the target tokens its text comes to)
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
         """proposed[k] = the share (or count) of cycles that proposed k tokens, k = 0..gamma;
         None = every cycle proposed gamma."""
+        if self.draft_steps is not None:
+            k = self.draft_steps
+            return est_speedup(tokens_per_cycle, k, self.ratio, self.verify[k])
         if proposed is None:
             return est_speedup(tokens_per_cycle, 1 if self.per_cycle else gamma, self.ratio,
                                self.verify[gamma])
@@ -3691,6 +4220,10 @@ class RunInfo:
     notes: list[str] = field(default_factory=list)
     one_draft_pass: bool = False  # the drafter drafts its block in one pass (PARD, DFlash):
     # cost_ratio is one pass per cycle, whatever gamma is
+    cross_vocab: dict[str, Any] | None = None  # a draft with a tokenizer of its own: "method"
+    # (TLI or SLEM), "shared_tokens" (the shared vocabulary's size), "target_tokens" and
+    # "draft_tokens" (the vocabularies'), "same_tokenizer", "p_mass_shared" (p's mean mass on
+    # the shared vocabulary), "draft_tokens_per_cycle" (gamma), "most_target_tokens_per_cycle"
 
 
 @dataclass
@@ -4293,6 +4826,16 @@ def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> li
     return notes
 
 
+def cross_vocab_notes(info: dict[str, Any]) -> list[str]:
+    """The warning a thin shared vocabulary earns (a draft with a tokenizer of its own)."""
+    mass = info.get("p_mass_shared")
+    if mass is None or mass >= 0.1:
+        return []
+    what = ("TLI can accept no more than that" if info["method"] == "TLI" else
+            "the two vocabularies have little in common")
+    return [f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, under 10%: {what}"]
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -4310,6 +4853,34 @@ RULE = "  " + "─" * 66
 
 SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt tokens",
              "simulation": "the text the simulation emitted"}
+
+
+CROSS_VOCAB = {"TLI": "token-level intersection: it proposes only tokens both vocabularies hold",
+               "SLEM": "string-level exact match: its greedy text re-tokenised into the "
+                       "target's tokens"}
+
+
+def _cross_vocab_lines(info: dict[str, Any]) -> list[str]:
+    """The header's lines for a draft with a tokenizer of its own."""
+    mass = info["p_mass_shared"]
+    lines = [f"  draft's own tokenizer: {info['method']} ({CROSS_VOCAB[info['method']]})",
+             f"    shared vocabulary {info['shared_tokens']:,} tokens (target "
+             f"{info['target_tokens']:,}, draft {info['draft_tokens']:,}); p's mass in it "
+             f"{_num(mass, '.3f')}"
+             + (" (one tokenizer: nothing translated)" if info["same_tokenizer"] else "")]
+    if info["method"] == "SLEM" and not info["same_tokenizer"]:
+        lines.append(f"    {info['draft_tokens_per_cycle']} draft tokens a cycle, proposed as "
+                     f"what they re-tokenise to (at most {info['most_target_tokens_per_cycle']}"
+                     f"): tokens per cycle count the target's")
+    return lines
+
+
+def _no_teacher_forced_lines(t: TeacherForced) -> list[str]:
+    """SLEM's teacher-forced section: why there is none."""
+    return ["  teacher-forced (distributional): none for SLEM: whether a drafted token is kept",
+            "    depends on how the draft's whole block re-tokenises and aligns with the",
+            "    target's tokens, which no single position's p and q determine",
+            f"    p's mass on the shared vocabulary {_num(t.draft_vocab_coverage, '.3f')}"]
 
 
 def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
@@ -4364,8 +4935,11 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
 
 
 def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
-    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset)
-    reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset)
+    most = (run.cross_vocab or {}).get("most_target_tokens_per_cycle", run.gamma)
+    # the offsets up to the last one reached (SLEM's block can reach more than gamma)
+    shown = max([run.gamma] + [j + 1 for j, n in enumerate(s.reached_by_draft_offset) if n])
+    offsets = "".join(f"{_num(a, '.2f'):>6}" for a in s.alpha_by_draft_offset[:shown])
+    reached = "".join(f"{n:>6}" for n in s.reached_by_draft_offset[:shown])
     return [
         RULE, "  simulated (generative): the real speculative-sampling loop — the number to "
               "trust",
@@ -4373,7 +4947,7 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
         f"    examined draft tokens         {s.examined_tokens:,} ({s.accepted_tokens:,} "
         f"accepted) from {s.simulated_prompts} prompts",
         f"    mean accepted length          {_num(s.mean_accepted_length, '.3f')}  "
-        f"of {run.gamma}   ({s.cycles:,} cycles, {s.censored_cycles} cut by EOS)",
+        f"of {most}   ({s.cycles:,} cycles, {s.censored_cycles} cut by EOS)",
         *([] if s.proposed_by_cycle[-1] == s.cycles else [
             f"    cycles with a proposal        {s.cycles - s.proposed_by_cycle[0]:,} of "
             f"{s.cycles:,}; "
@@ -4385,11 +4959,11 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
         f"prefill's token counted too: SGLang's per-request spec_accept_length)",
         f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
         f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
-        f"    alpha by draft offset 1..{run.gamma:<3}{offsets}",
+        f"    alpha by draft offset 1..{shown:<3}{offsets}",
         f"    cycles reaching it         {reached}",
         "      (a steep fall = the draft degrades as it runs ahead)",
         "    P(accepted length >= j)    "
-        + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset),
+        + "".join(f"{_num(a, '.2f'):>6}" for a in s.accepted_per_cycle_by_draft_offset[:shown]),
         "      (per cycle: the engines' per-position acceptance rate)",
         *([] if run.drafted_by is None else [
             "    drafted by                 " + "".join(  # "layer 2" -> "L2", "head 3" -> "H3"
@@ -4466,9 +5040,13 @@ def format_report(r: AcceptanceReport) -> str:
         lines.append(f"  context: the first {c['length']:,} tokens of {len(c['documents'])} "
                      f"documents" + (f" ({c['shorter']} shorter ones left out)"
                                      if c["shorter"] else ""))
+    if run.cross_vocab is not None:
+        lines += _cross_vocab_lines(run.cross_vocab)
     if run.partial:
         lines.append(f"  PARTIAL RESULT — {run.progress_note}")
-    lines += [RULE] + _teacher_forced_lines(t, run, cost)
+    slem = (run.cross_vocab or {}).get("method") == "SLEM"
+    lines += [RULE] + (_no_teacher_forced_lines(t) if slem else
+                       _teacher_forced_lines(t, run, cost))
     if r.simulated is not None and r.simulated.reached_by_draft_offset is not None:
         lines += _simulated_lines(r.simulated, run, cost)
     if r.gamma_table:
@@ -4709,6 +5287,10 @@ class Measurement:
             raise UsageError("with --continuation-tokens 0 the prompts are scored, but every "
                              "prompt has fewer than 2 tokens: nothing to score; raise "
                              "--max-length or use --continuation-tokens > 0")
+        alone = next((d for d in drafters if d.simulated_only), None)
+        if alone is not None and not s.simulate:
+            raise UsageError(f"{alone.name} has no teacher-forced form, only a simulated one: "
+                             f"add --simulate (simulate=True)")
         vocab = min(shared_vocab(self.target, d) for d in drafters)
         if any(max(q.ids) >= vocab for q in seqs):
             raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
@@ -4720,9 +5302,9 @@ class Measurement:
                              "--continuation-tokens >= 2")
         flat = next((d.name for d in drafters if s.trees and not d.drafts_trees), None)
         if flat is not None:
-            raise UsageError(f"--tree: {flat} drafts no tree (an n-gram lookup proposes one "
-                             f"chain; PARD and DFlash draft their block in one pass, served as a "
-                             f"chain); measure it without --tree")
+            raise UsageError(f"--tree: {flat} drafts no tree here (an n-gram lookup proposes "
+                             f"one chain; PARD and DFlash blocks and drafts in another vocabulary "
+                             f"are measured as chains); measure it without --tree")
         for d in drafters:
             if d.max_gamma is not None and s.gamma > d.max_gamma:
                 raise UsageError(f"--gamma {s.gamma}: {d.name} drafts at most {d.max_gamma} "
@@ -4858,10 +5440,12 @@ class Measurement:
         """The simulation of one batch with a drafter (its budget: continuation_tokens);
         states: see simulate_batch."""
         self.progress.set_description("simulation")
+        config = self.config(vocab)  # (a block's target tokens: drafter.block)
         with step(f"the simulation with draft {drafter.name}"):
             return simulate_batch(self.target, drafter,
                                   {i: list(self.sequences[i].ids) for i in batch},
-                                  self.config(vocab), self.progress, states)
+                                  config._replace(gamma=drafter.block(config.gamma)),
+                                  self.progress, states)
 
     def costs(self, drafters: Sequence[Drafter]) -> list[Cost]:
         """Each drafter's cost model (cost_model: parameters, timed, or given)."""
@@ -4888,13 +5472,16 @@ class Measurement:
         if tf is None and not interrupted:  # (no position at all to look at)
             raise UsageError("nothing to score: no scored position in any sequence; use "
                              "longer prompts or --continuation-tokens > 0")
+        if drafter.simulated_only:  # of the teacher-forced route, p's mass on its vocabulary
+            tf, table = TeacherForced(**pooled_means([r for r in results_ if r.positions])), []
         tf = tf or TeacherForced()
         tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
                         if s.simulate and not s.separate_continuation else "continuation")
         done = [r.sim for r in results_ if r.sim is not None]
-        sim = None
+        sim, width = None, drafter.block(s.gamma)  # (target tokens a cycle proposes, at most)
         if s.simulate and done:
-            sim = simulation_fields(done, s.gamma, cost, s.seed)
+            sim = simulation_fields(done, width, cost if width == s.gamma else
+                                    replace(cost, draft_steps=s.gamma), s.seed)
             add_simulated_gammas(table, sim, s.gamma, cost)
         if interrupted:
             simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
@@ -4906,6 +5493,11 @@ class Measurement:
             run.notes.insert(0, f"vocab widths differ (target {vocab_width(self.target)}, "
                                 f"draft {drafter.width}): both cut to the first {vocab} ids "
                                 f"before sampling; exact only if the surplus rows are padding")
+        if drafter.translation() is not None:
+            run.cross_vocab = {**drafter.translation(), "p_mass_shared": tf.draft_vocab_coverage,
+                               "draft_tokens_per_cycle": s.gamma,
+                               "most_target_tokens_per_cycle": width}
+            run.notes[:0] = cross_vocab_notes(run.cross_vocab)
         run.run_key_parts = self.run_key_parts(drafter, run.target)
         run.run_key = run_key(run.run_key_parts)
         return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost))
@@ -5096,9 +5688,11 @@ def _from_pretrained(transformers: Any, name: str, source: str, dtype: torch.dty
                          f"{config.model_type!r}); give a decoder-only LM such as Llama or GPT-2")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError) as e:
         if not config.model_type.endswith("_assistant"):
-            raise
+            raise UsageError(f"{name!r} has no tokenizer of its own that can be loaded "
+                             f"({_one_line(e)[:160]}): specdec reads each model's text with "
+                             f"its own; save the tokenizer beside the model") from None
         tok = None  # an assistant sidecar ships without one: it uses its target's
     # the GGUF reader draws its own progress bar, which nothing else switches off
     with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):
@@ -5740,14 +6334,17 @@ def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
         heads = r.alpha_by_head or [r.alpha or 0.0]
         ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
     else:
-        js = range(1, r.gamma + 1)
-        rates = [a or 0.0 for a in r.alpha_by_draft_offset]
+        # the offsets up to the last one reached (a SLEM block can reach more than gamma)
+        reached = r.reached_by_draft_offset[:max([r.gamma] + [
+            j + 1 for j, n in enumerate(r.reached_by_draft_offset) if n])]
+        js = range(1, len(reached) + 1)
+        rates = [a or 0.0 for a in r.alpha_by_draft_offset[:len(reached)]]
         lows, highs = zip(*(wilson(t, n) if n else (0.0, 0.0) for t, n in zip(
-            r.accepted_by_draft_offset, r.reached_by_draft_offset)))
+            r.accepted_by_draft_offset, reached)))
         ax.bar(js, rates, color="tab:orange", label="simulated, 95% interval",
                yerr=[[a - lo for a, lo in zip(rates, lows)],
                      [hi - a for a, hi in zip(rates, highs)]], capsize=4)
-        for j, n in zip(js, r.reached_by_draft_offset):
+        for j, n in zip(js, reached):
             ax.annotate(f"{n:,} cycles", (j, 1.02), ha="center", fontsize=8)
         ax.set_xticks(list(js))
     if r.alpha is not None:
@@ -5771,6 +6368,9 @@ def _plot_gammas(tokens_ax: Any, speed_ax: Any, r: AcceptanceReport) -> None:
         ax.set_xlabel("gamma (draft block)")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
+        if not table:  # SLEM: the simulated block alone, no teacher-forced table
+            ax.text(0.5, 0.5, "no teacher-forced route (SLEM)", ha="center",
+                    transform=ax.transAxes)
     speed_ax.axhline(1.0, color="black", linewidth=0.8)
 
 
@@ -6383,6 +6983,18 @@ def _parallel_options(ap: Any) -> None:
                     "flag; a model never trained for it gives an honest lower bound")
 
 
+def _cross_vocab_options(ap: Any) -> None:
+    ap.add_argument("--cross-vocab", default="auto", choices=["auto", "tli", "slem"],
+                    help="a --draft model whose tokenizer is not the target's: auto = "
+                    "token-level intersection (TLI: it proposes only tokens both vocabularies "
+                    "hold, lossless at every temperature), a draft of the target's tokenizer "
+                    "as before; tli or slem = that method for every draft model, of one "
+                    "tokenizer too; slem = string-level exact match (its greedy text "
+                    "re-tokenised into the target's tokens, as transformers' universal "
+                    "assisted generation runs it), simulated route only: needs --simulate "
+                    "(default auto)")
+
+
 def _measurement_options(ap: Any) -> None:
     ap.add_argument("--simulate", action="store_true",
                     help="also run the real speculative-sampling loop (the simulated route); "
@@ -6488,6 +7100,8 @@ def build_parser() -> argparse.ArgumentParser:
     _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
     _parallel_options(ap.add_argument_group("parallel drafters", "PARD and DFlash: a whole "
                                             "block from one draft pass"))
+    _cross_vocab_options(ap.add_argument_group("other vocabularies",
+                                               "a draft model with a tokenizer of its own"))
     _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
     _trees_options(ap.add_argument_group("trees", "trees of drafts, engine settings"))
     _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
@@ -6618,6 +7232,9 @@ def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
         raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
     if args.mtp_steps is not None and args.mtp_steps < 1:
         raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
+    if args.cross_vocab == "slem" and not args.simulate:
+        raise UsageError("--cross-vocab slem has no teacher-forced form, only a simulated one: "
+                         "add --simulate")
 
 
 def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -6716,24 +7333,42 @@ def _pard_mode(mask: str, tok: Any, found: dict[str, Drafter]) -> dict[str, Draf
             if isinstance(d, (ModelDrafter, PardDrafter)) else d for n, d in found.items()}
 
 
+def _cross_vocab(choice: str, tok_p: Any, tok_q: Any, n_shared: int) -> str | None:
+    """How a draft model is run (--cross-vocab): None, in the target's vocabulary as before,
+    when its tokenizer agrees with the target's on their shared ids (check_tokenizers; a
+    draft without one, an assistant sidecar, uses the target's) and no method is forced;
+    else "tli" (auto's choice) or "slem"."""
+    if choice != "auto":
+        return choice
+    try:
+        check_tokenizers(tok_p, tok_q, n_shared)
+    except UsageError:
+        return "tli"
+    return None
+
+
 def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
                ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
     """Load the target, then each --draft as the kinds of DRAFTERS recognise it (a model
-    named twice is loaded once; a draft model's tokenizer must agree with the target's), and
-    the early-exit drafts of --draft-layers: views of the single --draft model, or else of the
-    target. Returns them and the device inputs go to."""
+    named twice is loaded once; a draft model whose tokenizer is not the target's is handed
+    to the kinds as an OtherVocabulary: --cross-vocab), and the early-exit drafts of
+    --draft-layers: views of the single --draft model, or else of the target. Returns them
+    and the device inputs go to."""
     device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
     target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
                                                    args.use_unsloth, progress, **placement)
     loaded = {args.target: (target, tok)}
 
-    def load(name: str) -> nn.Module:
+    def as_loaded(model: nn.Module, tok_q: Any) -> nn.Module | OtherVocabulary:
+        method = _cross_vocab(args.cross_vocab, tok, tok_q,
+                              min(vocab_width(target), vocab_width(model)))
+        return model if method is None else OtherVocabulary(model, tok, tok_q, method)
+
+    def load(name: str) -> nn.Module | OtherVocabulary:
         if name not in loaded:
             loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
                                                     progress, **placement)[:2]
-        model, tok_q = loaded[name]
-        check_tokenizers(tok, tok_q, min(vocab_width(target), vocab_width(model)))
-        return model
+        return as_loaded(*loaded[name])
     options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps)
     found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
     models = [n for n in found if n in loaded]  # the --draft names that are models
@@ -6742,7 +7377,9 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
         del found[base]
     for n in layers:
         name = f"{base} [first {n} layers]"
-        found[name] = ModelDrafter(name, early_exit_draft(loaded[base][0], n))
+        view = as_loaded(early_exit_draft(loaded[base][0], n), loaded[base][1])
+        found[name] = next(d for kind in DRAFTERS for d in [kind.from_model(name, view, target)]
+                           if d)
     if args.pard_mask is not None:
         found = _pard_mode(args.pard_mask, tok, found)
     return target, tok, list(found.values()), device

@@ -19,16 +19,18 @@ Sections, in specdec.py's order (stand-ins and oracles first, the real model las
   11. drafters: EAGLE-3 heads and Medusa heads, from the checkpoints teams publish
   12. simulation: the batched, cached loop against the paper's one-prompt, no-cache loop
   13. simulation under the serving engines' rule (--proposal argmax): accept argmax q with p(x)
-  14. statistics: closed forms, estimators, intervals
-  15. the report
-  16. pictures and files
-  17. measurement: several drafts, costs, vocabularies, interrupts and resuming
-  18. training: alpha as a Trainer metric
-  19. loading models and data
-  20. many processes
-  21. command line
-  22. drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
-  23. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
+  14. trees: drafted as SGLang and EAGLE draft them, verified as the engines verify them
+  15. statistics: closed forms, estimators, intervals
+  16. the report
+  17. pictures and files
+  18. measurement: several drafts, costs, vocabularies, interrupts and resuming
+  19. training: alpha as a Trainer metric
+  20. loading models and data
+  21. many processes
+  22. command line
+  23. drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
+  24. drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
+  25. integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 """
 import os
 
@@ -45,6 +47,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
@@ -1019,40 +1022,39 @@ REPORT_JSON = (
     '0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2,"examined":4,"cycles":2'
     ',"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0],"proposed":[0,0,2],"g'
     'enerated":4}],"notes":["cost ratio from parameter counts: a rough guide; memory-bound serv'
-    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],'
-    '"one_draft_pass":false,"alpha"'  # (issue 28: a key added)
-    ':0.20843751852711043,"alpha_std":0.028615811774595375,"alpha_stderr":0.02023443455497424,"'
-    'alpha_ci":[0.18820308397213617,0.22867195308208466],"scored_positions":6,"n_sequences":2,"'
-    'alpha_by_head":null,"alpha_by_rule":{"sample":0.20843751852711043,"argmax":0.0035700780184'
-    '318623},"tokens_per_cycle_by_rule":{"sample":1.25188371765685,"argmax":1.0035828234754895}'
-    ',"est_speedup_by_rule":{"sample":0.41729457255228336,"argmax":0.33452760782516316},"propos'
-    'al_rate":1.0,"scored_on":"continuation","estimator":"iid","expected_accepted":0.2518837176'
-    '5684997,"expected_accepted_iid":0.25188371765684997,"expected_accepted_positional":0.25419'
-    '41997407643,"tokens_per_cycle":1.25188371765685,"tokens_per_cycle_ci":[1.223623484788759,1'
-    '.2809628152084598],"est_speedup":0.41729457255228336,"est_speedup_ci":[0.40787449492958633'
-    ',0.4269876050694866],"greedy_agreement":0.0,"p_argmax_q":0.0035700780184318623,"alpha_by_c'
-    'ategory":null,"sequences_by_category":null,"proposal_rate_by_category":null,"best_gamma":1'
-    ',"draft_vocab_coverage":null,"empirical_alpha":0.2857142857142857,"empirical_alpha_stderr"'
-    ':0.2448979591836735,"empirical_alpha_ci":[0.0,0.5],"accepted_tokens":2,"examined_tokens":7'
-    ',"cycles":5,"censored_cycles":0,"mean_accepted_length":0.4,"empirical_tokens_per_cycle":1.'
-    '4,"empirical_tokens_per_cycle_ci":[1.0,2.0],"empirical_est_speedup":0.4666666666666666,"em'
-    'pirical_est_speedup_ci":[0.3333333333333333,0.6666666666666666],"alpha_by_draft_offset":[0'
-    '.4,0.0],"reached_by_draft_offset":[5,2],"accepted_by_draft_offset":[2,0],"unproposed_by_dr'
-    'aft_offset":[0,0],"proposed_by_cycle":[0,0,5],"accepted_per_cycle_by_draft_offset":[0.4,0.'
-    '0],"generated_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"gamma_table":['
-    '{"gamma":1,"tokens_per_cycle":1.2084375185271103,"est_speedup":0.6042187592635552,"sim_tok'
-    'ens_per_cycle":1.4,"sim_est_speedup":0.7},{"gamma":2,"tokens_per_cycle":1.25188371765685,"'
-    'est_speedup":0.41729457255228336,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.4666666666'
-    '666666},{"gamma":3,"tokens_per_cycle":1.2609395355928876,"est_speedup":0.3152348838982219,'
-    '"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":4,"tokens_per_cycle":1.262827'
-    '1078117086,"est_speedup":0.25256542156234174,"sim_tokens_per_cycle":null,"sim_est_speedup"'
-    ':null},{"gamma":5,"tokens_per_cycle":1.2632205486810402,"est_speedup":0.2105367581135067,"'
-    'sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":6,"tokens_per_cycle":1.2633025'
-    '565195308,"est_speedup":0.1804717937885044,"sim_tokens_per_cycle":null,"sim_est_speedup":n'
-    'ull},{"gamma":7,"tokens_per_cycle":1.2633196500298858,"est_speedup":0.15791495625373572,"s'
-    'im_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":8,"tokens_per_cycle":1.26332321'
-    '2958767,"est_speedup":0.14036924588430744,"sim_tokens_per_cycle":null,"sim_est_speedup":nu'
-    'll}]}'
+    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],"one_dr'
+    'aft_pass":false,"cross_vocab":null,"alpha":0.20843751852711043,"alpha_std":0.0286158117745'
+    '95375,"alpha_stderr":0.02023443455497424,"alpha_ci":[0.18820308397213617,0.228671953082084'
+    '66],"scored_positions":6,"n_sequences":2,"alpha_by_head":null,"alpha_by_rule":{"sample":0.'
+    '20843751852711043,"argmax":0.0035700780184318623},"tokens_per_cycle_by_rule":{"sample":1.2'
+    '5188371765685,"argmax":1.0035828234754895},"est_speedup_by_rule":{"sample":0.4172945725522'
+    '8336,"argmax":0.33452760782516316},"proposal_rate":1.0,"scored_on":"continuation","estimat'
+    'or":"iid","expected_accepted":0.25188371765684997,"expected_accepted_iid":0.25188371765684'
+    '997,"expected_accepted_positional":0.2541941997407643,"tokens_per_cycle":1.25188371765685,'
+    '"tokens_per_cycle_ci":[1.223623484788759,1.2809628152084598],"est_speedup":0.4172945725522'
+    '8336,"est_speedup_ci":[0.40787449492958633,0.4269876050694866],"greedy_agreement":0.0,"p_a'
+    'rgmax_q":0.0035700780184318623,"alpha_by_category":null,"sequences_by_category":null,"prop'
+    'osal_rate_by_category":null,"best_gamma":1,"draft_vocab_coverage":null,"empirical_alpha":0'
+    '.2857142857142857,"empirical_alpha_stderr":0.2448979591836735,"empirical_alpha_ci":[0.0,0.'
+    '5],"accepted_tokens":2,"examined_tokens":7,"cycles":5,"censored_cycles":0,"mean_accepted_l'
+    'ength":0.4,"empirical_tokens_per_cycle":1.4,"empirical_tokens_per_cycle_ci":[1.0,2.0],"emp'
+    'irical_est_speedup":0.4666666666666666,"empirical_est_speedup_ci":[0.3333333333333333,0.66'
+    '66666666666666],"alpha_by_draft_offset":[0.4,0.0],"reached_by_draft_offset":[5,2],"accepte'
+    'd_by_draft_offset":[2,0],"unproposed_by_draft_offset":[0,0],"proposed_by_cycle":[0,0,5],"a'
+    'ccepted_per_cycle_by_draft_offset":[0.4,0.0],"generated_tokens":8,"tokens_per_verify_pass"'
+    ':1.6,"simulated_prompts":2,"gamma_table":[{"gamma":1,"tokens_per_cycle":1.2084375185271103'
+    ',"est_speedup":0.6042187592635552,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.7},{"gamm'
+    'a":2,"tokens_per_cycle":1.25188371765685,"est_speedup":0.41729457255228336,"sim_tokens_per'
+    '_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,"tokens_per_cycle":1.26093953'
+    '55928876,"est_speedup":0.3152348838982219,"sim_tokens_per_cycle":null,"sim_est_speedup":nu'
+    'll},{"gamma":4,"tokens_per_cycle":1.2628271078117086,"est_speedup":0.25256542156234174,"si'
+    'm_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_per_cycle":1.263220548'
+    '6810402,"est_speedup":0.2105367581135067,"sim_tokens_per_cycle":null,"sim_est_speedup":nul'
+    'l},{"gamma":6,"tokens_per_cycle":1.2633025565195308,"est_speedup":0.1804717937885044,"sim_'
+    'tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_cycle":1.26331965002'
+    '98858,"est_speedup":0.15791495625373572,"sim_tokens_per_cycle":null,"sim_est_speedup":null'
+    '},{"gamma":8,"tokens_per_cycle":1.263323212958767,"est_speedup":0.14036924588430744,"sim_t'
+    'okens_per_cycle":null,"sim_est_speedup":null}]}'
 )
 
 
@@ -4216,7 +4218,7 @@ def test_a_failed_run_leaves_an_earlier_json_untouched(tmp_path, capsys, model_d
     rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
                                   model_dirs["badtok"], "--data", data_txt, "--json", path]
                          + CLI_COMMON)
-    assert rc == 2 and "disagree" in err
+    assert rc == 2 and "cannot decode" in err
     assert json.loads(path.read_text("utf-8")) == {"earlier": True}
 
 
@@ -6020,8 +6022,8 @@ def bad_cases(d, data_txt, tmp):
         "draft-layers-not-a-number": (["--target", d["target"], "--draft-layers", "two",
                                        "--data", data_txt], "--draft-layers"),
         "use-unsloth-without-gpu": (t + ["--use-unsloth"], "unsloth"),
-        "tokenizers-disagree": (["--target", d["target"], "--draft", d["badtok"], "--data",
-                                 data_txt, "--quiet"], "disagree"),
+        "draft-tokenizer-cannot-decode": (["--target", d["target"], "--draft", d["badtok"],
+                                           "--data", data_txt, "--quiet"], "cannot decode"),
         "cost-ratio-abc": (t + ["--cost-ratio", "abc"], "--cost-ratio"),
         "cost-ratio-negative": (t + ["--cost-ratio", "-1"], "--cost-ratio"),
         "no-draft": (["--target", d["target"], "--data", data_txt], "--draft"),
@@ -6681,6 +6683,399 @@ def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, caps
     assert rc == 0 and "alpha by draft offset 1..3" in text, err
 
 
+# drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
+#
+# Two real tokenizers built here over one text: the target's a GPT-2-style byte-level BPE, the
+# draft's a SentencePiece-style BPE (Metaspace, '▁' for a space). Their pre-tokenisers differ,
+# so their merges do: vocabularies of different sizes, ids that differ, each with texts the
+# other lacks (test_the_two_tokenizers_really_differ). Two tiny Llamas are trained a few steps
+# on the text, each in its own tokens (the draft smaller and shorter): they write text, agree
+# often and not always.
+
+
+VOCAB_TEXT = ("the quick brown fox jumps over the lazy dog. speculative decoding drafts tokens "
+              "and the target verifies them. a draft with another tokenizer reads the text its "
+              "own way.")
+
+
+def bpe_tokenizer(size: int, metaspace: bool):
+    """A BPE tokenizer trained on VOCAB_TEXT: byte-level (GPT-2's marks, every byte a token)
+    or Metaspace (SentencePiece's '▁', the text's characters)."""
+    from tokenizers import decoders, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    if metaspace:
+        tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = sorted(set(VOCAB_TEXT) | {"▁"})
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder, alphabet = decoders.ByteLevel(), pre_tokenizers.ByteLevel.alphabet()
+    tk.train_from_iterator([VOCAB_TEXT] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<|eos|>"], initial_alphabet=alphabet,
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|eos|>")
+
+
+def trained_llama(tok, seed: int, layers: int, steps: int):
+    """A tiny Llama over tok's vocabulary, trained `steps` Adam steps on VOCAB_TEXT twice over
+    (windows of 24 tokens, seeded): it writes the text back, more or less well."""
+    model = make_llama(seed, vocab=len(tok), layers=layers).train().requires_grad_(True)
+    ids = torch.tensor(tok(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"])
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        x = torch.stack([ids[a:a + 24] for a in torch.randint(len(ids) - 24, (8,), generator=g)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
+
+
+class Foreign(NamedTuple):
+    tok_t: Any  # the target's tokenizer (byte-level)
+    tok_d: Any  # the draft's (Metaspace)
+    target: Any
+    draft: Any  # over tok_d's vocabulary
+
+
+@pytest.fixture(scope="session")
+def foreign():
+    tok_t, tok_d = bpe_tokenizer(320, False), bpe_tokenizer(90, True)
+    return Foreign(tok_t, tok_d, trained_llama(tok_t, 0, 2, 200),
+                   trained_llama(tok_d, 1, 1, 60))
+
+
+FOREIGN_PROMPTS = ["the quick", "a draft with", "speculative", "the target", "the lazy dog",
+                   "tokens and", "reads the", "brown fox", "verifies them.", "own way", "the"]
+
+
+def oracle_shared(tok_t, tok_d) -> dict[int, int]:
+    """The shared vocabulary by hand, for these two tokenizers: a token's text is its string
+    with the space mark ('Ġ' or '▁') read as a space (their other characters are the text's
+    own); target id -> draft id, each text at its lowest id."""
+    def texts(tok, mark):
+        out: dict[str, int] = {}
+        for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+            if piece != "<|eos|>" and all(c == mark or c in VOCAB_TEXT for c in piece):
+                out.setdefault(piece.replace(mark, " "), i)
+        return out
+    on_t, on_d = texts(tok_t, "Ġ"), texts(tok_d, "▁")
+    shared = {on_t[k]: on_d[k] for k in on_t.keys() & on_d.keys()}
+    shared[tok_t.eos_token_id] = tok_d.eos_token_id  # the one special token, in both
+    return shared
+
+
+def test_the_two_tokenizers_really_differ(foreign):
+    """Not a nested pair (a smaller vocabulary trained the same way keeps the larger one's
+    ids): different sizes, different ids for the same text, texts on each side the other
+    lacks; both give the text back. The shared vocabulary is the oracle's."""
+    t, d = foreign.tok_t, foreign.tok_d
+    for tok in (t, d):
+        assert tok.decode(tok(VOCAB_TEXT)["input_ids"]) == VOCAB_TEXT
+    assert t(VOCAB_TEXT)["input_ids"] != d(VOCAB_TEXT)["input_ids"]
+    shared = oracle_shared(t, d)
+    assert len(t) == 320 and len(d) == 90 and 40 <= len(shared) < len(d)
+    assert sum(a != b for a, b in shared.items()) > 0.9 * len(shared)  # ids differ
+    assert len(shared) < len(d)  # the draft has texts the target lacks (and the target many)
+    v = sd.SharedVocab(t, d, len(t), len(d))
+    assert dict(zip(v.target_ids.tolist(), v.draft_ids.tolist())) == shared
+    assert not v.same
+
+
+def oracle_tli_alphas(foreign, seqs, conts, s: "sd.SamplingParams"):
+    """Per prompt: the sums of alpha_t and of p_t's mass on the shared vocabulary, by brute
+    force. At each scored position t (predicting the continuation's token t + 1, from its
+    second on) the draft reads row[:t + 1] token by token (the shared ones as its own token,
+    the others' text re-tokenised), runs alone over it, no cache; q~ = the processed
+    distribution of its logits restricted to the shared tokens; alpha_t = sum over the
+    shared tokens of min(p_t, q~_t), in float64 Python loops."""
+    t, d = foreign.tok_t, foreign.tok_d
+    shared = oracle_shared(t, d)
+    order = sorted(shared)  # target ids of the shared tokens
+    out = []
+    for q, c in zip(seqs, conts):
+        row = q.ids + c
+        alphas, masses = 0.0, 0.0
+        for pos in range(len(q.ids), len(row) - 1):
+            reading = []
+            for tok_id in row[:pos + 1]:
+                reading += ([shared[tok_id]] if tok_id in shared else
+                            d(t.decode([tok_id]), add_special_tokens=False)["input_ids"])
+            with torch.no_grad():
+                lp = foreign.target(torch.tensor([row[:pos + 1]])).logits[0, -1]
+                lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+            p = bf_processed(lp, s)
+            q_shared = bf_processed([lq[shared[i]] for i in order], s)
+            alphas += sum(min(p[i], qi) for i, qi in zip(order, q_shared))
+            masses += sum(p[i] for i in order)
+        out.append((alphas, masses))
+    return out
+
+
+@pytest.mark.parametrize("key", ["t1", "topk_topp", "greedy"])
+def test_tli_teacher_forced_alpha_matches_brute_force(key, foreign):
+    """TLI's teacher-forced alpha and p's mass on the shared vocabulary, per prompt, equal the
+    brute-force oracle's on the continuations the target wrote (1e-5: float32 against
+    float64)."""
+    s = SAMPLINGS[key]
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    r = sd.measure_drafts(foreign.target, [tli], seqs, sampling=s, device=CPU, gamma=3,
+                          continuation_tokens=6, batch_size=3)[0]
+    conts = continuations(foreign.target, seqs, s, 6, vocab=len(foreign.tok_t))
+    want = oracle_tli_alphas(foreign, seqs, conts, s)
+    got = sorted(r.run.per_prompt, key=lambda row: row["index"])
+    for row, (alpha_sum, mass_sum) in zip(got, want):
+        assert row["alpha_sum"] == pytest.approx(alpha_sum, rel=1e-5, abs=1e-6)
+        assert row["coverage_sum"] == pytest.approx(mass_sum, rel=1e-5, abs=1e-6)
+    assert 0.2 < r.alpha < 0.98 and 0.5 < r.draft_vocab_coverage < 1  # not a trivial pair
+    assert r.run.cross_vocab["method"] == "TLI"
+    assert r.run.cross_vocab["p_mass_shared"] == r.draft_vocab_coverage
+    assert r.run.cross_vocab["shared_tokens"] == len(oracle_shared(foreign.tok_t, foreign.tok_d))
+
+
+@torch.no_grad()
+def tli_cycle_law(foreign, prompt, s, f=1.0):
+    """Brute force, float64, after the prompt's most likely prefill token v: (v, the target's
+    law of the next token, the law of the first cycle's token when the acceptance test uses
+    f * q~ for the q~ the proposal was drawn from: f < 1 is a q~ not renormalised over the
+    shared tokens, which held the share f of the draft's mass)."""
+    t, d, vocab = foreign.tok_t, foreign.tok_d, len(foreign.tok_t)
+    v = int(torch.tensor(bf_processed(last_logits(foreign.target, prompt, vocab), s)).argmax())
+    ctx = list(prompt) + [v]
+    shared = oracle_shared(t, d)
+    reading = [x for tok_id in ctx for x in ([shared[tok_id]] if tok_id in shared else
+                                             d(t.decode([tok_id]), add_special_tokens=False)[
+                                                 "input_ids"])]
+    p = torch.tensor(bf_processed(last_logits(foreign.target, ctx, vocab), s),
+                     dtype=torch.float64)
+    lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+    q = torch.zeros(vocab, dtype=torch.float64)
+    q[sorted(shared)] = torch.tensor(bf_processed([lq[shared[i]] for i in sorted(shared)], s),
+                                     dtype=torch.float64)
+    take = q * torch.where(q > 0, (p / (f * q).clamp_min(1e-300)).clamp(max=1.0), 0.0)
+    left = (p - f * q).clamp_min(0)
+    return v, p, take + (1 - take.sum()) * left / left.sum()
+
+
+def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
+    """The first cycle's token, from 3,000 runs of one prompt (those after its most likely
+    prefill token, about 2,500), follows the target's law: chi-square against it.
+
+    Power, found by planting the error: the acceptance test run with 0.9 q~ (a q~ not
+    renormalised over the shared tokens, as if they held 90% of the draft's mass). Its law,
+    enumerated (tli_cycle_law), sits at chi-square noncentrality above 45 from the target's
+    for this many draws, against a critical value of 24 (7 d.f., p = 1e-3): power above
+    0.95; the planted run is rejected. 0.95 q~ (noncentrality 12) is not caught."""
+    s, n = sd.SamplingParams(1.0), 3000
+    prompt = foreign.tok_t("a draft")["input_ids"]
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+
+    def first_cycle_tokens(v):
+        rows = sd.run_simulation(foreign.target, tli, [sd.TokenSequence(prompt)] * n,
+                                 sd.LoopConfig(s, 1, 2, len(foreign.tok_t), frozenset(), CPU, 3),
+                                 batch_size=n)
+        got = [rows[i].tokens[1] for i in range(n) if rows[i].tokens[0] == v]
+        return torch.bincount(torch.tensor(got), minlength=len(foreign.tok_t))
+    v, p, planted = tli_cycle_law(foreign, prompt, s, f=0.9)
+    got = first_cycle_tokens(v)
+    assert sd.acceptance(p, tli_cycle_law(foreign, prompt, s)[2]).item() > 0.99  # (the law)
+    assert noncentrality(int(got.sum()), planted, p) > 45
+    assert chi2_pvalue(got, p) > 1e-3
+    real = sd.SharedVocab.on_target
+    monkeypatch.setattr(sd.SharedVocab, "on_target",
+                        lambda self, q, vocab: 0.9 * real(self, q, vocab))
+    assert chi2_pvalue(first_cycle_tokens(v), p) < 1e-3
+
+
+def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(foreign,
+                                                                            monkeypatch):
+    """SLEM against transformers' own generate(assistant_model=, tokenizer=,
+    assistant_tokenizer=) at T = 0 (its AssistedCandidateGeneratorDifferentTokenizers): per
+    prompt the same tokens, and cycle by cycle the same (target tokens proposed, accepted).
+    transformers drafts the first token itself where specdec takes it from the target's
+    prefill, so it runs on the prompt plus that token, one token less to go; it crops its last
+    block at max_new_tokens, so the cycles before it are compared. The assistant is set to a
+    constant block of gamma and no confidence cut; the two vocabulary sizes differ, as
+    transformers requires, and the pad id is one no model writes (transformers masks the
+    assistant's inputs equal to it)."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
+    draft = copy.deepcopy(foreign.draft)
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
+    compared, accepted, partial, long_blocks = 0, 0, 0, 0
+    for text in FOREIGN_PROMPTS:
+        ids = foreign.tok_t(text)["input_ids"]
+        ours.clear()
+        row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
+        mine = ours[id(row)]
+        theirs.clear()
+        x = torch.tensor([ids + row.tokens[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = foreign.target.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=budget - 1,
+                assistant_model=draft, tokenizer=foreign.tok_t,
+                assistant_tokenizer=foreign.tok_d, pad_token_id=vocab + 7)[0, x.shape[1]:]
+        assert row.tokens == row.tokens[:1] + out.tolist()
+        assert row.tokens[0] == int(last_logits(foreign.target, ids, vocab).argmax())
+        done, whole = 1, 0  # (the prefill's token) the cycles that end inside the budget
+        for k, n in mine:
+            if done + k + 1 > budget:
+                break
+            done, whole = done + n + 1, whole + 1
+        assert whole >= 5 and mine[:whole] == theirs[:whole], (text, mine, theirs)
+        compared += whole
+        accepted += sum(n for _, n in mine[:whole])
+        partial += sum(0 < n < k for k, n in mine[:whole])
+        long_blocks += sum(k > gamma for k, _ in mine[:whole])
+    assert compared >= 60 and accepted >= 60 and partial >= 3
+    assert long_blocks >= 3  # blocks of more target tokens than the draft wrote: counted so
+
+
+def numbers_of(report) -> dict:
+    """Every number of a report, the draft's name and the translation's record aside."""
+    out = report.to_dict()
+    for k in ("draft", "run_key", "run_key_parts", "cross_vocab", "draft_vocab_coverage"):
+        out.pop(k)
+    for row in out["per_prompt"]:
+        row.pop("coverage_sum")
+    return out
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1", "topk_topp"])
+def test_a_pair_of_one_tokenizer_gives_todays_numbers_whichever_method_is_forced(key, foreign):
+    """With the target's tokenizer on both sides nothing is translated: TLI gives every number
+    of the draft model measured as today (both routes, bit for bit: the same forwards, the
+    shared vocabulary all of it), and SLEM the simulated ones of today's argmax proposal
+    (its draft writes its argmax: under --proposal argmax the rules are the same)."""
+    s = SAMPLINGS[key]
+    tok = foreign.tok_t
+    target, draft = foreign.target, sd.early_exit_draft(foreign.target, 1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:5], tok)
+    kw = dict(device=CPU, gamma=3, continuation_tokens=12, simulate=True, batch_size=2)
+    today = sd.measure_drafts(target, [("d", draft)], seqs, sampling=s, **kw)[0]
+    tli = sd.measure_drafts(target, [sd.TliDrafter("d", draft, target, tok, tok)], seqs,
+                            sampling=s, **kw)[0]
+    assert numbers_of(tli) == numbers_of(today)
+    assert tli.run.cross_vocab["same_tokenizer"]
+    assert tli.draft_vocab_coverage == pytest.approx(1, abs=1e-6)
+    argmax = sd.measure_drafts(target, [("d", draft)], seqs, sampling=argmax_rule(s), **kw)[0]
+    slem = sd.measure_drafts(target, [sd.SlemDrafter("d", draft, target, tok, tok)], seqs,
+                             sampling=s, **kw)[0]
+    assert asdict_equal(slem.simulated, argmax.simulated)
+    assert slem.alpha is None and slem.gamma_table == []  # no teacher-forced form
+    assert 0 < argmax.simulated.alpha < 1
+
+
+@pytest.fixture(scope="session")
+def foreign_dirs(tmp_path_factory, foreign):
+    """target/ and draft/ saved as users have them (weights and tokenizer), draft-no-tok/
+    (the draft's weights alone), thin/ (a draft whose tokenizer shares little with the
+    target's: upper-case text)."""
+    root = tmp_path_factory.mktemp("foreign")
+    dirs = {}
+    for name, model, tok in [("target", foreign.target, foreign.tok_t),
+                             ("draft", foreign.draft, foreign.tok_d),
+                             ("draft-no-tok", foreign.draft, None)]:
+        model.save_pretrained(root / name)
+        if tok is not None:
+            tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp_path, foreign,
+                                                                     foreign_dirs):
+    """Tokenizers that disagree are no longer refused: TLI by default, SLEM when asked, the
+    header says which, with the shared vocabulary's size and p's mass in it; the numbers are
+    the library's. SLEM's speedup counts gamma draft steps a cycle, whatever number of target
+    tokens it proposed."""
+    data = tmp_path / "p.txt"
+    data.write_text("\n".join(FOREIGN_PROMPTS[:4]) + "\n", "utf-8")
+    base = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data", data,
+            "--chat-template", "off", "--temperature", "0", "--gamma", "3",
+            "--continuation-tokens", "12", "--simulate", "--quiet", "--cost-ratio", "0.1"]
+    rc, out, _ = run_cli(capsys, base + ["--json", tmp_path / "tli.json"])
+    assert rc == 0 and "draft's own tokenizer: TLI (token-level intersection" in out
+    got = json.loads((tmp_path / "tli.json").read_text("utf-8"))
+    shared = len(oracle_shared(foreign.tok_t, foreign.tok_d))
+    assert got["cross_vocab"]["method"] == "TLI" and got["cross_vocab"]["shared_tokens"] == shared
+    assert f"shared vocabulary {shared} tokens (target 320, draft 90)" in out
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    lib = sd.measure_drafts(foreign.target, [sd.TliDrafter(
+        foreign_dirs["draft"] + " (TLI)", foreign.draft, foreign.target, foreign.tok_t,
+        foreign.tok_d)], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
+        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
+    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--json",
+                                         tmp_path / "slem.json"])
+    assert rc == 0 and "teacher-forced (distributional): none for SLEM" in out
+    got = json.loads((tmp_path / "slem.json").read_text("utf-8"))
+    assert got["cross_vocab"]["method"] == "SLEM" and got["alpha"] is None
+    assert got["cross_vocab"]["most_target_tokens_per_cycle"] == 3 * sd.SLEM_WIDTH
+    assert got["empirical_est_speedup"] == pytest.approx(
+        got["empirical_tokens_per_cycle"] / (3 * 0.1 + 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("more,word", [
+    (["--cross-vocab", "slem"], "add --simulate"),  # SLEM has no teacher-forced form
+    (["--draft", "draft-no-tok"], "no tokenizer of its own"),
+])
+def test_cli_drafts_with_another_tokenizer_bad_input_is_one_line(more, word, capsys, tmp_path,
+                                                                 foreign_dirs):
+    data = tmp_path / "p.txt"
+    data.write_text("the quick\n", "utf-8")
+    argv = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data",
+            data, "--quiet"] + more
+    if "draft-no-tok" in more:
+        argv = argv[:4] + argv[6:]
+        argv[3] = foreign_dirs["draft-no-tok"]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and word in err, err
+
+
+def test_a_thin_shared_vocabulary_is_a_warning_with_its_number(foreign):
+    """A draft whose tokenizer shares next to nothing with the target's (whole words, split at
+    spaces: only words at the start of a text match the target's tokens) is measured, with a
+    note that says how little of p's mass its vocabulary holds."""
+    from tokenizers import pre_tokenizers
+    words = ["[UNK]"] + sorted(set(sd.DECODE_PROBE.split()))
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    thin = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    draft = make_llama(3, vocab=len(thin), layers=1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:2], foreign.tok_t)
+    r = sd.measure_drafts(foreign.target, [sd.TliDrafter("thin", draft, foreign.target,
+                                                         foreign.tok_t, thin)], seqs,
+                          sampling=sd.SamplingParams(1.0), device=CPU, continuation_tokens=6)[0]
+    mass = r.run.cross_vocab["p_mass_shared"]
+    assert mass == r.draft_vocab_coverage < 0.1
+    assert r.run.notes[0] == (f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, "
+                              f"under 10%: TLI can accept no more than that")
+    assert r.alpha <= mass + 1e-6  # nothing off the shared vocabulary is ever accepted
+
+
+
+@pytest.mark.parametrize("kind", ["TliDrafter", "SlemDrafter"])
+def test_measured_cost_times_a_step_of_the_drafts_own_tokens(kind, foreign):
+    """--cost-ratio measure opens the draft's session as the loop does (its reading of the
+    text included) and times one step of its own tokens: a time, and a ratio no lower than
+    its parameter share (clamp_costs)."""
+    d = getattr(sd, kind)("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:1], foreign.tok_t)
+    cost = sd.cost_model(foreign.target, d, sd.Settings(gamma=2, cost_ratio="measure"), seqs,
+                         CPU)
+    assert cost.timings["draft_step_s"] > 0
+    assert cost.ratio >= d.param_cost(foreign.target)[0] > 0
+
 # ----------------------------------------------------------------------------------------------
 # integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
 
@@ -6788,3 +7183,86 @@ def test_smollm2_as_its_own_pard_draft_is_exact_at_offset_one(smol):
     assert r.alpha_by_head[0] == pytest.approx(1.0, abs=1e-6)
     assert r.alpha_by_draft_offset[0] == 1.0 and max(r.alpha_by_head[1:]) < 0.5
     assert 2.0 <= r.empirical_tokens_per_cycle < 3.0 and r.one_draft_pass
+
+
+@torch.no_grad()
+def transplanted(model, tok_from, tok_to, layers: int):
+    """The first `layers` layers of `model` (a Llama with a tied head) speaking tok_to's
+    vocabulary: a token whose bytes are a tok_from token takes its embedding row, any other the
+    mean of the rows of tok_from's tokens for its bytes (the mean row when there are none)."""
+    spell = {b: c for c, b in sd._byte_chars().items()}  # byte -> byte-level character
+    rows_of = {k: i for i, k in enumerate(sd.token_texts(tok_from)) if k is not None}
+    emb = model.get_input_embeddings().weight
+    rows = []
+    for key in sd.token_texts(tok_to):
+        text = key[1] if isinstance(key, tuple) else "".join(spell[b] for b in key)
+        ids = [rows_of[key]] if key in rows_of else [
+            rows_of[bytes(sd._byte_chars()[c] for c in piece.value)]
+            for piece in tok_from.backend_tokenizer.model.tokenize(text)]
+        rows.append(emb[ids].mean(0) if ids else emb.mean(0))
+    config = model.config.to_dict()
+    config.update(num_hidden_layers=layers, vocab_size=len(tok_to), tie_word_embeddings=True)
+    config.pop("layer_types", None)
+    draft = LlamaForCausalLM(type(model.config)(**config))
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    state["model.embed_tokens.weight"] = state["lm_head.weight"] = torch.stack(rows)
+    draft.load_state_dict(state)
+    return draft.eval().requires_grad_(False)
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_runs_it(
+        smol, monkeypatch):
+    """A real pair of tokenizers: SmolLM2's, and one re-merged here from it (its byte-level
+    BPE retrained on the builtin prompts: about 1,150 tokens, ids unrelated past the bytes),
+    spoken by SmolLM2's first 24 layers through an embedding transplant. SLEM at T = 0 equals
+    transformers' universal assisted generation per prompt (tokens; cycles before its last,
+    cropped one), run after the target's first token; TLI's greedy simulation writes the
+    target's own greedy text (lossless), and its alpha never passes p's mass on the shared
+    vocabulary."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    target, tok, _, _ = smol
+    texts = [p.content if isinstance(p.content, str) else " ".join(m["content"] for m in
+                                                                   p.content)
+             for p in sd.load_texts("builtin")]
+    tok_d = tok.train_new_from_iterator(texts * 3, vocab_size=1200)
+    draft = transplanted(target, tok, tok_d, 24)
+    gamma, budget, vocab = 3, 16, sd.vocab_width(target)
+    seqs = sd.build_sequences(sd.load_texts("builtin"), tok, max_samples=2)
+    tli = sd.TliDrafter("d", draft, target, tok, tok_d)
+    r = sd.measure_drafts(target, [tli], seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                          gamma=gamma, continuation_tokens=budget, simulate=True)[0]
+    for i, q in enumerate(seqs):
+        greedy = target.generate(torch.tensor([q.ids]), do_sample=False, max_new_tokens=budget,
+                                 pad_token_id=vocab + 7)[0, len(q.ids):].tolist()
+        assert r.per_prompt[i]["generated"] == budget and greedy == sd.run_simulation(
+            target, tli, [q], sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab,
+                                             frozenset(), CPU))[0].tokens
+    assert 0 < r.alpha <= r.draft_vocab_coverage < 1
+    slem = sd.SlemDrafter("d", draft, target, tok, tok_d)
+    draft.generation_config.num_assistant_tokens = gamma  # (for transformers)
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
+    for q in seqs:
+        ours.clear()
+        row = sd.run_simulation(target, slem, [q], config)[0]
+        theirs.clear()
+        x = torch.tensor([q.ids + row.tokens[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=budget - 1, assistant_model=draft,
+                                  tokenizer=tok, assistant_tokenizer=tok_d,
+                                  pad_token_id=vocab + 7)[0, x.shape[1]:].tolist()
+        assert row.tokens == row.tokens[:1] + out
+        mine, done, whole = ours[id(row)], 1, 0  # the cycles that end inside the budget
+        for k, n in mine:
+            if done + k + 1 > budget:
+                break
+            done, whole = done + n + 1, whole + 1
+        assert whole >= 2 and mine[:whole] == theirs[:whole], (mine, theirs)
