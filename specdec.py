@@ -344,7 +344,8 @@ class Session(abc.ABC):
         """Draft up to gamma tokens per row after pending (B,), the newest committed token, at
         position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G)), or, given
         forced (B, G), is forced[b, i]: a tree's branches and its replay of the target's
-        text draft given tokens, each q still the drafter's own."""
+        text draft given tokens. Forced, only the last step's q is read (a branch's children):
+        a session may leave the earlier ones zero (a draft model computes the last alone)."""
 
     @abc.abstractmethod
     def advance(self, n_acc: torch.Tensor, committed: list[list[int]],
@@ -356,6 +357,10 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
+
+    grows = False  # a fork that drafted a forced token may draft on from it (propose after
+    # the forced token, as if committed): a drafter that reads only its own tokens (a draft
+    # model), whose tree then grows a level a pass instead of redrafting each path
 
     def fork(self, rows: torch.Tensor, config: LoopConfig) -> Session:
         """A copy of the session over `rows` (repeats allowed), run under `config` from here
@@ -1194,6 +1199,8 @@ class ModelSession(Session):
     frozen target elsewhere): its cache and inputs live on its own device, the proposal is
     handed back on the loop's (config.device, the target's)."""
 
+    grows = True
+
     def __init__(self, model: nn.Module, prompts: list[list[int]], config: LoopConfig):
         self.model, self.config = model, config
         self.device = model_device(model) or config.device
@@ -1228,15 +1235,17 @@ class ModelSession(Session):
     def forced(self, x: torch.Tensor, pos: torch.Tensor, live: torch.Tensor | None,
                npos: torch.Tensor, forced: torch.Tensor) -> Proposal:
         """propose's drafts when they are given (forced, (B, G)): the pending token's input
-        x at pos (live) and the first G - 1 drafts in one pass, the same slots filled."""
+        x at pos (live) and the first G - 1 drafts in one pass, the same slots filled; the
+        head runs at the last position alone (the q read), the earlier q's are zero."""
         c, more = self.config, forced[:, :self.config.gamma - 1]
         x = torch.cat([x, more], 1)
         pos = torch.cat([pos, npos[:, None] + 1 + torch.arange(more.shape[1],
                                                                device=npos.device)], 1)
         live = None if live is None else torch.cat([live, torch.ones_like(more)], 1)
-        logits = extend(self.model, self.slots, x, pos, live)[:, -c.gamma:]  # (B, G, V)
-        q = draft_probs(logits[..., :c.vocab], c.sampling)
-        self.last = forced[:, -1]
+        logits = extend(self.model, self.slots, x, pos, live, last_only=True)  # (B, 1, V)
+        q = logits.new_zeros(len(x), c.gamma, c.vocab)
+        q[:, -1] = draft_probs(logits[:, -1, :c.vocab], c.sampling)
+        self.last, self.full = forced[:, -1], [False] * len(x)  # (last cycle's d_G: fed)
         return Proposal(forced.to(c.device), q.to(c.device),
                         torch.isfinite(logits).flatten(1).all(1).to(c.device))
 
@@ -3650,6 +3659,24 @@ def branch_q(session: Session, pending: torch.Tensor, npos: torch.Tensor, rows: 
     return (prop.q * made[..., None])[:, d]
 
 
+def grower(session: Session, pending: torch.Tensor, npos: torch.Tensor
+           ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """branch_q for a session that grows (Session.grows), a level a pass: grow(rows, tokens)
+    forks the last level's fork at `rows` (the session itself at the root), drafts each row's
+    token (its branch's newest, the pending one at the root) as forced and -> the q after it
+    (M, V). Each level feeds one token a branch instead of its whole path."""
+    level = {"fork": session, "at": npos}
+
+    def grow(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        fork = level["fork"].fork(rows, session.config._replace(sampling=TREE_SCORES, gamma=1))
+        at = level["at"][rows] + (level["fork"] is not session)
+        prop = fork.propose(tokens, at, torch.zeros(len(rows), 1, device=at.device),
+                            tokens.new_zeros(len(rows), 1))
+        level.update(fork=fork, at=at)
+        return prop.q[:, 0] * (prop.count is None or prop.count[:, None] > 0)
+    return grow
+
+
 def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
                ) -> list[list[tuple[int, int]]]:
     """Each row's tree of drafts after its pending token (B,) at npos (B,): its nodes as (token,
@@ -3662,14 +3689,19 @@ def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec
     if spec.choices:
         return static_tree(session, pending, npos, spec)
     k, device = spec.topk, npos.device
-    q = branch_q(session, pending, npos, torch.arange(b, device=device),
-                 pending[:, None][:, :0])  # (B, V): the root's children, no path yet
+    grow = grower(session, pending, npos) if session.grows else None
+    q = grow(torch.arange(b, device=device), pending) if grow else branch_q(
+        session, pending, npos, torch.arange(b, device=device),
+        pending[:, None][:, :0])  # (B, V): the root's children, no path yet
     score, tok = q.topk(k)  # (B, K)
     toks, scores, parents = [tok], [score], [torch.full_like(tok, -1)]
     front, path, at = torch.arange(k, device=device).expand(b, k), tok[:, :, None], k
+    came = torch.arange(b, device=device).repeat_interleave(k)  # each frontier path's row in
+    # the grower's last fork
     for _ in range(spec.steps - 1):
-        q = branch_q(session, pending, npos, torch.arange(b, device=device).repeat_interleave(k),
-                     path.reshape(b * k, -1))  # (B K, V)
+        q = grow(came, path[:, :, -1].reshape(-1)) if grow else branch_q(
+            session, pending, npos, torch.arange(b, device=device).repeat_interleave(k),
+            path.reshape(b * k, -1))  # (B K, V)
         p, t = q.topk(k)
         cand = (score[:, :, None] * p.view(b, k, k)).flatten(1)  # (B, K K)
         toks.append(t.view(b, k * k))
@@ -3678,6 +3710,7 @@ def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec
         score, best = cand.topk(k)  # the next frontier: the K best candidates
         path = torch.cat([path.gather(1, (best // k)[..., None].expand(-1, -1, path.shape[2])),
                           toks[-1].gather(1, best)[..., None]], 2)
+        came = (torch.arange(b, device=device)[:, None] * k + best // k).reshape(-1)
         front, at = at + best, at + k * k
     toks, scores, parents = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
     trees = []
