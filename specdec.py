@@ -3027,7 +3027,42 @@ class TliSession(ReadingSession):
         self.text = [self.text[r] for r in rows.tolist()]
 
 
-class TliDrafter(Drafter):
+class OtherVocabDrafter(Drafter):
+    """What the two ways of running a draft model with a tokenizer of its own share (TLI and
+    SLEM below): both tokenizers checked to decode, the shared vocabulary, the cost of the
+    draft model, and recognising an OtherVocabulary of its method (--cross-vocab)."""
+
+    method = ""  # "TLI" or "SLEM"
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        check_decodes(target_tokenizer, "target")
+        check_decodes(draft_tokenizer, f"draft {name}")
+        self.name, self.model = name, model
+        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
+                                 vocab_width(model))
+        # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
+        self.width = vocab_width(model) if self.vocab.same else None
+
+    def param_cost(self, target):
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self):
+        return [self.model]
+
+    def translation(self):
+        return self.vocab.describe(self.method)
+
+    @classmethod
+    def from_model(cls, name, model, target):
+        if isinstance(model, OtherVocabulary) and model.method == cls.method.lower():
+            return cls(f"{name} ({cls.method})", model.model, target, model.target_tokenizer,
+                       model.draft_tokenizer)
+        return None
+
+
+class TliDrafter(OtherVocabDrafter):
     """A draft model with a tokenizer of its own, drafting by token-level intersection (TLI).
     It reads the text in its own tokens (SharedVocab.reading: its own token for each target
     token whose text both vocabularies hold, that token's text re-tokenised by its tokenizer
@@ -3040,16 +3075,10 @@ class TliDrafter(Drafter):
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
-        check_decodes(target_tokenizer, "target")
-        check_decodes(draft_tokenizer, f"draft {name}")
-        self.name, self.model = name, model
-        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
-                                 vocab_width(model))
+        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
         if not len(self.vocab.target_ids):
             raise UsageError(f"{name}: its tokenizer and the target's share no token: it could "
                              f"propose nothing")
-        # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
-        self.width = vocab_width(model) if self.vocab.same else None
         self.route: bool | None = None  # head_route, found on the first rows scored
 
     def cut(self, vocab: int) -> int | None:
@@ -3083,23 +3112,6 @@ class TliDrafter(Drafter):
 
     def start(self, prompts, view, config):
         return TliSession(self, prompts, config)
-
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
-
-    def networks(self):
-        return [self.model]
-
-    def translation(self):
-        return self.vocab.describe(self.method)
-
-    @classmethod
-    def from_model(cls, name, model, target):
-        if isinstance(model, OtherVocabulary) and model.method == "tli":
-            return cls(f"{name} (TLI)", model.model, target, model.target_tokenizer,
-                       model.draft_tokenizer)
-        return None
 
 
 SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
@@ -3191,7 +3203,7 @@ class SlemSession(ReadingSession):
         self.seen = [self.seen[r] for r in keep]
 
 
-class SlemDrafter(Drafter):
+class SlemDrafter(OtherVocabDrafter):
     """A draft model with a tokenizer of its own, drafting by string-level exact match (SLEM),
     as transformers' universal assisted generation runs it at temperature 0 (its candidate
     generator for assistant_tokenizer; SlemSession): gamma tokens of its own a cycle, greedily,
@@ -3208,12 +3220,7 @@ class SlemDrafter(Drafter):
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
-        check_decodes(target_tokenizer, "target")
-        check_decodes(draft_tokenizer, f"draft {name}")
-        self.name, self.model = name, model
-        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
-                                 vocab_width(model))
-        self.width = vocab_width(model) if self.vocab.same else None
+        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
         self.factor = 1 if self.vocab.same else SLEM_WIDTH
         self.eos = frozenset(eos_ids(model, draft_tokenizer))  # the draft's text ends there
 
@@ -3274,23 +3281,6 @@ class SlemDrafter(Drafter):
 
     def start(self, prompts, view, config):
         return SlemSession(self, prompts, config)
-
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
-
-    def networks(self):
-        return [self.model]
-
-    def translation(self):
-        return self.vocab.describe(self.method)
-
-    @classmethod
-    def from_model(cls, name, model, target):
-        if isinstance(model, OtherVocabulary) and model.method == "slem":
-            return cls(f"{name} (SLEM)", model.model, target, model.target_tokenizer,
-                       model.draft_tokenizer)
-        return None
 
 
 # The kinds of drafter, in the order find_drafter asks them: the names first, then the
