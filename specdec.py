@@ -3667,6 +3667,35 @@ def grower(session: Session, pending: torch.Tensor, npos: torch.Tensor
     return grow
 
 
+def static_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
+                ) -> list[list[tuple[int, int]]]:
+    """draft_tree for a static tree: level by level, q at each parent path (one branch each)
+    gives its children, the token of each child's rank."""
+    b, device = len(pending), npos.device
+    choices = sorted(spec.choices, key=lambda c: (len(c), c))
+    index = {c: i for i, c in enumerate(choices)}
+    tokens: list[list[int]] = [[0] * len(choices) for _ in range(b)]
+    alive = torch.ones(b, len(choices), dtype=torch.bool)  # (a zero q proposes nothing)
+    for depth in range(1, spec.depth + 1):
+        level = [c for c in choices if len(c) == depth]
+        parents = sorted({c[:-1] for c in level})
+        paths = torch.tensor([[tokens[r][index[p[:j + 1]]] for j in range(depth - 1)]
+                              for r in range(b) for p in parents], dtype=torch.long,
+                             device=device).view(b * len(parents), depth - 1)
+        q = branch_q(session, pending, npos,
+                     torch.arange(b, device=device).repeat_interleave(len(parents)), paths)
+        p, t = q.topk(1 + max(c[-1] for c in level))  # (B P, R)
+        p, t = p.view(b, len(parents), -1).tolist(), t.view(b, len(parents), -1).tolist()
+        for c in level:
+            j = parents.index(c[:-1])
+            for r in range(b):
+                tokens[r][index[c]] = t[r][j][c[-1]]
+                alive[r, index[c]] = p[r][j][c[-1]] > 0 and (
+                    depth == 1 or bool(alive[r, index[c[:-1]]]))
+    return [[(tokens[r][i], index.get(c[:-1], -1)) for i, c in enumerate(choices)
+             if alive[r, i]] for r in range(b)]
+
+
 def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
                ) -> list[list[tuple[int, int]]]:
     """Each row's tree of drafts after its pending token (B,) at npos (B,): its nodes as (token,
@@ -3715,35 +3744,6 @@ def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec
                 nodes.append((tok_row[i], where[parent_row[i]]))
         trees.append(nodes)
     return trees
-
-
-def static_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
-                ) -> list[list[tuple[int, int]]]:
-    """draft_tree for a static tree: level by level, q at each parent path (one branch each)
-    gives its children, the token of each child's rank."""
-    b, device = len(pending), npos.device
-    choices = sorted(spec.choices, key=lambda c: (len(c), c))
-    index = {c: i for i, c in enumerate(choices)}
-    tokens: list[list[int]] = [[0] * len(choices) for _ in range(b)]
-    alive = torch.ones(b, len(choices), dtype=torch.bool)  # (a zero q proposes nothing)
-    for depth in range(1, spec.depth + 1):
-        level = [c for c in choices if len(c) == depth]
-        parents = sorted({c[:-1] for c in level})
-        paths = torch.tensor([[tokens[r][index[p[:j + 1]]] for j in range(depth - 1)]
-                              for r in range(b) for p in parents], dtype=torch.long,
-                             device=device).view(b * len(parents), depth - 1)
-        q = branch_q(session, pending, npos,
-                     torch.arange(b, device=device).repeat_interleave(len(parents)), paths)
-        p, t = q.topk(1 + max(c[-1] for c in level))  # (B P, R)
-        p, t = p.view(b, len(parents), -1).tolist(), t.view(b, len(parents), -1).tolist()
-        for c in level:
-            j = parents.index(c[:-1])
-            for r in range(b):
-                tokens[r][index[c]] = t[r][j][c[-1]]
-                alive[r, index[c]] = p[r][j][c[-1]] > 0 and (
-                    depth == 1 or bool(alive[r, index[c[:-1]]]))
-    return [[(tokens[r][i], index.get(c[:-1], -1)) for i, c in enumerate(choices)
-             if alive[r, i]] for r in range(b)]
 
 
 @dataclass
@@ -3959,6 +3959,12 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tens
         else None
 
 
+def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
+    """product_limit's terms: P(accepted length >= k), k = 1..G (..., G)."""
+    reached, accepted_at = reached.double(), accepted_at.double()
+    return torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0).cumprod(-1)
+
+
 def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
     """E[accepted draft tokens per cycle] from cycles counted at each offset they reached:
     reached, accepted_at (..., G) -> sum_k prod_{j<=k} accepted_at_j / reached_j (...).
@@ -3970,12 +3976,6 @@ def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Ten
     first g offsets give the estimate for a block of g.
     """
     return survival(reached, accepted_at).sum(-1)
-
-
-def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
-    """product_limit's terms: P(accepted length >= k), k = 1..G (..., G)."""
-    reached, accepted_at = reached.double(), accepted_at.double()
-    return torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0).cumprod(-1)
 
 
 @dataclass(frozen=True)
@@ -5101,12 +5101,9 @@ def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
     teacher-forced alpha (by step for a drafter of several steps, else alpha^j)."""
     s = r.simulated
     if s is not None and s.reached_by_draft_offset is not None:
-        at_risk = [n + u for n, u in zip(s.reached_by_draft_offset, s.unproposed_by_draft_offset)]
-        rates, run = [], 1.0
-        for took, n in zip(s.accepted_by_draft_offset, at_risk):
-            run *= took / n if n else 0.0
-            rates.append(run)
-        return rates, "simulated"
+        at_risk = torch.tensor(s.reached_by_draft_offset) + torch.tensor(
+            s.unproposed_by_draft_offset)
+        return survival(at_risk, torch.tensor(s.accepted_by_draft_offset)).tolist(), "simulated"
     t, g = r.teacher_forced, r.run.gamma
     alphas = (t.alpha_by_head[:g] + [0.0] * (g - len(t.alpha_by_head)) if t.alpha_by_head
               else [t.alpha or 0.0] * g)
@@ -5115,6 +5112,13 @@ def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
         run *= a
         rates.append(run)
     return rates, "teacher-forced"
+
+
+def _sglang(length: float, topk: int, steps: int, tokens: int) -> dict[str, Any]:
+    return {"env": {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
+                    "SGLANG_SIMULATE_ACC_METHOD": "match-expected"},
+            "args": ["--speculative-num-steps", str(steps), "--speculative-eagle-topk",
+                     str(topk), "--speculative-num-draft-tokens", str(tokens)]}
 
 
 def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
@@ -5153,13 +5157,6 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
                     "synthetic_acceptance_length": round(t.accept_length, 4)})}
         out.append(entry)
     return out
-
-
-def _sglang(length: float, topk: int, steps: int, tokens: int) -> dict[str, Any]:
-    return {"env": {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
-                    "SGLANG_SIMULATE_ACC_METHOD": "match-expected"},
-            "args": ["--speculative-num-steps", str(steps), "--speculative-eagle-topk",
-                     str(topk), "--speculative-num-draft-tokens", str(tokens)]}
 
 
 def format_engine_config(entries: Sequence[dict[str, Any]]) -> str:
