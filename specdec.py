@@ -88,7 +88,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -3649,78 +3649,36 @@ def branch_q(session: Session, pending: torch.Tensor, npos: torch.Tensor, rows: 
     return (prop.q * made[..., None])[:, d]
 
 
-def grower(session: Session, pending: torch.Tensor, npos: torch.Tensor
-           ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """branch_q for a session that grows (Session.grows), a level a pass: grow(rows, tokens)
-    forks the last level's fork at `rows` (the session itself at the root), drafts each row's
-    token (its branch's newest, the pending one at the root) as forced and -> the q after it
-    (M, V). Each level feeds one token a branch instead of its whole path."""
-    level = {"fork": session, "at": npos}
+class Branches(NamedTuple):
+    """One level of a tree, asked of the drafter: each new branch's batch row (M,), the branch
+    of the level before it grows from (M,; at the root its batch row), its newest token (M,;
+    at the root the pending one) and its drafted path (M, d), the q after each wanted."""
 
-    def grow(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        fork = level["fork"].fork(rows, session.config._replace(sampling=TREE_SCORES, gamma=1))
-        at = level["at"][rows] + (level["fork"] is not session)
-        prop = fork.propose(tokens, at, torch.zeros(len(rows), 1, device=at.device),
-                            tokens.new_zeros(len(rows), 1))
-        level.update(fork=fork, at=at)
-        return prop.q[:, 0] * (prop.count is None or prop.count[:, None] > 0)
-    return grow
+    rows: torch.Tensor
+    parent: torch.Tensor
+    token: torch.Tensor
+    path: torch.Tensor
 
 
-def static_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
-                ) -> list[list[tuple[int, int]]]:
-    """draft_tree for a static tree: level by level, q at each parent path (one branch each)
-    gives its children, the token of each child's rank."""
-    b, device = len(pending), npos.device
-    choices = sorted(spec.choices, key=lambda c: (len(c), c))
-    index = {c: i for i, c in enumerate(choices)}
-    tokens: list[list[int]] = [[0] * len(choices) for _ in range(b)]
-    alive = torch.ones(b, len(choices), dtype=torch.bool)  # (a zero q proposes nothing)
-    for depth in range(1, spec.depth + 1):
-        level = [c for c in choices if len(c) == depth]
-        parents = sorted({c[:-1] for c in level})
-        paths = torch.tensor([[tokens[r][index[p[:j + 1]]] for j in range(depth - 1)]
-                              for r in range(b) for p in parents], dtype=torch.long,
-                             device=device).view(b * len(parents), depth - 1)
-        q = branch_q(session, pending, npos,
-                     torch.arange(b, device=device).repeat_interleave(len(parents)), paths)
-        p, t = q.topk(1 + max(c[-1] for c in level))  # (B P, R)
-        p, t = p.view(b, len(parents), -1).tolist(), t.view(b, len(parents), -1).tolist()
-        for c in level:
-            j = parents.index(c[:-1])
-            for r in range(b):
-                tokens[r][index[c]] = t[r][j][c[-1]]
-                alive[r, index[c]] = p[r][j][c[-1]] > 0 and (
-                    depth == 1 or bool(alive[r, index[c[:-1]]]))
-    return [[(tokens[r][i], index.get(c[:-1], -1)) for i, c in enumerate(choices)
-             if alive[r, i]] for r in range(b)]
+TreeLevels = Generator[Branches, torch.Tensor, list[list[tuple[int, int]]]]  # sent each
+# level's q (M, V), returns each row's tree
 
 
-def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec: TreeSpec
-               ) -> list[list[tuple[int, int]]]:
-    """Each row's tree of drafts after its pending token (B,) at npos (B,): its nodes as (token,
-    parent index; -1 the root), parents first. Dynamic: the top-K of q at the root, then D - 1
-    times the K best nodes of the deepest level (by the product of q along their paths)
-    expanded by their top-K each; the N - 1 best of all those candidates are the tree
-    (SGLang's organize_draft_results). Static: each path of ranks, a node the token of its
-    rank in q at its parent."""
-    b = len(pending)
-    if spec.choices:
-        return static_tree(session, pending, npos, spec)
-    k, device = spec.topk, npos.device
-    grow = grower(session, pending, npos) if session.grows else None
-    q = grow(torch.arange(b, device=device), pending) if grow else branch_q(
-        session, pending, npos, torch.arange(b, device=device),
-        pending[:, None][:, :0])  # (B, V): the root's children, no path yet
+def dynamic_tree(pending: torch.Tensor, spec: TreeSpec) -> TreeLevels:
+    """The levels of a dynamic tree after each row's pending token (B,): the top-K of q at the
+    root, then D - 1 times the K best nodes of the deepest level (by the product of q along
+    their paths) expanded by their top-K each; the N - 1 best of all those candidates are the
+    tree (SGLang's organize_draft_results)."""
+    b, k, device = len(pending), spec.topk, pending.device
+    every = torch.arange(b, device=device)
+    q = yield Branches(every, every, pending, pending[:, None][:, :0])  # (B, V)
     score, tok = q.topk(k)  # (B, K)
     toks, scores, parents = [tok], [score], [torch.full_like(tok, -1)]
     front, path, at = torch.arange(k, device=device).expand(b, k), tok[:, :, None], k
-    came = torch.arange(b, device=device).repeat_interleave(k)  # each frontier path's row in
-    # the grower's last fork
+    came = every.repeat_interleave(k)  # each frontier path's branch of the level before
     for _ in range(spec.steps - 1):
-        q = grow(came, path[:, :, -1].reshape(-1)) if grow else branch_q(
-            session, pending, npos, torch.arange(b, device=device).repeat_interleave(k),
-            path.reshape(b * k, -1))  # (B K, V)
+        q = yield Branches(every.repeat_interleave(k), came, path[:, :, -1].reshape(-1),
+                           path.reshape(b * k, -1))  # (B K, V)
         p, t = q.topk(k)
         cand = (score[:, :, None] * p.view(b, k, k)).flatten(1)  # (B, K K)
         toks.append(t.view(b, k * k))
@@ -3729,7 +3687,7 @@ def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec
         score, best = cand.topk(k)  # the next frontier: the K best candidates
         path = torch.cat([path.gather(1, (best // k)[..., None].expand(-1, -1, path.shape[2])),
                           toks[-1].gather(1, best)[..., None]], 2)
-        came = (torch.arange(b, device=device)[:, None] * k + best // k).reshape(-1)
+        came = (every[:, None] * k + best // k).reshape(-1)
         front, at = at + best, at + k * k
     toks, scores, parents = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
     trees = []
@@ -3743,6 +3701,79 @@ def draft_tree(session: Session, pending: torch.Tensor, npos: torch.Tensor, spec
                 where[i] = len(nodes)
                 nodes.append((tok_row[i], where[parent_row[i]]))
         trees.append(nodes)
+    return trees
+
+
+def static_tree(pending: torch.Tensor, spec: TreeSpec) -> TreeLevels:
+    """The levels of a static tree: level by level, q at each parent path gives its
+    children, the token of each child's rank."""
+    b, device = len(pending), pending.device
+    every = torch.arange(b, device=device)
+    choices = sorted(spec.choices, key=lambda c: (len(c), c))
+    index = {c: i for i, c in enumerate(choices)}
+    tokens: list[list[int]] = [[0] * len(choices) for _ in range(b)]
+    alive = torch.ones(b, len(choices), dtype=torch.bool)  # (a zero q proposes nothing)
+    before: list[tuple[int, ...]] = [()]  # the parents of the level before
+    for depth in range(1, spec.depth + 1):
+        level = [c for c in choices if len(c) == depth]
+        parents = sorted({c[:-1] for c in level})
+        rows = every.repeat_interleave(len(parents))
+        q = yield Branches(
+            rows, rows * len(before) + torch.tensor([before.index(p[:-1]) if p else 0
+                                                     for p in parents], device=device).repeat(b),
+            pending if depth == 1 else torch.tensor(
+                [tokens[r][index[p]] for r in range(b) for p in parents], device=device),
+            torch.tensor([[tokens[r][index[p[:j + 1]]] for j in range(depth - 1)] for r in range(b)
+                          for p in parents], dtype=torch.long, device=device).view(len(rows),
+                                                                                    depth - 1))
+        p, t = q.topk(1 + max(c[-1] for c in level))  # (B P, R)
+        p, t = p.view(b, len(parents), -1).tolist(), t.view(b, len(parents), -1).tolist()
+        for c in level:
+            j = parents.index(c[:-1])
+            for r in range(b):
+                tokens[r][index[c]] = t[r][j][c[-1]]
+                alive[r, index[c]] = p[r][j][c[-1]] > 0 and (
+                    depth == 1 or bool(alive[r, index[c[:-1]]]))
+        before = parents
+    return [[(tokens[r][i], index.get(c[:-1], -1)) for i, c in enumerate(choices)
+             if alive[r, i]] for r in range(b)]
+
+
+def draft_trees(session: Session, pending: torch.Tensor, npos: torch.Tensor,
+                shapes: Sequence[tuple[TreeSpec, torch.Tensor]]) -> list[list[list[tuple]]]:
+    """The trees of drafts after each row's pending token (B,) at npos (B,), for each shape
+    (a TreeSpec and the rows it drafts for): per shape a tree per row, its nodes as (token,
+    parent index; -1 the root), parents first. Every shape drafts a level in the same drafter
+    call: a session that grows (Session.grows) forks the last level's forks and drafts each
+    branch's newest token, forced; another forks the session per branch and drafts its whole
+    path (branch_q)."""
+    runs = [(static_tree if spec.choices else dynamic_tree)(pending[rows], spec)
+            for spec, rows in shapes]
+    asks: list[Branches | None] = [next(run) for run in runs]
+    came = [rows for _, rows in shapes]  # where each shape's branches of the level before sit
+    # in the last fork (at the root: the session's rows)
+    trees: list[list] = [[] for _ in runs]
+    fork, depth = session, 0
+    while any(a is not None for a in asks):
+        on = [i for i, a in enumerate(asks) if a is not None]
+        rows = torch.cat([shapes[i][1][asks[i].rows] for i in on])
+        if session.grows:
+            fork = fork.fork(torch.cat([came[i][asks[i].parent] for i in on]),
+                             session.config._replace(sampling=TREE_SCORES, gamma=1))
+            prop = fork.propose(torch.cat([asks[i].token for i in on]), npos[rows] + depth,
+                                torch.zeros(len(rows), 1, device=npos.device),
+                                rows.new_zeros(len(rows), 1))
+            q = prop.q[:, 0] * (prop.count is None or prop.count[:, None] > 0)
+        else:
+            q = branch_q(session, pending, npos, rows, torch.cat([asks[i].path for i in on]))
+        at = 0
+        for i, part in zip(on, q.split([len(asks[i].rows) for i in on])):
+            came[i], at = torch.arange(at, at + len(part), device=npos.device), at + len(part)
+            try:
+                asks[i] = runs[i].send(part)
+            except StopIteration as done:
+                asks[i], trees[i] = None, done.value
+        depth += 1
     return trees
 
 
@@ -3786,66 +3817,81 @@ def follow(nodes: list[tuple[int, int]], text: Sequence[int], start: int, stats:
 
 @torch.no_grad()
 def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]],
-                 firsts: dict[int, int], config: LoopConfig, spec: TreeSpec
-                 ) -> dict[int, TreeStats]:
+                 firsts: dict[int, int], config: LoopConfig,
+                 spec: TreeSpec | Sequence[TreeSpec]) -> Any:
     """Tree cycles replayed on text the target wrote: texts[i] is prompt i with its
     continuation, text[firsts[i]] the continuation's first token (the prefill's, the first
-    pending one). Each cycle the drafter's tree after the pending token (draft_tree), the
+    pending one). Each cycle the drafter's tree after the pending token (draft_trees), the
     accepted path the longest the text follows (follow), then the drafter moves on as if it
     had drafted the text (forced) and the target had verified it (the target's states from
-    one pass over the whole text)."""
-    c, keys = config._replace(gamma=spec.depth), list(texts)
+    one pass over the whole text). Several shapes (a sequence of TreeSpec) go side by side, a
+    row of the drafter's session for each shape and prompt, every shape's level drafted in one
+    call -> {i: TreeStats} per shape (for a TreeSpec alone: its dict)."""
+    specs = [spec] if isinstance(spec, TreeSpec) else list(spec)
+    c, keys = config._replace(gamma=max(s.depth for s in specs)), list(texts)
     rows = [texts[k] for k in keys]
-    with final_states(target, drafter.reads_target) as seen, \
-            layer_inputs(target, drafter.layers) as got:
-        slots, _ = prefill(target, rows, c.device, last_only=not drafter.reads_target)
-    width, states = max(map(len, rows)), {i: torch.cat(v, 1) for i, v in got.items()}
-    states[-1] = torch.cat(seen, 1) if seen else None  # (B, W, H): the final hidden states
-    stats = {k: TreeStats([0] * spec.depth, [0] * spec.depth) for k in keys}
-    live = [b for b in range(len(rows)) if firsts[keys[b]] + 1 < len(rows[b])]
-    starts = [firsts[keys[b]] for b in live]
+    slots, states = None, {-1: None}
+    if drafter.reads_target:  # (a drafter that does not is shown nothing: no target pass)
+        with final_states(target) as seen, layer_inputs(target, drafter.layers) as got:
+            slots, _ = prefill(target, rows, c.device, last_only=False)
+        states = {i: torch.cat(v, 1) for i, v in got.items()}
+        states[-1] = torch.cat(seen, 1)  # (B, W, H): the final hidden states
+    width = max(map(len, rows))
+    stats = [{k: TreeStats([0] * s.depth, [0] * s.depth) for k in keys} for s in specs]
+    who = [(j, b) for j in range(len(specs)) for b in range(len(rows))  # the session's rows
+           if firsts[keys[b]] + 1 < len(rows[b])]  # (shape, prompt)
+    starts = [firsts[keys[b]] for _, b in who]
 
     def view(at: list[list[int]]) -> TargetView | None:
-        """The target's states at text positions at[r] of live row r, left-padded (B, n, ...)."""
+        """The target's states at text positions at[r] of session row r, left-padded (B, n, ...)."""
         if states[-1] is None:
             return None
         n = max(map(len, at))
 
         def pick(x: torch.Tensor) -> torch.Tensor:
-            out = x.new_zeros(len(live), n, *x.shape[2:])
-            for r, (b, js) in enumerate(zip(live, at)):
+            out = x.new_zeros(len(who), n, *x.shape[2:])
+            for r, ((_, b), js) in enumerate(zip(who, at)):
                 cols = [width - len(rows[b]) + min(j, len(rows[b]) - 1) for j in js]
                 out[r, n - len(js):] = x[b, cols]
             return out
         return TargetView(pick(states[-1]), slots,
                           {i: pick(v) for i, v in states.items() if i >= 0})
 
-    if len(live) < len(rows):  # the target's cache follows the session's rows
-        select_slots(slots, torch.tensor(live, dtype=torch.long, device=c.device))
-    session = drafter.start([rows[b][:s + 1] for b, s in zip(live, starts)] if live else [],
-                            view([list(range(s)) for s in starts]) if live else None, c)
-    while live:
-        pending = torch.tensor([rows[b][s] for b, s in zip(live, starts)], device=c.device)
+    if slots is not None:  # the target's cache follows the session's rows
+        select_slots(slots, torch.tensor([b for _, b in who], dtype=torch.long, device=c.device))
+    session = drafter.start([rows[b][:s + 1] for (_, b), s in zip(who, starts)] if who else [],
+                            view([list(range(s)) for s in starts]) if who else None, c)
+    while who:
+        pending = torch.tensor([rows[b][s] for (_, b), s in zip(who, starts)], device=c.device)
         npos = torch.tensor(starts, device=c.device)
-        trees = draft_tree(session, pending, npos, spec)
-        n_acc = [follow(t, rows[b], s, stats[keys[b]]) for t, b, s in zip(trees, live, starts)]
-        forced = torch.tensor([[rows[b][min(s + 1 + j, len(rows[b]) - 1)]
-                                for j in range(c.gamma)] for b, s in zip(live, starts)],
-                              device=c.device)
+        shapes = [(specs[j], torch.tensor([r for r, (i, _) in enumerate(who) if i == j],
+                                          dtype=torch.long, device=c.device))
+                  for j in sorted({i for i, _ in who})]
+        n_acc = [0] * len(who)
+        for (_, on), trees in zip(shapes, draft_trees(session, pending, npos, shapes)):
+            for r, tree in zip(on.tolist(), trees):
+                j, b = who[r]
+                n_acc[r] = follow(tree, rows[b], starts[r], stats[j][keys[b]])
+        if session.grows:  # a draft model moves on by the drafts accepted, no further
+            session.config = c._replace(gamma=max(1, *n_acc))
+        g = session.config.gamma
+        forced = torch.tensor([[rows[b][min(s + 1 + j, len(rows[b]) - 1)] for j in range(g)]
+                               for (_, b), s in zip(who, starts)], device=c.device)
         session.propose(pending, npos, torch.zeros(forced.shape, device=c.device), forced)
         session.advance(torch.tensor(n_acc, device=c.device),
-                        [rows[b][s + 1:s + a + 2] for b, s, a in zip(live, starts, n_acc)],
-                        view([list(range(s, s + c.gamma + 1)) for s in starts]))
+                        [rows[b][s + 1:s + a + 2] for (_, b), s, a in zip(who, starts, n_acc)],
+                        view([list(range(s, s + g + 1)) for s in starts]))
         starts = [s + a + 1 for s, a in zip(starts, n_acc)]
-        still = [r for r, (b, s) in enumerate(zip(live, starts)) if s + 1 < len(rows[b])]
+        still = [r for r, ((_, b), s) in enumerate(zip(who, starts)) if s + 1 < len(rows[b])]
         if not still:
             break
-        if len(still) < len(live):  # a row whose text is used up leaves the batch
+        if len(still) < len(who):  # a row whose text is used up leaves the batch
             keep = torch.tensor(still, dtype=torch.long, device=c.device)
             session.keep(keep)
-            select_slots(slots, keep)
-            live, starts = [live[r] for r in still], [starts[r] for r in still]
-    return stats
+            if slots is not None:
+                select_slots(slots, keep)
+            who, starts = [who[r] for r in still], [starts[r] for r in still]
+    return stats[0] if isinstance(spec, TreeSpec) else stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5450,8 +5496,8 @@ class Measurement:
         texts = {i: list(self.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
         firsts = {i: len(self.sequences[i].ids) for i in batch}
         with step(f"the trees of draft {drafter.name}"):
-            done = [replay_trees(self.target, drafter, texts, firsts, self.config(vocab), spec)
-                    for spec in self.settings.trees]
+            done = replay_trees(self.target, drafter, texts, firsts, self.config(vocab),
+                                list(self.settings.trees))
         for i in batch:
             into[i].trees = [d[i] for d in done]
 

@@ -3277,9 +3277,13 @@ def trees_drafted(monkeypatch) -> list:
     its pending token)."""
     seen, shape, follow, replay = [], [], sd.follow, sd.replay_trees
 
-    def replay_shape(*args):
-        shape[:] = [args[-1]]
-        return replay(*args)
+    def replay_shape(*args):  # the shapes one at a time, to know each tree's
+        shapes = [args[-1]] if isinstance(args[-1], sd.TreeSpec) else args[-1]
+        done = []
+        for spec in shapes:
+            shape[:] = [spec]
+            done.append(replay(*args[:-1], spec))
+        return done[0] if isinstance(args[-1], sd.TreeSpec) else done
     monkeypatch.setattr(sd, "replay_trees", replay_shape)
     monkeypatch.setattr(sd, "follow", lambda nodes, text, start, stats: seen.append(
         (shape[0], paths_of(nodes), list(text[:start + 1]))) or follow(nodes, text, start,
@@ -3732,6 +3736,39 @@ def test_every_drafters_top1_tree_is_its_argmax_chain(kind, tok_plain, tmp_path,
                                                       r.sim.cycles), r.index
 
 
+@pytest.mark.parametrize("kind", DRAFTER_KINDS + ["gemma3"])
+def test_shapes_replayed_together_count_what_each_counts_alone(kind, tok_plain, tmp_path, llama,
+                                                               llama2, llama4, mtp_pair,
+                                                               monkeypatch):
+    """Several shapes in one run share the drafter's calls (each shape and prompt a row of one
+    session, a level of every shape drafted in one call, rows leaving as their text ends at
+    different cycles); each shape's trees, cycle by cycle, and its counts, prompt by prompt,
+    are those of a run of it alone (integers, one process: exactly). Each drafter kind and a
+    sliding-window draft."""
+    target, drafter = (
+        (llama, sd.as_drafter("d", make_sliding("gemma3", 3, window=4))) if kind == "gemma3"
+        else every_drafter(kind, tmp_path, llama, llama2, llama4, mtp_pair))
+    seqs = sd.build_sequences(EAGLE_PROMPTS + MTP_PROMPTS, tok_plain)
+    follow, cycles = sd.follow, []
+    monkeypatch.setattr(sd, "follow", lambda nodes, text, start, stats: cycles.append(
+        (stats, start, paths_of(nodes))) or follow(nodes, text, start, stats))
+
+    def trees(shapes):  # -> {(prompt, shape): (its counts, its trees cycle by cycle)}
+        m = sd.Measurement(target, seqs, sd.SamplingParams(0.7),
+                           sd.Settings(gamma=3, continuation_tokens=12, simulate=True, seed=1,
+                                       batch_size=3, trees=shapes), CPU)
+        into, cycles[:] = [{}], []
+        m.measure(m.drafters([drafter]), m.batches(), into)
+        return {(i, spec): (t, [c[1:] for c in cycles if c[0] is t]) for i, r in
+                into[0].items() for spec, t in zip(shapes, r.trees)}
+    together = trees(SHAPES)
+    alone = {k: v for spec in SHAPES for k, v in trees((spec,)).items()}
+    assert sum(t.accepted[0] for t, _ in together.values()) > 0
+    assert together.keys() == alone.keys() and all(len(c) > 1 for _, c in together.values())
+    for k, got in together.items():
+        assert got == alone[k], k
+
+
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain, tmp_path,
                                                                 monkeypatch, llama, llama2,
@@ -3742,9 +3779,9 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
     and leaves the session it came from as it was (the replay goes on and still gives the
     top-1 tree's cycles, checked above)."""
     target, drafter = every_drafter(kind, tmp_path, llama, llama2, llama4, mtp_pair)
-    checked, real = [], sd.draft_tree
+    checked, real = [], sd.draft_trees
 
-    def check(session, pending, npos, spec):
+    def check(session, pending, npos, shapes):
         rows = torch.arange(len(pending))
         config = session.config._replace(sampling=sd.SamplingParams(1.0), gamma=3)
         u = torch.rand(len(pending), 3, generator=torch.Generator().manual_seed(len(checked)))
@@ -3755,8 +3792,8 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
         assert torch.equal(told.tokens[:, :made], free.tokens[:, :made])
         assert torch.allclose(told.q[:, made - 1], free.q[:, made - 1], atol=1e-5)
         checked.append(made)
-        return real(session, pending, npos, spec)
-    monkeypatch.setattr(sd, "draft_tree", check)
+        return real(session, pending, npos, shapes)
+    monkeypatch.setattr(sd, "draft_trees", check)
     seqs = sd.build_sequences(EAGLE_PROMPTS + MTP_PROMPTS, tok_plain)
     sd.measure_drafts(target, [drafter], seqs, sampling=sd.SamplingParams(0.7),
                       settings=sd.Settings(gamma=3, continuation_tokens=10, seed=2,
