@@ -3815,6 +3815,35 @@ def follow(nodes: list[tuple[int, int]], text: Sequence[int], start: int, stats:
     return depth
 
 
+def text_states(target: nn.Module, drafter: Drafter, rows: list[list[int]],
+                device: torch.device) -> tuple[Slots | None, dict[int, torch.Tensor]]:
+    """What a drafter that reads the target is shown of whole texts: one target pass over the
+    rows (left-padded) -> its cache, and {-1: the final hidden states (B, W, H), i: the input of
+    layer i} ({} and no pass for a drafter that reads only its own tokens)."""
+    if not drafter.reads_target:
+        return None, {}
+    with final_states(target) as seen, layer_inputs(target, drafter.layers) as got:
+        slots, _ = prefill(target, rows, device, last_only=False)
+    states = {i: torch.cat(v, 1) for i, v in got.items()}
+    states[-1] = torch.cat(seen, 1)
+    return slots, states
+
+
+def states_at(states: dict[int, torch.Tensor], rows: list[list[int]], of: list[int],
+              at: list[list[int]], slots: Slots | None) -> tuple[Any, ...]:
+    """text_states at text positions at[r] for each row r of a session, whose text is
+    rows[of[r]], left-padded (R, n, ...) -> TargetView's fields."""
+    n, width = max(map(len, at)), max(map(len, rows))
+
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(len(of), n, *x.shape[2:])
+        for r, (b, js) in enumerate(zip(of, at)):
+            cols = [width - len(rows[b]) + min(j, len(rows[b]) - 1) for j in js]
+            out[r, n - len(js):] = x[b, cols]
+        return out
+    return pick(states[-1]), slots, {i: pick(v) for i, v in states.items() if i >= 0}
+
+
 @torch.no_grad()
 def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]],
                  firsts: dict[int, int], config: LoopConfig,
@@ -3830,32 +3859,15 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
     specs = [spec] if isinstance(spec, TreeSpec) else list(spec)
     c, keys = config._replace(gamma=max(s.depth for s in specs)), list(texts)
     rows = [texts[k] for k in keys]
-    slots, states = None, {-1: None}
-    if drafter.reads_target:  # (a drafter that does not is shown nothing: no target pass)
-        with final_states(target) as seen, layer_inputs(target, drafter.layers) as got:
-            slots, _ = prefill(target, rows, c.device, last_only=False)
-        states = {i: torch.cat(v, 1) for i, v in got.items()}
-        states[-1] = torch.cat(seen, 1)  # (B, W, H): the final hidden states
-    width = max(map(len, rows))
+    slots, states = text_states(target, drafter, rows, c.device)
     stats = [{k: TreeStats([0] * s.depth, [0] * s.depth) for k in keys} for s in specs]
     who = [(j, b) for j in range(len(specs)) for b in range(len(rows))  # the session's rows
            if firsts[keys[b]] + 1 < len(rows[b])]  # (shape, prompt)
     starts = [firsts[keys[b]] for _, b in who]
 
     def view(at: list[list[int]]) -> TargetView | None:
-        """The target's states at text positions at[r] of session row r, left-padded (B, n, ...)."""
-        if states[-1] is None:
-            return None
-        n = max(map(len, at))
-
-        def pick(x: torch.Tensor) -> torch.Tensor:
-            out = x.new_zeros(len(who), n, *x.shape[2:])
-            for r, ((_, b), js) in enumerate(zip(who, at)):
-                cols = [width - len(rows[b]) + min(j, len(rows[b]) - 1) for j in js]
-                out[r, n - len(js):] = x[b, cols]
-            return out
-        return TargetView(pick(states[-1]), slots,
-                          {i: pick(v) for i, v in states.items() if i >= 0})
+        return TargetView(*states_at(states, rows, [b for _, b in who], at, slots)) \
+            if states else None
 
     if slots is not None:  # the target's cache follows the session's rows
         select_slots(slots, torch.tensor([b for _, b in who], dtype=torch.long, device=c.device))

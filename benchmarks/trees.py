@@ -7,8 +7,8 @@ builtin prompts, --simulate, four --tree shapes and a static tree) and the same 
 the trees, alternated `rounds` times, in this process with `threads` torch threads: prints the
 report's trees section, the time of each run and the ratio of the best ones (the issue's goal:
 a four-shape sweep within 1.5x of one chain run), and the time the tree-building passes alone
-took (draft_tree): the floor of a replay that builds them this way. Skips when ../shared/models has no
-SmolLM2.
+took (draft_trees): the floor of a replay that builds them this way. Skips when
+../shared/models has no SmolLM2.
 """
 import argparse
 import contextlib
@@ -55,7 +55,7 @@ def main() -> int:
         return 0
     torch.set_num_threads(args.threads)
     times: dict[str, list[float]] = {"chain": [], "trees": [], "building": []}
-    real = sd.draft_tree
+    real = sd.draft_trees
 
     def timed(*a, **k):  # the tree-building passes alone: what the replay cannot do without
         start = time.perf_counter()
@@ -63,7 +63,7 @@ def main() -> int:
             return real(*a, **k)
         finally:
             building[0] += time.perf_counter() - start
-    sd.draft_tree = timed
+    sd.draft_trees = timed
     for _ in range(args.rounds):
         for name, argv in (("chain", CHAIN), ("trees", CHAIN + TREES)):
             building = [0.0]
@@ -80,7 +80,7 @@ def main() -> int:
     print(f"chain of 4, simulated: {chain:.3f} tokens per cycle")
     print(f"time with the trees / without (best of {args.rounds}, {args.threads} thread(s)): "
           f"{best['trees'] / best['chain']:.2f} ({best['trees']:.0f} s / {best['chain']:.0f} s)")
-    print(f"of which building the trees (draft_tree's passes): {best['building']:.0f} s, so "
+    print(f"of which building the trees (draft_trees's passes): {best['building']:.0f} s, so "
           f"even a replay that did nothing else would take "
           f"{(best['chain'] + best['building']) / best['chain']:.2f}x the chain run")
     return 0
