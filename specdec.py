@@ -75,6 +75,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import heapq
 import inspect
 import io
 import json
@@ -4842,8 +4843,10 @@ def best_static_tree(results: Sequence[PromptResult], nodes: int, depth: int
     by depth and rank says accepts most: a child of rank r at depth d is accepted with the
     mean of p at q's rank-r token there (one drafting step's q for every depth where the
     drafter has one step; its own for each where it has several), a path with the product
-    along it. Grown greedily, as Medusa's explore_graph does: each step adds the frontier node
-    (a next sibling, or a first child) whose path accepts most."""
+    along it. A path accepts at most what its parent does, so the N - 1 likeliest paths form
+    a tree: they are taken best first, a path's children offered once it is taken (Medusa's
+    explore_graph grows greedily too, but offers only a node's next sibling, which misses a
+    rank that accepts more than the rank above it)."""
     done = [r for r in results if r.rank_sums]
     if not done or nodes < 2:
         return None
@@ -4853,19 +4856,15 @@ def best_static_tree(results: Sequence[PromptResult], nodes: int, depth: int
     acc = [[sum(r.rank_sums[k][j] for r in done) / max(1, scored[k])
             for j in range(len(done[0].rank_sums[k]))] for k in range(steps)]
     depth = min(depth, steps) if steps > 1 else depth
-    value = {(): 1.0}
-    frontier, chosen = {(0,)}, []
-    while frontier and len(chosen) < nodes - 1:
-        for p in frontier - set(value):
-            value[p] = value[p[:-1]] * acc[min(len(p), steps) - 1][p[-1]]
-        best = max(sorted(frontier), key=lambda p: value[p])
-        frontier.discard(best)
-        chosen.append(best)
-        if best[-1] + 1 < len(acc[0]):
-            frontier.add(best[:-1] + (best[-1] + 1,))
-        if len(best) < depth:
-            frontier.add(best + (0,))
-    chosen.sort(key=lambda p: (len(p), p))
+    value: dict[tuple[int, ...], float] = {}
+    offered = [(-a, 1, (r,)) for r, a in enumerate(acc[0])]  # (-value, depth, path): ties go
+    heapq.heapify(offered)  # to the shallower path, then the lower ranks
+    while offered and len(value) < nodes - 1:
+        v, d, p = heapq.heappop(offered)
+        value[p] = -v
+        for r, a in enumerate(acc[min(d + 1, steps) - 1] if d < depth else []):
+            heapq.heappush(offered, (v * a, d + 1, p + (r,)))
+    chosen = sorted(value, key=lambda p: (len(p), p))
     return StaticTree(len(chosen) + 1, [list(p) for p in chosen],
                       1 + sum(value[p] for p in chosen), acc[:depth])
 
