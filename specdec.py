@@ -4321,8 +4321,9 @@ class TeacherForced:
     alpha_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
     scored_positions: int = 0
     n_sequences: int = 0
-    alpha_by_head: list[float] | None = None  # a drafter of a number of steps (MTP): each
-    # step's teacher-forced alpha, step k against the target's token k ahead
+    alpha_by_head: list[float | None] | None = None  # a drafter of a number of steps (MTP):
+    # each step's teacher-forced alpha, step k against the target's token k ahead (None: no
+    # position had a token k ahead)
     alpha_by_rule: dict[str, float] | None = None  # alpha under each proposal rule
     tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
     est_speedup_by_rule: dict[str, float] | None = None
@@ -4748,7 +4749,9 @@ def teacher_forced_fields(results: Sequence[PromptResult], settings: Settings, c
     rules = rule_fields(looked, n_pos, rate, gamma, cost, steps)
     return TeacherForced(
         **headline, scored_positions=n_pos, n_sequences=len(scored), proposal_rate=rate,
-        alpha_by_head=None if steps is None else [alpha] + run.later, estimator=used,
+        alpha_by_head=None if steps is None else [alpha] + [
+            a if sum(r.head_scored[k] for r in looked) else None  # (None: never scored)
+            for k, a in enumerate(run.later)], estimator=used,
         expected_accepted=expected, expected_accepted_iid=exp_iid,
         expected_accepted_positional=exp_pos, tokens_per_cycle=tpc, tokens_per_cycle_ci=tpc_ci,
         est_speedup=speed, est_speedup_ci=speed_ci,
@@ -4976,12 +4979,17 @@ def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
             f"{t.est_speedup_by_rule[other]:.2f}x   (--proposal {other})"]
 
 
+def _rate(a: float | None) -> str:
+    """An alpha as the report prints it: "-" for one never scored."""
+    return "-" if a is None else f"{a:.3f}"
+
+
 def _offset_lines(t: TeacherForced, run: RunInfo) -> list[str]:
     """A one-pass drafter's teacher-forced alpha by draft offset: its primary figure."""
     if not run.one_draft_pass or t.alpha_by_head is None:
         return []
     return ["    alpha by draft offset 1.." + f"{len(t.alpha_by_head):<3}"
-            + "".join(f"{a:>6.3f}" for a in t.alpha_by_head),
+            + "".join(f"{_rate(a):>6}" for a in t.alpha_by_head),
             "      (offset j of one draft pass, exact at every position; alpha above pools "
             "them as a cycle examines them)"]
 
@@ -5009,7 +5017,7 @@ def _teacher_forced_lines(t: TeacherForced, run: RunInfo, cost: str) -> list[str
             f"(the rest can never be accepted)"]),
         *([] if t.alpha_by_head is None or run.one_draft_pass else [
             "    alpha by step                 "
-            + "  ".join(f"{a:.3f}" for a in t.alpha_by_head)
+            + "  ".join(_rate(a) for a in t.alpha_by_head)
             + "   (step k against the target's token k ahead; alpha above pools them as "
               "a cycle examines them)"])]
 
@@ -5162,7 +5170,8 @@ def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
             s.unproposed_by_draft_offset)
         return survival(at_risk, torch.tensor(s.accepted_by_draft_offset)).tolist(), "simulated"
     t, g = r.teacher_forced, r.run.gamma
-    alphas = (t.alpha_by_head[:g] + [0.0] * (g - len(t.alpha_by_head)) if t.alpha_by_head
+    alphas = ([a or 0.0 for a in t.alpha_by_head[:g]] + [0.0] * (g - len(t.alpha_by_head))
+              if t.alpha_by_head
               else [t.alpha or 0.0] * g)
     rates, run = [], 1.0 if t.proposal_rate is None else t.proposal_rate
     for a in alphas:
@@ -6408,7 +6417,7 @@ def wilson(accepted: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def _plot_offsets(ax: Any, r: AcceptanceReport) -> None:
     ax.set_title(f"alpha by draft offset — {r.draft[-40:]}, T={r.temperature:g}", fontsize=10)
     if r.reached_by_draft_offset is None:  # no simulation: the teacher-forced alpha(s)
-        heads = r.alpha_by_head or [r.alpha or 0.0]
+        heads = [a or 0.0 for a in r.alpha_by_head or [r.alpha]]
         ax.bar(range(1, len(heads) + 1), heads, color="tab:blue", label="teacher-forced")
     else:
         # the offsets up to the last one reached (a SLEM block can reach more than gamma)

@@ -3740,6 +3740,20 @@ def test_every_drafters_top1_tree_is_its_argmax_chain(kind, tok_plain, tmp_path,
                                                       r.sim.cycles), r.index
 
 
+def test_a_step_never_scored_prints_no_alpha(mtp_pair, tok_plain):
+    """Two continuation tokens (the first the prefill's, unscored): MTP's second step has no
+    token two ahead to be scored against anywhere. Its alpha is None (JSON null), printed
+    "-", not 0.000; the first step's is a number."""
+    target, drafter = mtp_pair
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(1.0),
+                              device=CPU, continuation_tokens=2, seed=2)
+    assert r.alpha_by_head[0] is not None and r.alpha_by_head[1:] == [None]
+    assert json.loads(json.dumps(r.to_dict()))["alpha_by_head"][1] is None
+    line = next(x for x in sd.format_report(r).splitlines() if "alpha by step" in x)
+    assert line.split("(")[0].split()[3:] == [f"{r.alpha_by_head[0]:.3f}", "-"], line
+
+
 @pytest.mark.parametrize("kind", DRAFTER_KINDS + ["gemma3"])
 def test_shapes_replayed_together_count_what_each_counts_alone(kind, tok_plain, tmp_path, llama,
                                                                llama2, llama4, mtp_pair,
