@@ -3301,8 +3301,12 @@ def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
         return None
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    return next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
-                 if d), None)
+    found = next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
+                  if d), None)
+    for net in found.networks() if found else []:  # the run key knows the head by its files
+        if net is not target:
+            net.specdec_folder = folder  # (model_identity)
+    return found
 
 
 def find_drafter(name: str, target: nn.Module, options: DraftOptions,
@@ -5315,14 +5319,54 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
             if not str(k).startswith("_") and k not in dropped}
 
 
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def files_fingerprint(name: str) -> str | None:
+    """A cheap fingerprint of the weights a model name loads, for the run key: of a weights
+    file (a .gguf) its size and the sha256 of its first MiB (the header and the first tensors:
+    two checkpoints of one training run differ there); of a folder (a hub id: its snapshot in
+    the hub cache) the same of each of its weights files, with its name, and the sha256 of each
+    index json. Never a hash of the whole weights, so weights rewritten past their first MiB
+    alone go unseen. None when the name is no file, folder or cached hub id."""
+    import hashlib
+
+    def head(file: str) -> list[Any]:
+        with open(file, "rb") as f:
+            return [os.path.getsize(file), hashlib.sha256(f.read(1 << 20)).hexdigest()]
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        return _sha256(head(path))[:16]
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            config = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id the cache knows
+            return None
+        if not isinstance(config, str):
+            return None
+        path = os.path.dirname(config)  # the snapshot: links to the cached files
+    seen = []
+    for f in sorted(os.listdir(path)):
+        full = os.path.join(path, f)
+        if f.endswith(".index.json"):
+            with open(full, "rb") as index:
+                seen.append([f, hashlib.sha256(index.read()).hexdigest()])
+        elif f.endswith(WEIGHTS_SUFFIXES) and os.path.isfile(full):
+            seen.append([f, *head(full)])
+    return _sha256(seen)[:16]
+
+
 def model_identity(model: nn.Module) -> str:
     """A model as a run key records it: a hash of its config, and the fingerprint of the files
     it was loaded from (files_fingerprint, which load_model_and_tokenizer leaves on it as
-    `specdec_files`). A model made in memory has its config alone."""
+    `specdec_files`, or of the folder a head was read from, `specdec_folder`, which
+    head_drafter leaves). A model made in memory has its config alone."""
     config = getattr(model, "config", None)
     arch = _sha256(_architecture(config.to_dict()))[:16] if config is not None else \
         type(model).__name__
-    files = getattr(model, "specdec_files", None)
+    files = getattr(model, "specdec_files", None) or (
+        files_fingerprint(model.specdec_folder) if hasattr(model, "specdec_folder") else None)
     return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
 
 
@@ -5831,41 +5875,6 @@ def _model_source(name: str) -> tuple[str, dict[str, Any]]:
             name.startswith((".", "~", os.path.sep)) or name.count("/") > 1):
         raise UsageError(f"model folder not found: {name!r}; check the path")  # not a hub id
     return name, {}
-
-
-WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-
-
-def files_fingerprint(name: str) -> str | None:
-    """A cheap fingerprint of the weights a model name loads, for the run key: of a .gguf file
-    its size and the sha256 of its first MiB (the header and the first tensors); of a folder (a
-    hub id: its snapshot in the hub cache) the names and sizes of its weights files and the
-    sha256 of each index json. Never a hash of the whole weights, so same-sized weights
-    rewritten in place go unseen. None when the name is no file, folder or cached hub id."""
-    import hashlib
-    path = os.path.expanduser(name)
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            head = hashlib.sha256(f.read(1 << 20)).hexdigest()
-        return _sha256([os.path.getsize(path), head])[:16]
-    if not os.path.isdir(path):
-        try:
-            from huggingface_hub import try_to_load_from_cache
-            config = try_to_load_from_cache(name, "config.json")
-        except Exception:  # not a hub id the cache knows
-            return None
-        if not isinstance(config, str):
-            return None
-        path = os.path.dirname(config)  # the snapshot: links to the cached files
-    seen = []
-    for f in sorted(os.listdir(path)):
-        full = os.path.join(path, f)
-        if f.endswith(".index.json"):
-            with open(full, "rb") as index:
-                seen.append([f, hashlib.sha256(index.read()).hexdigest()])
-        elif f.endswith(WEIGHTS_SUFFIXES) and os.path.isfile(full):
-            seen.append([f, os.path.getsize(full)])
-    return _sha256(seen)[:16]
 
 
 def _input_device(model: nn.Module) -> torch.device:

@@ -4923,13 +4923,36 @@ def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
 # loading models and data
 
 
+def test_a_head_checkpoint_rewritten_in_its_folder_is_another_draft(tmp_path, llama4,
+                                                                     tok_plain):
+    """EAGLE-3 and Medusa heads are made by specdec from a folder's weights: the run key
+    knows them by those files (files_fingerprint), so a checkpoint saved over an earlier one
+    of the same shape (a training run's next) is never taken for it by --resume."""
+    target = bigram_llama()
+    (tmp_path / "e").mkdir()
+    (tmp_path / "m").mkdir()
+    for make, of in ((lambda seed: make_eagle3_checkpoint(tmp_path / "e", "specforge", llama4,
+                                                         seed=seed), llama4),
+                     (lambda seed: make_medusa_checkpoint(tmp_path / "m", "fd-st", hidden=64,
+                                                          seed=seed), target)):
+        keys = []
+        for seed in (0, 1, 0):
+            make(seed)
+            folder = str(tmp_path / ("e" if of is llama4 else "m"))
+            drafter = sd.head_drafter(folder, of)
+            m = sd.Measurement(of, sd.build_sequences(["a b"], tok_plain),
+                               sd.SamplingParams(0.0), sd.Settings(), CPU)
+            keys.append(m.run_key_parts(drafter, "t")["draft model"])
+        assert keys[0] != keys[1] and keys[0] == keys[2] and "no files" not in keys[0], keys
+
+
 def test_files_fingerprint_reads_names_sizes_and_headers_never_the_whole_weights(
         tmp_path, monkeypatch, model_dirs):
     """What the run key records of a model's files. A .gguf file: its size and its first MiB
     (a byte changed there, or one appended, is seen; one changed past the first MiB, or a new
-    mtime, is not: cheap by design). A folder: its weights files' names and sizes and its
-    index json's bytes. A hub id: its snapshot folder in the hub cache. Nothing on disk: None.
-    A model made in memory is known by its config alone."""
+    mtime, is not: cheap by design). A folder: the same of each weights file, with its name,
+    and its index json's bytes. A hub id: its snapshot folder in the hub cache. Nothing on
+    disk: None. A model made in memory is known by its config alone."""
     data = bytearray(torch.randint(0, 256, ((1 << 21) + 10,), dtype=torch.uint8,
                                    generator=torch.Generator().manual_seed(0)).tolist())
     gguf = tmp_path / "m.gguf"
@@ -4945,17 +4968,19 @@ def test_files_fingerprint_reads_names_sizes_and_headers_never_the_whole_weights
     early[100] ^= 1
     assert print_of(bytes(late)) == first
     assert print_of(bytes(early)) != first and print_of(bytes(data) + b"x") != first
-    # a folder: names and sizes of weights files, the index json's bytes; other files ignored
+    # a folder: each weights file's name, size and first MiB, the index json's bytes; other
+    # files ignored
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "model-1.safetensors").write_bytes(b"a" * 10)
+    (folder / "model-1.safetensors").write_bytes(bytes(data))
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}')
     (folder / "README.md").write_text("hi")
     before = sd.files_fingerprint(str(folder))
     (folder / "README.md").write_text("a longer readme")
-    (folder / "model-1.safetensors").write_bytes(b"b" * 10)
+    (folder / "model-1.safetensors").write_bytes(bytes(late))
     assert sd.files_fingerprint(str(folder)) == before
-    for change in [lambda: (folder / "model-1.safetensors").write_bytes(b"b" * 11),
+    for change in [lambda: (folder / "model-1.safetensors").write_bytes(bytes(early)),
+                   lambda: (folder / "model-1.safetensors").write_bytes(b"b" * 11),
                    lambda: (folder / "model.safetensors.index.json").write_text('{"b": 1}'),
                    lambda: (folder / "model-2.safetensors").write_bytes(b"")]:
         change()
