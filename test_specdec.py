@@ -3754,7 +3754,9 @@ def test_a_step_never_scored_prints_no_alpha(mtp_pair, tok_plain):
     assert line.split("(")[0].split()[3:] == [f"{r.alpha_by_head[0]:.3f}", "-"], line
 
 
-@pytest.mark.parametrize("kind", DRAFTER_KINDS + ["gemma3"])
+@pytest.mark.parametrize("kind", [k if k in ("model", "mtp") else pytest.param(
+    k, marks=pytest.mark.slow) for k in DRAFTER_KINDS + ["gemma3"]])  # (a session that grows
+# and one that does not in the unit suite; every kind in CI)
 def test_shapes_replayed_together_count_what_each_counts_alone(kind, tok_plain, tmp_path, llama,
                                                                llama2, llama4, mtp_pair,
                                                                monkeypatch):
