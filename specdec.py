@@ -267,6 +267,8 @@ class TokenSequence(NamedTuple):
     ids: list[int]
     category: str | None = None
     truncated: bool = False
+    document: int | None = None  # the document it was cut from (--context-lengths): its
+    # random streams are that document's, at every length (None: its index's)
 
 
 class LoopConfig(NamedTuple):
@@ -5400,6 +5402,12 @@ class Measurement:
         self.settings = settings or Settings()
         self.sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s))
                           for s in sequences]
+        self.streams = [i if q.document is None else q.document
+                        for i, q in enumerate(self.sequences)]  # each prompt's random streams
+        if len(set(self.streams)) < len(self.streams):
+            raise UsageError("sequences: two prompts name one document (TokenSequence.document) "
+                             "or a document an unnamed prompt's index: their random draws "
+                             "would be one")
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.eos = frozenset(eos_ids(target) if self.settings.eos is None else self.settings.eos)
         self.progress: Any = Quiet()  # the run's progress bar, when it shows one
@@ -5516,7 +5524,8 @@ class Measurement:
             self.progress.set_description("continuations")
             with step("sampling the target's continuations"):
                 conts = (sample_continuations(self.target, [q.ids for q in sub],
-                                              self.config(vocab), batch, self.progress)
+                                              self.config(vocab),
+                                              [self.streams[i] for i in batch], self.progress)
                          if n_tokens else [[] for _ in sub])
         rows, spans = scored_rows(sub, conts)
         first = 0 if self.route else min(s for s, _ in spans)
@@ -5571,11 +5580,16 @@ class Measurement:
         states: see simulate_batch."""
         self.progress.set_description("simulation")
         config = self.config(vocab)  # (a block's target tokens: drafter.block)
+        prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
+        seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
         with step(f"the simulation with draft {drafter.name}"):
-            return simulate_batch(self.target, drafter,
-                                  {i: list(self.sequences[i].ids) for i in batch},
+            rows = simulate_batch(self.target, drafter,
+                                  {k: list(self.sequences[i].ids) for k, i in prompt.items()},
                                   config._replace(gamma=drafter.block(config.gamma)),
-                                  self.progress, states)
+                                  self.progress, seen)
+        if states is not None:
+            states.update({prompt[k]: v for k, v in seen.items()})
+        return {prompt[k]: row for k, row in rows.items()}
 
     def costs(self, drafters: Sequence[Drafter]) -> list[Cost]:
         """Each drafter's cost model (cost_model: parameters, timed, or given)."""
@@ -6266,7 +6280,9 @@ def at_context_lengths(documents: Sequence[TokenSequence], lengths: Sequence[int
                        same: bool = False) -> list[AtLength]:
     """Per context length (ascending), the prompts cut from `documents` at a token boundary:
     document k's first L token ids, for each document that has at least L (same: at least
-    the largest L, so every length measures the same documents, a paired comparison)."""
+    the largest L, so every length measures the same documents, a paired comparison), each
+    with document k's random streams (TokenSequence.document): the same at every length,
+    whichever other documents reach it."""
     longest = max(len(d.ids) for d in documents)
     out = []
     for n in sorted(set(lengths)):
@@ -6274,7 +6290,8 @@ def at_context_lengths(documents: Sequence[TokenSequence], lengths: Sequence[int
             raise UsageError(f"--context-lengths must be >= 1, got {n}")
         least = max(lengths) if same else n
         kept = [k for k, d in enumerate(documents) if len(d.ids) >= least]
-        out.append(AtLength(n, [TokenSequence(documents[k].ids[:n], documents[k].category)
+        out.append(AtLength(n, [TokenSequence(documents[k].ids[:n], documents[k].category,
+                                              document=k)
                                 for k in kept], kept, len(documents) - len(kept), longest))
     return out
 

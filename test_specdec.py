@@ -3754,6 +3754,31 @@ def test_a_step_never_scored_prints_no_alpha(mtp_pair, tok_plain):
     assert line.split("(")[0].split()[3:] == [f"{r.alpha_by_head[0]:.3f}", "-"], line
 
 
+def test_a_document_draws_the_same_wherever_it_sits_in_the_list(llama, llama2, tok_plain):
+    """Context lengths keep different documents at each length: a prompt cut from document k
+    (TokenSequence.document) samples with document k's random streams, so its continuation
+    and its simulated cycles are the same whatever prompts come before it; an unnamed prompt
+    keeps its index's (today's numbers), so there they differ. Two prompts naming one stream
+    are refused."""
+    ids = [s.ids for s in sd.build_sequences(PROMPTS[:3], tok_plain)]
+
+    def sims(seqs):
+        m = sd.Measurement(llama, seqs, sd.SamplingParams(1.0),
+                           sd.Settings(gamma=3, continuation_tokens=10, simulate=True, seed=4),
+                           CPU)
+        into = [{}]
+        m.measure(m.drafters([("d", llama2)]), m.batches(), into)
+        return [(r.sim.cycles, r.sim.accepted_at, r.sim.tokens) for _, r in
+                sorted(into[0].items())]
+    alone = sims([sd.TokenSequence(ids[2], document=7)])
+    among = sims([sd.TokenSequence(ids[0], document=3), sd.TokenSequence(ids[1], document=5),
+                  sd.TokenSequence(ids[2], document=7)])
+    assert among[2] == alone[0]
+    assert sims([ids[0], ids[1], ids[2]])[2] != sims([ids[2]])[0]  # by index: other draws
+    with pytest.raises(sd.UsageError, match="one document"):
+        sd.Measurement(llama, [sd.TokenSequence(ids[0], document=1), ids[1]])
+
+
 @pytest.mark.parametrize("kind", [k if k in ("model", "mtp") else pytest.param(
     k, marks=pytest.mark.slow) for k in DRAFTER_KINDS + ["gemma3"]])  # (a session that grows
 # and one that does not in the unit suite; every kind in CI)
