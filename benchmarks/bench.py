@@ -211,7 +211,7 @@ class HFRecorder:
 def measure_1(sd, ctx, cfg):
     """distributional measurement vs (HF generate of the same token counts + 2 forwards)."""
     import torch
-    target, draft, tok, device = ctx["target"], ctx["draft"], ctx["tok"], ctx["device"]
+    target, draft, device = ctx["target"], ctx["draft"], ctx["device"]
     seqs = ctx["seqs"][:cfg["m1_prompts"]]
     K, sampling, eos = cfg["m1_tokens"], sd.SamplingParams(TEMPERATURE), ctx["eos"]
     config = sd.LoopConfig(sampling, 1, K, ctx["vocab"], frozenset(eos), device, 0)
@@ -639,7 +639,7 @@ def report(res, cfg):
           f"{len(m3['times_s']['reference'])}x (reference); the reference ran "
           f"{m3['prompts']} prompt(s), the batched simulation {m3['batch_prompts']}: compared "
           f"per prompt (the reference takes them one at a time)")
-    print(f"   tokens vs reference: " + "; ".join(
+    print("   tokens vs reference: " + "; ".join(
         f"{k}: {v['identical_rows']}/{v['rows']} rows identical, common prefix "
         f"{v['common_prefix']}" for k, v in m3["tokens_match"].items()))
     print(f"1. teacher-forced alpha {m1['alpha']:.3f}; repeats (s): specdec "
