@@ -48,6 +48,9 @@ but the checkpoints drafters read.
                        DRAFTERS lists them, find_drafter asks them in turn
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
+  trees                TreeSpec; each shape's levels a generator (dynamic_tree, static_tree),
+                       draft_trees drafting a level of every shape in one drafter call, follow
+                       (the engines' walk on the target's text), replay_trees
   statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
                        the timed costs (measure_costs, clamp_costs)
   report               PromptResult (per-prompt sums) -> teacher_forced_fields,
