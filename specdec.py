@@ -1274,7 +1274,21 @@ class ModelSession(Session):
         return twin
 
 
-class ModelDrafter(Drafter):
+class OwnDraftModel:
+    """What a drafter that runs a draft model of its own (`self.model`: a draft model, a PARD
+    draft, a draft with another tokenizer) costs by parameters and holds."""
+
+    model: nn.Module
+
+    def param_cost(self, target: nn.Module) -> tuple[float, str]:
+        return (params_per_token(self.model) / params_per_token(target),
+                "parameters per token, draft/target")
+
+    def networks(self) -> list[nn.Module]:
+        return [self.model]
+
+
+class ModelDrafter(OwnDraftModel, Drafter):
     """A draft model (or an early-exit view of the target) with a KV cache of its own."""
 
     def __init__(self, name: str, model: nn.Module):
@@ -1291,13 +1305,6 @@ class ModelDrafter(Drafter):
 
     def start(self, prompts, view, config):
         return ModelSession(self.model, prompts, config)
-
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
-
-    def networks(self):
-        return [self.model]
 
     @classmethod
     def from_model(cls, name, model, target):
@@ -2388,7 +2395,7 @@ class PardSession(Session):
         self.unread = [self.unread[r] for r in rows.tolist()]
 
 
-class PardDrafter(Drafter):
+class PardDrafter(OwnDraftModel, Drafter):
     """PARD (An et al. 2025, "PARD: Accelerating LLM Inference with Low-Cost PARallel Draft
     Model Adaptation"; AMD-AGI/PARD): a causal LM trained so that mask tokens after a context
     predict the tokens further ahead. One forward over the context, then gamma - 1 copies of
@@ -2460,13 +2467,6 @@ class PardDrafter(Drafter):
 
     def start(self, prompts, view, config):
         return PardSession(self, prompts, config)
-
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
-
-    def networks(self):
-        return [self.model]
 
     @classmethod
     def from_model(cls, name, model, target):
@@ -3033,7 +3033,7 @@ class TliSession(ReadingSession):
         self.text = [self.text[r] for r in rows.tolist()]
 
 
-class OtherVocabDrafter(Drafter):
+class OtherVocabDrafter(OwnDraftModel, Drafter):
     """What the two ways of running a draft model with a tokenizer of its own share (TLI and
     SLEM below): both tokenizers checked to decode, the shared vocabulary, the cost of the
     draft model, and recognising an OtherVocabulary of its method (--cross-vocab)."""
@@ -3049,13 +3049,6 @@ class OtherVocabDrafter(Drafter):
                                  vocab_width(model))
         # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
         self.width = vocab_width(model) if self.vocab.same else None
-
-    def param_cost(self, target):
-        return (params_per_token(self.model) / params_per_token(target),
-                "parameters per token, draft/target")
-
-    def networks(self):
-        return [self.model]
 
     def translation(self):
         return self.vocab.describe(self.method)
