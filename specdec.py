@@ -89,6 +89,7 @@ import pickle
 import re
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -110,7 +111,8 @@ __all__ = [
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
     "TokenSequence", "build_documents", "at_context_lengths",
     # drafters: the interface, the kinds here, and the registry that finds them
-    "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "ModelDrafter",
+    "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "Loaded",
+    "ModelDrafter",
     "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
     "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
     "TliDrafter", "SlemDrafter",
@@ -377,12 +379,25 @@ class Session(abc.ABC):
 
 
 class DraftOptions(NamedTuple):
-    """What the command line tells the drafters it makes from the target alone (from_name)."""
+    """What the command line tells the kinds of drafter (from_name, from_model): the options
+    each kind reads, so the command line names no kind."""
 
     tokenizer: Any = None  # the target's (an n-gram lookup never copies its EOS ids)
     ngram_max: int = 2  # --ngram-max
     ngram_min: int = 1  # --ngram-min
     mtp_steps: int | None = None  # --mtp-steps
+    pard_mask: str | None = None  # --pard-mask: draft models in PARD mode, this mask token
+    cross_vocab: str = "auto"  # --cross-vocab: how a draft of another tokenizer drafts
+
+
+class Loaded(NamedTuple):
+    """A causal LM as the command line loaded it, handed to the kinds (from_model): the model,
+    its own tokenizer, and where it came from, as data (the engines' settings name the path)."""
+
+    model: nn.Module
+    tokenizer: Any = None  # None: it has none of its own (an assistant sidecar)
+    path: str | None = None  # hub id, folder or .gguf file (None: made in memory)
+    layers: int | None = None  # an early-exit view of the model at path: its first layers
 
 
 class Drafter(abc.ABC):
@@ -394,6 +409,9 @@ class Drafter(abc.ABC):
 
     name: str
     width: int | None  # logit columns: the vocabulary it can propose from (None: any)
+    kind: str = "draft model"  # what the engines call it (engine_config)
+    checkpoint: str | None = None  # where its network was read from (hub id, folder, .gguf
+    # file) for the engines' settings; None: made in memory, or the target's own
     reads_target: bool = False
     steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
     # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
@@ -449,6 +467,11 @@ class Drafter(abc.ABC):
         vocabulary's size: RunInfo.cross_vocab); None for one that proposes the target's ids."""
         return None
 
+    def serving(self) -> dict[str, Any]:
+        """What a serving engine's settings name of it (RunInfo.drafter, engine_config): its
+        kind, its checkpoint, and its kind's own options."""
+        return {"kind": self.kind, "checkpoint": self.checkpoint}
+
     # Each kind recognises and loads itself; find_drafter asks the kinds of DRAFTERS in turn.
 
     @classmethod
@@ -465,7 +488,8 @@ class Drafter(abc.ABC):
         return None
 
     @classmethod
-    def from_model(cls, name: str, model: nn.Module, target: nn.Module) -> Drafter | None:
+    def from_model(cls, name: str, loaded: Loaded, target: nn.Module, options: DraftOptions
+                   ) -> Drafter | None:
         """A loaded causal LM as this kind's drafter; None: not this kind's model."""
         return None
 
@@ -1198,6 +1222,46 @@ def on_target(net: nn.Module, target: nn.Module) -> nn.Module:
     return net.eval().requires_grad_(False)
 
 
+def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
+    """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
+    tokenizer of its own, an assistant sidecar, uses the target's)."""
+    if tok_p is tok_q or tok_q is None:
+        return
+    n = min(n_shared, len(tok_p), len(tok_q))
+    ids = list(range(n))
+    a, b = tok_p.convert_ids_to_tokens(ids), tok_q.convert_ids_to_tokens(ids)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            raise UsageError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
+                             f"target, {y!r} for the draft): speculative decoding needs a "
+                             f"shared tokenizer; pick a draft from the target's family")
+
+
+def vocabulary_method(loaded: Loaded, target: nn.Module, options: DraftOptions) -> str | None:
+    """How a loaded draft model drafts (--cross-vocab, options.cross_vocab): None, in the
+    target's vocabulary, when its tokenizer agrees with the target's on their shared ids
+    (check_tokenizers; a draft without one of its own, an assistant sidecar, uses the target's)
+    and no method is forced; else "tli" (auto's choice) or "slem"."""
+    if options.cross_vocab != "auto":
+        return options.cross_vocab
+    try:
+        check_tokenizers(options.tokenizer, loaded.tokenizer,
+                         min(vocab_width(target), vocab_width(loaded.model)))
+    except UsageError:
+        return "tli"
+    return None
+
+
+def pard_mask_token(mask: str, tok: Any) -> int:
+    """--pard-mask's token id: an id, or a token of the target's tokenizer."""
+    token = int(mask) if mask.isdigit() else (tok.get_vocab() if tok is not None else {}).get(
+        mask)
+    if token is None:
+        raise UsageError(f"--pard-mask {mask!r}: no such token in the tokenizer's vocabulary; "
+                         f"give one it has (one of its special tokens) or an id")
+    return token
+
+
 class ModelSession(Session):
     """A draft model's cache: it has seen every committed token but the pending one, and, when
     the last block was accepted whole, not its last draft d_G either (fed with the next).
@@ -1291,9 +1355,15 @@ class OwnDraftModel:
 class ModelDrafter(OwnDraftModel, Drafter):
     """A draft model (or an early-exit view of the target) with a KV cache of its own."""
 
-    def __init__(self, name: str, model: nn.Module):
+    def __init__(self, name: str, model: nn.Module, checkpoint: str | None = None,
+                 layers: int | None = None):
         self.name, self.model, self.width = name, model, vocab_width(model)
+        self.checkpoint, self.layers_kept = checkpoint, layers
+        self.kind = "draft model" if layers is None else "early exit"
         self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def serving(self):
+        return {**super().serving(), "layers": self.layers_kept}
 
     def score(self, rows, spans, states, sampling, vocab, device):
         device = model_device(self.model) or device
@@ -1307,8 +1377,8 @@ class ModelDrafter(OwnDraftModel, Drafter):
         return ModelSession(self.model, prompts, config)
 
     @classmethod
-    def from_model(cls, name, model, target):
-        return cls(name, model)  # any causal LM: the kind tried last
+    def from_model(cls, name, loaded, target, options):
+        return cls(name, loaded.model, loaded.path, loaded.layers)  # any causal LM: tried last
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -1418,7 +1488,7 @@ class NgramDrafter(Drafter):
     either proposal rule; a position with no match proposes nothing, and a cycle there is one
     plain target step."""
 
-    drafts_trees = False
+    kind, drafts_trees = "n-gram", False
 
     def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n:
@@ -1431,6 +1501,9 @@ class NgramDrafter(Drafter):
 
     def for_run(self, eos, gammas):
         return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
+
+    def serving(self):
+        return {**super().serving(), "ngram": [self.min_n, self.sizes[0]]}
 
     def score(self, rows, spans, states, sampling, vocab, device):
         found = []
@@ -1589,7 +1662,7 @@ class MtpDrafter(Drafter):
     cache; see docs/drafters.md for reused layers), cached: a session runs each committed
     token through every step once (MtpSession), a cycle only the steps' drafted positions."""
 
-    reads_target = True
+    kind, reads_target = "MTP", True
 
     def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
                  steps: int | None = None):
@@ -1790,14 +1863,15 @@ class AssistantDrafter(Drafter):
     cache), and at T > 0 it samples from its processed distribution, which is the q the test
     uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
 
-    reads_target = True
+    kind, reads_target = "Gemma-4 assistant", True
 
-    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant"):
+    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant",
+                 checkpoint: str | None = None):
         if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
             raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
                              f"target, not {type(target).__name__}")
         self.target, self.assistant, self.name = target, assistant, name
-        self.width = vocab_width(target)
+        self.width, self.checkpoint = vocab_width(target), checkpoint
         config = target.config.get_text_config(decoder=True)
         modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
         self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
@@ -1806,10 +1880,10 @@ class AssistantDrafter(Drafter):
         self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
 
     @classmethod
-    def from_model(cls, name, model, target):
+    def from_model(cls, name, loaded, target, options):
         """A Gemma4AssistantForCausalLM (or its unified form) loaded as --draft."""
-        if type(model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
-            return cls(target, model, name)
+        if type(loaded.model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+            return cls(target, loaded.model, name, loaded.path)
         return None
 
     def networks(self):
@@ -2012,16 +2086,17 @@ class Eagle3Drafter(Drafter):
     Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
     accepted, and the report gives the share of p's mass the draft vocabulary covers."""
 
-    reads_target = True
+    kind, reads_target = "EAGLE-3", True
 
     def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
-                 steps: int = max(GAMMA_TABLE)):
+                 steps: int = max(GAMMA_TABLE), checkpoint: str | None = None):
         self.target, self.net, self.layers, self.name = target, net, tuple(layers), name
-        self.width, self.steps = vocab_width(target), steps
+        self.width, self.steps, self.checkpoint = vocab_width(target), steps, checkpoint
 
     def for_run(self, eos, gammas):
         """As many steps as the run's largest block (the best-gamma table included)."""
-        return Eagle3Drafter(self.target, self.net, self.layers, self.name, max(gammas))
+        return Eagle3Drafter(self.target, self.net, self.layers, self.name, max(gammas),
+                             self.checkpoint)
 
     def support(self, vocab: int) -> torch.Tensor:
         """(vocab,) the target ids the draft vocabulary holds."""
@@ -2111,7 +2186,7 @@ class Eagle3Drafter(Drafter):
         if missing or unexpected:
             raise UsageError(f"{folder}: not an EAGLE-3 checkpoint specdec can read (missing "
                              f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
-        return cls(target, on_target(net, target), layers, folder)
+        return cls(target, on_target(net, target), layers, folder, checkpoint=folder)
 
     @staticmethod
     def check(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any, target: nn.Module,
@@ -2241,10 +2316,11 @@ class MedusaDrafter(Drafter):
     each head, head k drafting offset k. The heads read only the target's state, never the
     drafted tokens. Trees of candidates are out of scope."""
 
-    reads_target = True
+    kind, reads_target = "Medusa", True
 
-    def __init__(self, target: nn.Module, net: MedusaNet, name: str):
-        self.target, self.net, self.name = target, net, name
+    def __init__(self, target: nn.Module, net: MedusaNet, name: str,
+                 checkpoint: str | None = None):
+        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
         self.width, self.steps = vocab_width(target), len(net.blocks)
 
     def drafted_by(self, gamma):
@@ -2311,7 +2387,7 @@ class MedusaDrafter(Drafter):
         state = {k: v for k, v in w.items() if k.startswith("blocks.") or k == "token_map"}
         state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
         return cls(target, on_target(MedusaNet(state, target.get_output_embeddings()), target),
-                   folder)
+                   folder, folder)
 
     @staticmethod
     def check(w: dict[str, torch.Tensor], config: dict[str, Any], target: nn.Module,
@@ -2409,21 +2485,23 @@ class PardDrafter(OwnDraftModel, Drafter):
     (the pattern PARD trains with). Offset j's alpha is thus exactly what a cycle from t
     proposes, as many offsets as the run's largest block."""
 
-    one_pass, drafts_trees = True, False
+    kind, one_pass, drafts_trees = "PARD", True, False
 
-    def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE)):
+    def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE),
+                 checkpoint: str | None = None):
         rows = model.get_input_embeddings().weight.shape[0]
         if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < rows:
             raise UsageError(f"{name}: the PARD mask token {mask!r} is not in the draft's "
                              f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
                              f"of its tokenizer (--pard-mask)")
         self.name, self.model, self.mask, self.steps = name, model, mask, steps
+        self.checkpoint = checkpoint
         self.width = vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
     def for_run(self, eos, gammas):
         """As many offsets as the run's largest block (the best-gamma table included)."""
-        return PardDrafter(self.name, self.model, self.mask, max(gammas))
+        return PardDrafter(self.name, self.model, self.mask, max(gammas), self.checkpoint)
 
     @torch.no_grad()
     def score(self, rows, spans, states, sampling, vocab, device):
@@ -2469,20 +2547,27 @@ class PardDrafter(OwnDraftModel, Drafter):
         return PardSession(self, prompts, config)
 
     @classmethod
-    def from_model(cls, name, model, target):
-        """A causal LM whose config names a PARD mask token (pard_token, as AMD-AGI/PARD's
-        training writes it: its PARD-Llama, -Qwen and -DeepSeek checkpoints). A PARD-2 draft
+    def from_model(cls, name, loaded, target, options):
+        """A causal LM of the target's vocabulary whose config names a PARD mask token
+        (pard_token, as AMD-AGI/PARD's training writes it: its PARD-Llama, -Qwen and -DeepSeek
+        checkpoints), or any such model when --pard-mask gives one (options.pard_mask: an id,
+        or a token of the target's tokenizer; it overrides a checkpoint's own). A PARD-2 draft
         runs in its target-independent mode (pard2_infer's --p2), tokens only: its
         target-dependent mode, which adds the target's states through target_proj, is not
         measured, and its name says so."""
-        config = getattr(model, "config", None)
+        config = getattr(loaded.model, "config", None)
         mask = getattr(config, "pard_token", None)
-        if mask is None:
+        if (mask is None and options.pard_mask is None) or \
+                vocabulary_method(loaded, target, options) is not None:
             return None
-        if getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
+        if options.pard_mask is not None:
+            mask = pard_mask_token(options.pard_mask, options.tokenizer)
+            name = f"{name} [PARD, mask {mask}]"
+        elif getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
                 or getattr(config, "spd_type", None) == "pard2":
             name = f"{name} [PARD-2, target-independent mode]"
-        return cls(name, model, mask[0] if isinstance(mask, (list, tuple)) else mask)
+        return cls(name, loaded.model, mask[0] if isinstance(mask, (list, tuple)) else mask,
+                   checkpoint=loaded.path)
 
 
 class DFlashNet(nn.Module):
@@ -2621,11 +2706,12 @@ class DFlashDrafter(Drafter):
     Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
     the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
 
-    reads_target, one_pass, drafts_trees = True, True, False
+    kind, reads_target, one_pass, drafts_trees = "DFlash", True, True, False
 
     def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
-                 mask: int, name: str):
+                 mask: int, name: str, checkpoint: str | None = None):
         self.target, self.net, self.ids, self.mask, self.name = target, net, list(ids), mask, name
+        self.checkpoint = checkpoint
         self.n_layers = len(decoder_layers(target))
         self.layers = tuple(sorted({i + 1 for i in self.ids if i + 1 < self.n_layers}))
         self.width, self.steps, self.max_gamma = vocab_width(target), size - 1, size - 1
@@ -2696,9 +2782,9 @@ class DFlashDrafter(Drafter):
         return [self.net]
 
     @classmethod
-    def from_model(cls, name, model, target):
+    def from_model(cls, name, loaded, target, options):
         """A DFlash checkpoint loaded as a causal LM (a hub id): refused, in one line."""
-        config = getattr(model, "config", None)
+        config = getattr(loaded.model, "config", None)
         if getattr(config, "dflash_config", None) is None and "DFlash" not in " ".join(
                 getattr(config, "architectures", None) or []):
             return None
@@ -2734,7 +2820,7 @@ class DFlashDrafter(Drafter):
                              f"({config.get('auto_map') or archs}) would be needed, which "
                              f"specdec does not run")
         return cls(target, on_target(net, target), ids, int(keys["block_size"]),
-                   int(keys["mask_token_id"]), folder)
+                   int(keys["mask_token_id"]), folder, folder)
 
     @staticmethod
     def check(folder: str, keys: dict[str, Any], ids: Sequence[int], target: nn.Module
@@ -2934,16 +3020,6 @@ class SharedVocab:
                 "same_tokenizer": self.same}
 
 
-class OtherVocabulary(NamedTuple):
-    """A draft model whose tokenizer is not the target's, as the command line hands it to the
-    kinds (find_drafter's load): TliDrafter or SlemDrafter takes it, by `method`."""
-
-    model: nn.Module
-    target_tokenizer: Any
-    draft_tokenizer: Any
-    method: str  # "tli" or "slem" (--cross-vocab)
-
-
 class ReadingSession(Session):
     """A draft model following each row in its own tokens: `held[b]`, the ids whose keys and
     values its cache holds live (slots at positions 0..len-1), and sync, which brings the
@@ -3036,7 +3112,7 @@ class TliSession(ReadingSession):
 class OtherVocabDrafter(OwnDraftModel, Drafter):
     """What the two ways of running a draft model with a tokenizer of its own share (TLI and
     SLEM below): both tokenizers checked to decode, the shared vocabulary, the cost of the
-    draft model, and recognising an OtherVocabulary of its method (--cross-vocab)."""
+    draft model, and recognising a loaded model of its method (vocabulary_method)."""
 
     method = ""  # "TLI" or "SLEM"
 
@@ -3054,11 +3130,13 @@ class OtherVocabDrafter(OwnDraftModel, Drafter):
         return self.vocab.describe(self.method)
 
     @classmethod
-    def from_model(cls, name, model, target):
-        if isinstance(model, OtherVocabulary) and model.method == cls.method.lower():
-            return cls(f"{name} ({cls.method})", model.model, target, model.target_tokenizer,
-                       model.draft_tokenizer)
-        return None
+    def from_model(cls, name, loaded, target, options):
+        if vocabulary_method(loaded, target, options) != cls.method.lower():
+            return None
+        found = cls(f"{name} ({cls.method})", loaded.model, target, options.tokenizer,
+                    loaded.tokenizer)
+        found.checkpoint = loaded.path  # (its kind's constructors take no path)
+        return found
 
 
 class TliDrafter(OtherVocabDrafter):
@@ -3070,7 +3148,8 @@ class TliDrafter(OtherVocabDrafter):
     temperature. Teacher-forced alpha_t = sum over the shared tokens of min(p_t, q~_t); p's mass
     off them can never be accepted (its share: draft_vocab_coverage)."""
 
-    method, drafts_trees = "TLI", False
+    kind = method = "TLI"
+    drafts_trees = False
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
@@ -3214,7 +3293,7 @@ class SlemDrafter(OtherVocabDrafter):
     token is kept depends on how a whole block of the draft's text re-tokenises and aligns
     with the target's tokens, which no single position's p and q determine (simulated_only)."""
 
-    method = "SLEM"
+    kind = method = "SLEM"
     simulated_only, drafts_trees = True, False
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
@@ -3307,22 +3386,31 @@ def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
     return found
 
 
+def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
+    """A loaded model as the first kind of DRAFTERS that takes it (ModelDrafter, last: any)."""
+    return next(d for kind in DRAFTERS for d in [kind.from_model(name, loaded, target, options)]
+                if d)
+
+
 def find_drafter(name: str, target: nn.Module, options: DraftOptions,
-                 load: Callable[[str], nn.Module]) -> Drafter:
+                 load: Callable[[str], Loaded | nn.Module]) -> Drafter:
     """The drafter `name` stands for, as the kinds of DRAFTERS recognise it: a name the target
     alone makes (ngram, mtp), a draft head's checkpoint folder (EAGLE-3, Medusa), or else a
-    model that load(name) loads (a Gemma-4 assistant, any causal LM)."""
+    model that load(name) loads (a Gemma-4 assistant, any causal LM; a bare model is taken as
+    loaded from `name`, with the target's tokenizer)."""
     found = next((d for kind in DRAFTERS for d in [kind.from_name(name, target, options)] if d),
                  None) or head_drafter(name, target)
     if found is not None:
         return found
-    model = load(name)
-    return next(d for kind in DRAFTERS for d in [kind.from_model(name, model, target)] if d)
+    loaded = load(name)
+    return drafter_of(name, loaded if isinstance(loaded, Loaded) else Loaded(loaded, path=name),
+                      target, options)
 
 
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
-    """A drafter as given, or a plain model wrapped as one."""
-    return draft if isinstance(draft, Drafter) else ModelDrafter(name, draft)
+    """A drafter as given, or a plain model wrapped as one, its name taken for its checkpoint
+    (what the engines' settings load: name it by its hub id or folder)."""
+    return draft if isinstance(draft, Drafter) else ModelDrafter(name, draft, name)
 
 
 def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
@@ -3350,6 +3438,13 @@ class RowStats:
     # and had none at offset j (a drafter proposing fewer than G): they end there
     proposed: list[int] = field(default_factory=list)  # cycles that proposed k tokens, k=0..G
     tokens: list[int] = field(default_factory=list)  # emitted tokens
+    # as the engines count (llama.cpp's server, transformers): a draft never runs past the
+    # token budget (its length is capped at the tokens left less one), nothing is drafted with
+    # one token left, and a cycle that drafts nothing is no verify step. None: not counted (a
+    # row an earlier version wrote)
+    drafted: int | None = 0  # draft tokens
+    drafted_accepted: int | None = 0  # of those, accepted
+    verify_steps: int | None = 0  # cycles that drafted something
 
     @classmethod
     def empty(cls, gamma: int) -> RowStats:
@@ -3387,6 +3482,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
     emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
     n_acc, count, gamma, eos = cycle.n_acc, cycle.count, config.gamma, config.eos
+    capped = min(count, config.budget - len(row.tokens) - 1)  # what an engine drafts here
     emitted = cycle.drafted[:n_acc] + [cycle.new]
     cut = next((i + 1 for i, t in enumerate(cycle.drafted[:n_acc]) if t in eos), None)
     if cut is not None:  # EOS among accepted drafts: nothing after it is examined or emitted
@@ -3397,6 +3493,10 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         if n_acc == count < gamma:  # every proposal accepted, and none at the next offset
             row.unproposed[count] += 1
     row.proposed[count] += 1
+    if row.drafted is not None:
+        row.drafted += max(capped, 0)
+        row.drafted_accepted += min(accepted, max(capped, 0))
+        row.verify_steps += capped > 0
     row.tokens += emitted[:config.budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
@@ -4103,6 +4203,14 @@ class Run(NamedTuple):
         run = torch.tensor([alpha] + self.later, dtype=torch.float64)[:min(gamma, self.steps)]
         return self.rate * run.cumprod(0).sum().item()  # no step past the last: no proposal
 
+    def survival(self, alpha: float, gamma: int) -> list[float]:
+        """P(accepted length >= j), j = 1..gamma, whose sum accepted() is: the engines'
+        per-position acceptance rates (0 past a stepped drafter's last step)."""
+        steps = [alpha] * gamma if self.steps is None else \
+            ([alpha] + self.later)[:min(gamma, self.steps)]
+        run = torch.tensor(steps, dtype=torch.float64).cumprod(0) * self.rate
+        return run.tolist() + [0.0] * (gamma - len(steps))
+
     def proposing(self, gamma: int) -> list[float] | None:
         """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
         if self.rate == 1 and (self.steps is None or self.steps >= gamma):
@@ -4304,6 +4412,9 @@ class RunInfo:
     notes: list[str] = field(default_factory=list)
     one_draft_pass: bool = False  # the drafter drafts its block in one pass (PARD, DFlash):
     # cost_ratio is one pass per cycle, whatever gamma is
+    drafter: dict[str, Any] | None = None  # what the engines' settings name of the drafter
+    # (Drafter.serving): "kind" (draft model, early exit, n-gram, MTP, EAGLE-3, ...),
+    # "checkpoint" (where it was read from; None: made in memory) and its kind's options
     cross_vocab: dict[str, Any] | None = None  # a draft with a tokenizer of its own: "method"
     # (TLI or SLEM), "shared_tokens" (the shared vocabulary's size), "target_tokens" and
     # "draft_tokens" (the vocabularies'), "same_tokenizer", "p_mass_shared" (p's mean mass on
@@ -4329,6 +4440,9 @@ class TeacherForced:
     alpha_by_rule: dict[str, float] | None = None  # alpha under each proposal rule
     tokens_per_cycle_by_rule: dict[str, float] | None = None  # and tokens per cycle (i.i.d.)
     est_speedup_by_rule: dict[str, float] | None = None
+    acceptance_rates_by_rule: dict[str, list[float]] | None = None  # and P(accepted length
+    # >= j), j = 1..gamma (i.i.d.; a stepped drafter by its steps): the engines' per-position
+    # rates, what --engine-config hands an engine when the simulation did not run their rule
     proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
     # always; an n-gram lookup proposes only after a match); alpha is over those positions
     scored_on: str = "continuation"  # "continuation" (sampled apart), "simulation" (the text
@@ -4378,6 +4492,14 @@ class Simulated:
     tokens_per_verify_pass: float | None = None  # generated tokens (the prefill's included) /
     # cycles: SGLang's per-request spec_accept_length, about 1/cycles above tokens per cycle
     simulated_prompts: int | None = None
+    # as the engines count and log (RowStats.drafted: drafts capped by the token budget)
+    drafted_tokens: int | None = None
+    drafted_accepted: int | None = None
+    verify_steps: int | None = None  # cycles that drafted something
+    accept_rate: float | None = None  # drafted_accepted / drafted_tokens: llama.cpp's "draft
+    accept_rate_ci: tuple[float, float] | None = None  # acceptance", vLLM's acceptance rate
+    logged_tokens_per_cycle: float | None = None  # 1 + drafted_accepted / verify_steps:
+    logged_tokens_per_cycle_ci: tuple[float, float] | None = None  # llama.cpp's "mean len"
 
 
 @dataclass
@@ -4590,7 +4712,7 @@ class PromptResult:
         trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
         sim = None
         if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
-            sim = RowStats(**{f.name: row[f.name] for f in dataclasses.fields(RowStats)
+            sim = RowStats(**{f.name: row.get(f.name) for f in dataclasses.fields(RowStats)
                               if f.name != "tokens"}, tokens=[-1] * row["generated"])
         return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
                    windows={int(g): tuple(w) for g, w in row["windows"].items()})
@@ -4656,12 +4778,13 @@ def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: 
     """alpha, tokens per cycle and speedup under each proposal rule (i.i.d. estimator), for the
     report's line that sets the engines' argmax rule beside Leviathan's (a stepped drafter's
     alpha pooled over its steps: chain_alpha)."""
-    out: dict[str, dict[str, float]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
-                                        "est_speedup_by_rule": {}}
+    out: dict[str, dict[str, Any]] = {"alpha_by_rule": {}, "tokens_per_cycle_by_rule": {},
+                                      "est_speedup_by_rule": {}, "acceptance_rates_by_rule": {}}
     for rule in PROPOSAL_RULES:
         alpha = sum(rule_sums(r, rule)[0] for r in looked) / n_pos
         run = run_of(looked, rule, rate, steps)
         tpc = run.accepted(alpha, gamma) + 1
+        out["acceptance_rates_by_rule"][rule] = run.survival(alpha, gamma)
         out["alpha_by_rule"][rule] = alpha if steps is None else \
             chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item()
         out["tokens_per_cycle_by_rule"][rule] = tpc
@@ -4781,7 +4904,7 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: in
     proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
     split = None if proposed[gamma] == cycles else proposed
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
-    return Simulated(
+    return Simulated(**logged_counts(rows, weights),
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
         censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
         generated_tokens=sum(len(r.tokens) for r in rows), simulated_prompts=len(rows),
@@ -4794,6 +4917,23 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: in
         unproposed_by_draft_offset=unproposed,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
         accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
+
+
+def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, Any]:
+    """Simulated's counts as the engines count them (RowStats.drafted), their accept rate and
+    tokens per cycle with bootstrap intervals over prompts; none where a row was not counted
+    (an earlier version's)."""
+    if any(r.drafted is None for r in rows):
+        return {}
+    drafted, took, steps = ([getattr(r, k) for r in rows]
+                            for k in ("drafted", "drafted_accepted", "verify_steps"))
+    ci = bootstrap_ci(took, steps, weights)
+    return {"drafted_tokens": sum(drafted), "drafted_accepted": sum(took),
+            "verify_steps": sum(steps),
+            "accept_rate": sum(took) / sum(drafted) if sum(drafted) else None,
+            "accept_rate_ci": bootstrap_ci(took, drafted, weights),
+            "logged_tokens_per_cycle": 1 + sum(took) / sum(steps) if sum(steps) else None,
+            "logged_tokens_per_cycle_ci": ci and (1 + ci[0], 1 + ci[1])}
 
 
 def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
@@ -5047,6 +5187,13 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
         f"{_ci(s.tokens_per_cycle_ci)}   (= the engines' mean acceptance length)",
         f"    tokens per verify pass        {_num(s.tokens_per_verify_pass, '.3f')}   (the "
         f"prefill's token counted too: SGLang's per-request spec_accept_length)",
+        *([] if s.drafted_tokens is None else [
+            f"    accept rate, as logged        {_num(s.accept_rate, '.3f')}{_ci(s.accept_rate_ci)}"
+            f"   ({s.drafted_accepted:,} of {s.drafted_tokens:,} drafted tokens accepted)",
+            f"    mean len, as logged           {_num(s.logged_tokens_per_cycle, '.3f')}"
+            f"{_ci(s.logged_tokens_per_cycle_ci)}   (1 + accepted / {s.verify_steps:,} verify "
+            f"steps)",
+            "      (as llama.cpp and transformers count: no draft runs past the token budget)"]),
         f"    est. speedup                  {_num(s.est_speedup, '5.2f') + 'x':>6}   "
         f"{cost}{_ci(s.est_speedup_ci, '.2f')}",
         f"    alpha by draft offset 1..{shown:<3}{offsets}",
@@ -5103,7 +5250,7 @@ def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
         lines += [f"    best static tree of {b.nodes} nodes, from the teacher-forced acceptance "
                   f"by depth and rank: expected accept length {b.expected_accept_length:.3f}",
                   f"      medusa_choices = {[list(c) for c in paths]}",
-                  f"      speculative_token_tree = \"{paths}\"   (vLLM; "
+                  f"      speculative_token_tree = \"{paths}\"   (vLLM before 0.33; "
                   f"num_speculative_tokens {len(paths)}; specdec --tree-choices)"]
     return lines
 
@@ -5162,83 +5309,247 @@ def format_report(r: AcceptanceReport) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# engine settings: the measured acceptance, replayed by a serving engine (--engine-config)
+#
+# vLLM, SGLang and llama.cpp can each swap their acceptance test for given rates while the
+# proposer and the target run for real: a serving benchmark at the acceptance measured here,
+# before the draft is trained or deployed. The settings are the ones each engine's own
+# configuration code accepts (run by test_engine_settings_pass_the_engines_own_checks: vLLM
+# 0.33.0, SGLang 0.5.23; llama.cpp as vendored in llama-cpp-python 0.3.36).
+
+
+class Proposer(NamedTuple):
+    """An engine's proposer for a kind of drafter: its name in the engine's settings, whether
+    the setting names the draft's checkpoint, and the keys it adds."""
+
+    name: str
+    checkpoint: bool = True
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+# vLLM's speculative_config method, SGLang's --speculative-algorithm and llama.cpp's
+# --spec-type for each kind of drafter (Drafter.kind); a kind an engine has no proposer for
+# is left out, and a model-free n-gram proposer stands in (STAND_INS)
+PROPOSERS: dict[str, dict[str, Proposer]] = {
+    "draft model": {"vllm": Proposer("draft_model"), "sglang": Proposer("STANDALONE"),
+                    "llamacpp": Proposer("draft-simple")},
+    "early exit": {"llamacpp": Proposer("draft-simple")},  # a GGUF of the first layers
+    "n-gram": {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
+               "llamacpp": Proposer("ngram-simple", False)},
+    "MTP": {"vllm": Proposer("mtp", False), "sglang": Proposer("EAGLE", False),
+            "llamacpp": Proposer("draft-mtp", False)},
+    "Gemma-4 assistant": {"vllm": Proposer("mtp")},  # vLLM's gemma4_mtp
+    "EAGLE-3": {"vllm": Proposer("eagle3"), "sglang": Proposer("EAGLE3"),
+                "llamacpp": Proposer("draft-eagle3")},
+    "PARD": {"vllm": Proposer("draft_model", extra=(("parallel_drafting", True),))},
+    "DFlash": {"vllm": Proposer("dflash"), "sglang": Proposer("DFLASH"),
+               "llamacpp": Proposer("draft-dflash")},
+    "TLI": {"vllm": Proposer("draft_model", extra=(("use_heterogeneous_vocab", True),))},
+}
+STAND_INS = {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
+             "llamacpp": Proposer("ngram-simple", False)}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+SGLANG_RUNNING = 48  # the --max-running-requests SGLang sets under speculation unless given
+
+
+POINT_MASS_KINDS = ("n-gram", "SLEM")  # q a point mass on the proposal: the rules coincide
+
+
 def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
-    """P(the first j drafts are all accepted), j = 1..gamma, non-increasing, and its source:
-    the simulation's product-limit estimate (what its mean accepted length sums), else the
-    teacher-forced alpha (by step for a drafter of several steps, else alpha^j)."""
-    s = r.simulated
-    if s is not None and s.reached_by_draft_offset is not None:
+    """P(the first j drafts are all accepted), j = 1..gamma, non-increasing, under the engines'
+    rule (argmax proposal, accepted with p(x)), and its source: the simulation's product-limit
+    estimate where it ran that rule (--proposal argmax, or temperature 0), else the
+    teacher-forced chain's (i.i.d. in alpha; a stepped drafter by its steps)."""
+    s, t, g = r.simulated, r.teacher_forced, r.run.gamma
+    engines_rule = r.run.proposal == "argmax" or r.run.temperature == 0 or \
+        (r.run.drafter or {}).get("kind") in POINT_MASS_KINDS
+    if s is not None and s.reached_by_draft_offset is not None and engines_rule:
         at_risk = torch.tensor(s.reached_by_draft_offset) + torch.tensor(
             s.unproposed_by_draft_offset)
-        return survival(at_risk, torch.tensor(s.accepted_by_draft_offset)).tolist(), "simulated"
-    t, g = r.teacher_forced, r.run.gamma
-    alphas = ([a or 0.0 for a in t.alpha_by_head[:g]] + [0.0] * (g - len(t.alpha_by_head))
-              if t.alpha_by_head
-              else [t.alpha or 0.0] * g)
-    rates, run = [], 1.0 if t.proposal_rate is None else t.proposal_rate
-    for a in alphas:
-        run *= a
-        rates.append(run)
-    return rates, "teacher-forced"
+        return (survival(at_risk, torch.tensor(s.accepted_by_draft_offset)).tolist()[:g],
+                "simulated")
+    if t.acceptance_rates_by_rule:
+        return t.acceptance_rates_by_rule["argmax"], "teacher-forced, the engines' rule"
+    raise UsageError(f"--engine-config: the report of {r.run.draft} has no acceptance rates "
+                     f"under the engines' rule (a report written before they were recorded)")
 
 
-def _sglang(length: float, topk: int, steps: int, tokens: int) -> dict[str, Any]:
-    return {"env": {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
-                    "SGLANG_SIMULATE_ACC_METHOD": "match-expected"},
-            "args": ["--speculative-num-steps", str(steps), "--speculative-eagle-topk",
-                     str(topk), "--speculative-num-draft-tokens", str(tokens)]}
+def proposer_of(r: AcceptanceReport, engine: str) -> tuple[Proposer, str]:
+    """The engine's proposer for the report's drafter, and the sentence that says what the
+    benchmark then measures."""
+    d = r.run.drafter or {"kind": "draft model", "checkpoint": None}
+    found = PROPOSERS.get(d["kind"], {}).get(engine)
+    if found is not None and (not found.checkpoint or d.get("checkpoint")):
+        return found, (f"{ENGINE_NAMES[engine]}'s {found.name} proposer runs your draft, its "
+                       f"cost in the benchmark; only its acceptance is replayed")
+    why = (f"{ENGINE_NAMES[engine]} has no proposer for a {d['kind']} drafter"
+           if found is None else "the draft's checkpoint is not known (a model made in memory)")
+    where = ("SGLang replays the length at every step, a match or not" if engine == "sglang" else
+             "it drafts only where the text repeats an n-gram, and a step without a draft "
+             "accepts nothing")
+    return STAND_INS[engine], (
+        f"{why}: a model-free n-gram proposer stands in ({where}). It costs nothing, so the "
+        f"benchmark measures the verify side alone: add {r.run.gamma} x "
+        f"{r.run.cost_ratio:.2f} target steps a cycle for your draft")
+
+
+def _draft_file(r: AcceptanceReport) -> str:
+    """The draft's file as llama.cpp loads it: its GGUF; for an early-exit view of a GGUF, the
+    GGUF of its first layers (benchmarks/llamacpp.py draft writes it)."""
+    d = r.run.drafter or {}
+    path, layers = d.get("checkpoint") or "DRAFT", d.get("layers")
+    if layers is not None:
+        return f"{path.removesuffix('.gguf')}.first{layers}.gguf"
+    return path
+
+
+def _vllm_entry(r: AcceptanceReport, rates: list[float]) -> dict[str, Any]:
+    proposer, says = proposer_of(r, "vllm")
+    config: dict[str, Any] = {"method": proposer.name}
+    d = r.run.drafter or {}
+    if proposer.checkpoint:
+        config["model"] = d["checkpoint"]
+    if proposer.name == "ngram":
+        low, high = d.get("ngram") or [1, 1]
+        config.update(prompt_lookup_min=low, prompt_lookup_max=high)
+    config.update(dict(proposer.extra), num_speculative_tokens=len(rates),
+                  rejection_sample_method="synthetic",
+                  synthetic_acceptance_rates=[round(x, 4) for x in rates])
+    return {"speculative_config": config, "note": says}
+
+
+def _sglang_entry(r: AcceptanceReport, length: float, spec: TreeSpec) -> dict[str, Any]:
+    """SGLang's flags for a chain (topk 1) or a dynamic tree, replaying `length` tokens a
+    verify step (the bonus included)."""
+    proposer, says = proposer_of(r, "sglang")
+    if spec.topk > 1 and proposer.name == "NGRAM":
+        return {"unsupported": "SGLang's n-gram proposer, the stand-in for this drafter, builds "
+                               "its own trees (no --speculative-eagle-topk)"}
+    args = ["--speculative-algorithm", proposer.name]
+    if proposer.checkpoint:
+        args += ["--speculative-draft-model-path", (r.run.drafter or {})["checkpoint"]]
+    if proposer.name == "NGRAM":
+        args += ["--speculative-num-draft-tokens", str(spec.tokens),
+                 "--speculative-ngram-max-bfs-breadth", "1"]
+    elif proposer.name == "DFLASH":  # one draft pass a cycle: steps 1, a block of N
+        args += ["--speculative-num-draft-tokens", str(spec.tokens)]
+    else:
+        args += ["--speculative-num-steps", str(spec.steps), "--speculative-eagle-topk",
+                 str(spec.topk), "--speculative-num-draft-tokens", str(spec.tokens)]
+    args += ["--max-running-requests", str(SGLANG_RUNNING)]
+    mode = "real-draft-token" if spec.topk == 1 and proposer.name != "NGRAM" else "fixed"
+    env = {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
+           "SGLANG_SIMULATE_ACC_METHOD": "match-expected",
+           "SGLANG_SIMULATE_ACC_TOKEN_MODE": mode}
+    tokens = ("the accepted tokens are the draft's own, so requests end at EOS as they would"
+              if mode == "real-draft-token" else "every accepted token is id 100 (its "
+              "real-draft-token mode needs a chain of a draft network), so no request ends at "
+              "EOS: give max_tokens as your serving lengths")
+    return {"env": env, "args": args,
+            "note": f"{says}; {tokens}; --max-running-requests {SGLANG_RUNNING} is what SGLang "
+                    f"sets under speculation unless given: set your own"}
+
+
+def _llamacpp_sampling(r: AcceptanceReport) -> list[str]:
+    """The server's sampling, as specdec's: temperature, then top-k and top-p (llama.cpp's
+    default chain puts top-p and min-p before the temperature)."""
+    run = r.run
+    if run.temperature == 0:
+        return ["--temp", "0"]
+    return ["--samplers", "top_k;temperature;top_p", "--temp", f"{run.temperature:g}",
+            "--top-k", str(run.top_k), "--top-p", f"{run.top_p:g}"]
+
+
+def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str, Any]]:
+    """llama-server's flags: the drafter as measured (its own acceptance; the check of the
+    prediction, benchmarks/llamacpp.py), and the measured rates replayed (--spec-synth-rates)."""
+    proposer, says = proposer_of(r, "llamacpp")
+    g, base = len(rates), ["-m", r.run.target]
+    spec = ["--spec-type", proposer.name] + (["--model-draft", _draft_file(r)]
+                                             if proposer.checkpoint else [])
+    chain = spec + ["--spec-draft-n-max", str(g), "--spec-draft-n-min", "0",
+                    "--spec-draft-p-min", "0"]
+    files = [f for f in (r.run.target, proposer.checkpoint and _draft_file(r)) if f]
+    if not all(f.endswith(".gguf") for f in files):
+        says += "; llama.cpp loads GGUF files: convert the models (convert_hf_to_gguf.py)"
+    out = []
+    if proposer is not STAND_INS["llamacpp"]:
+        out.append({"for": f"chain of {g}, the draft as measured", "from": "this run",
+                    "args": base + chain + _llamacpp_sampling(r),
+                    "note": "its own acceptance, which the report predicts (--proposal argmax "
+                            "at T > 0: llama.cpp keeps a draft while it equals the target's "
+                            "sample)"})
+    out.append({"args": base + chain + ["--spec-synth-rates", ",".join(
+        f"{round(x, 4):g}" for x in rates)], "note": says})
+    return out
 
 
 def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
-    """Settings that make a serving engine accept as this report measured, without the draft
-    (to benchmark serving at this acceptance): one entry for the chain of gamma, one per tree.
-    vllm: speculative_config with rejection_sample_method "synthetic" (vLLM PR #40662),
-    synthetic_acceptance_rates (P(first j accepted)) for a chain, synthetic_acceptance_length
-    with speculative_token_tree for a static tree (vLLM builds no dynamic tree). sglang:
-    SGLANG_SIMULATE_ACC_LEN (tokens per verify, the bonus included) with the flags of the
-    chain or dynamic tree (SGLang builds no static tree). An entry an engine cannot serve says
-    why ("unsupported")."""
+    """Settings that make a serving engine (vllm, sglang, llamacpp) accept as this report
+    measured while its proposer and target run for real, for a serving benchmark: one entry
+    for the chain of gamma (llama.cpp: also the drafter as measured), one per tree. Each
+    entry: "for", "from" (where the numbers come from), the engine's settings
+    ("speculative_config"; "env" and "args"; "args") and a "note" that says what the benchmark
+    then measures, or "unsupported" with the reason. The proposer is the engine's own for the
+    drafter's kind (PROPOSERS), else a model-free n-gram one stands in, which the note says."""
+    if engine not in ENGINE_NAMES:
+        raise UsageError(f"--engine-config: unknown engine {engine!r}; use "
+                         f"{', '.join(ENGINE_NAMES)}")
     rates, source = acceptance_rates(r)
-    g = r.run.gamma
-    out = [{"for": f"chain of {g}", "from": source, **(
-        {"speculative_config": {"num_speculative_tokens": g,
-                                "rejection_sample_method": "synthetic",
-                                "synthetic_acceptance_rates": [round(x, 4) for x in rates]}}
-        if engine == "vllm" else _sglang(1 + sum(rates), 1, g, g + 1))}]
+    g, chain = r.run.gamma, TreeSpec(1, r.run.gamma, r.run.gamma + 1)
+    head = {"for": f"chain of {g}", "from": source}
+    if engine == "vllm":
+        out = [{**head, **_vllm_entry(r, rates)}]
+    elif engine == "sglang":
+        out = [{**head, **_sglang_entry(r, 1 + sum(rates), chain)}]
+    else:
+        out = [{**head, **e} for e in _llamacpp_entries(r, rates)]
     for t in r.trees.rows if r.trees else []:
+        spec = TreeSpec(t.topk, t.steps, t.tokens, t.choices and tuple(map(tuple, t.choices)))
         entry: dict[str, Any] = {"for": f"tree: {t.tree}", "from": "tree replay"}
+        drafts = min(spec.depth, spec.nodes - 1)
+        chain = all(set(c) == {0} for c in spec.choices) if spec.choices else spec.topk == 1
         if t.accept_length is None:
             entry["unsupported"] = "no cycle replayed"
+        elif chain and engine == "vllm":  # (a tree of one branch a level)
+            entry.update(_vllm_entry(r, t.accepted_by_depth[:drafts]))
+        elif chain and engine == "llamacpp":
+            entry.update(_llamacpp_entries(r, t.accepted_by_depth[:drafts])[-1])
+        elif chain and engine == "sglang":
+            entry.update(_sglang_entry(r, t.accept_length, TreeSpec(1, drafts, drafts + 1)))
         elif engine == "sglang" and t.choices is None:
-            entry.update(_sglang(t.accept_length, t.topk, t.steps, t.tokens))
+            entry.update(_sglang_entry(r, t.accept_length, spec))
         elif engine == "sglang":
             entry["unsupported"] = "SGLang builds its trees dynamically (--tree K,D,N)"
-        elif t.choices is None and t.topk > 1:
-            entry["unsupported"] = "vLLM serves static trees (--tree-choices)"
+        elif engine == "vllm":
+            entry["unsupported"] = ("vLLM 0.33 verifies no trees (tree attention was removed, "
+                                    "PR #42121; earlier versions verified each tree as a chain)")
         else:
-            paths = t.choices or [[0] * (j + 1) for j in range(t.steps)]
-            entry["speculative_config"] = {
-                "num_speculative_tokens": len(paths), "rejection_sample_method": "synthetic",
-                **({"synthetic_acceptance_rates": [round(x, 4) for x in t.accepted_by_depth]}
-                   if t.choices is None else
-                   {"speculative_token_tree": str([tuple(p) for p in paths]),
-                    "synthetic_acceptance_length": round(t.accept_length, 4)})}
+            entry["unsupported"] = "llama.cpp's server drafts chains"
         out.append(entry)
     return out
 
 
-def format_engine_config(entries: Sequence[dict[str, Any]]) -> str:
-    """engine_config as lines to paste."""
-    lines = [RULE, "  engine settings that accept as measured here (no draft needed)"]
+def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
+    """engine_config as lines to paste, each with what it measures."""
+    lines = [RULE, f"  {ENGINE_NAMES[engine]} settings that replay the acceptance measured "
+                   f"here (the proposer and the target run for real)"]
     for e in entries:
         lines.append(f"    {e['for']} ({e['from']}):")
         if "speculative_config" in e:
             lines.append(f"      --speculative-config '{json.dumps(e['speculative_config'])}'")
         elif "env" in e:
             env = " ".join(f"{k}={v}" for k, v in e["env"].items())
-            lines.append(f"      {env} python -m sglang.launch_server ... {' '.join(e['args'])}")
+            lines.append(f"      {env} python -m sglang.launch_server --model-path "
+                         f"MODEL {' '.join(e['args'])}")
+        elif "args" in e:
+            lines.append(f"      llama-server {' '.join(e['args'])}")
         else:
             lines.append(f"      not served: {e['unsupported']}")
+        if "note" in e:
+            lines += textwrap.wrap(f"({e['note']})", 94, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 7)
     return "\n".join(lines)
 
 
@@ -5607,7 +5918,7 @@ class Measurement:
                       vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
                       costs=cost.timings, per_prompt=[r.row() for r in results_
                                                       if r.positions or r.sim is not None],
-                      one_draft_pass=cost.per_cycle)
+                      one_draft_pass=cost.per_cycle, drafter=drafter.serving())
         tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal, drafter.steps)
         if tf is None and not interrupted:  # (no position at all to look at)
             raise UsageError("nothing to score: no scored position in any sequence; use "
@@ -5982,21 +6293,6 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
         device = _input_device(model)
     model.specdec_files = files_fingerprint(name)  # for the run key (model_identity)
     return model.eval().requires_grad_(False), tok, device
-
-
-def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
-    """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
-    tokenizer of its own, an assistant sidecar, uses the target's)."""
-    if tok_p is tok_q or tok_q is None:
-        return
-    n = min(n_shared, len(tok_p), len(tok_q))
-    ids = list(range(n))
-    a, b = tok_p.convert_ids_to_tokens(ids), tok_q.convert_ids_to_tokens(ids)
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            raise UsageError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
-                             f"target, {y!r} for the draft): speculative decoding needs a "
-                             f"shared tokenizer; pick a draft from the target's family")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -7136,10 +7432,13 @@ def _trees_options(ap: Any) -> None:
                     help="also replay a static tree: a list of paths of candidate ranks, "
                     "as Medusa's medusa_choices and vLLM's speculative_token_tree, e.g. "
                     "'[(0,), (1,), (0, 0)]', or a file holding one")
-    ap.add_argument("--engine-config", default=None, choices=["vllm", "sglang"],
-                    help="also print (and write to the JSON) the engine's settings that make "
-                    "it accept as measured without a draft, for serving benchmarks: vLLM's "
-                    "synthetic rejection sampling, SGLang's SGLANG_SIMULATE_ACC_LEN")
+    ap.add_argument("--engine-config", default=None, choices=list(ENGINE_NAMES),
+                    help="also print (and write to the JSON) a serving engine's settings that "
+                    "replay the measured acceptance while its proposer for your drafter (or a "
+                    "model-free n-gram one, where it has none) and the target run, for serving "
+                    "benchmarks: vLLM's synthetic_acceptance_rates, SGLang's "
+                    "SGLANG_SIMULATE_ACC_LEN, llama.cpp's --spec-synth-rates (and its flags "
+                    "that run the draft as measured)")
 
 
 def _output_options(ap: Any) -> None:
@@ -7343,6 +7642,12 @@ def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
     if args.cross_vocab == "slem" and not args.simulate:
         raise UsageError("--cross-vocab slem has no teacher-forced form, only a simulated one: "
                          "add --simulate")
+    if args.pard_mask is not None and not layers and set(args.draft) <= {"ngram", "mtp"}:
+        raise UsageError(PARD_WITHOUT_MODEL)
+
+
+PARD_WITHOUT_MODEL = ("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
+                      "--draft-layers N, or drop --pard-mask")
 
 
 def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -7426,70 +7731,34 @@ def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Lau
     return torch.device("cuda", gpus[0]), {**placement, "max_memory": cut}
 
 
-def _pard_mode(mask: str, tok: Any, found: dict[str, Drafter]) -> dict[str, Drafter]:
-    """--pard-mask: each draft model of the run as a PARD draft with that mask token (an id,
-    or a token of the tokenizer's vocabulary); the other drafters as they are."""
-    token = int(mask) if mask.isdigit() else (tok.get_vocab() if tok is not None else {}).get(
-        mask)
-    if token is None:
-        raise UsageError(f"--pard-mask {mask!r}: no such token in the tokenizer's vocabulary; "
-                         f"give one it has (one of its special tokens) or an id")
-    if not any(isinstance(d, (ModelDrafter, PardDrafter)) for d in found.values()):
-        raise UsageError("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
-                         "--draft-layers N, or drop --pard-mask")
-    return {n: PardDrafter(f"{d.name} [PARD, mask {token}]", d.model, token)
-            if isinstance(d, (ModelDrafter, PardDrafter)) else d for n, d in found.items()}
-
-
-def _cross_vocab(choice: str, tok_p: Any, tok_q: Any, n_shared: int) -> str | None:
-    """How a draft model is run (--cross-vocab): None, in the target's vocabulary as before,
-    when its tokenizer agrees with the target's on their shared ids (check_tokenizers; a
-    draft without one, an assistant sidecar, uses the target's) and no method is forced;
-    else "tli" (auto's choice) or "slem"."""
-    if choice != "auto":
-        return choice
-    try:
-        check_tokenizers(tok_p, tok_q, n_shared)
-    except UsageError:
-        return "tli"
-    return None
-
-
 def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
                ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
     """Load the target, then each --draft as the kinds of DRAFTERS recognise it (a model
-    named twice is loaded once; a draft model whose tokenizer is not the target's is handed
-    to the kinds as an OtherVocabulary: --cross-vocab), and the early-exit drafts of
-    --draft-layers: views of the single --draft model, or else of the target. Returns them
-    and the device inputs go to."""
+    named twice is loaded once; the kinds read the drafter options, DraftOptions), and the
+    early-exit drafts of --draft-layers: views of the single --draft model, or else of the
+    target. Returns them and the device inputs go to."""
     device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
     target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
                                                    args.use_unsloth, progress, **placement)
-    loaded = {args.target: (target, tok)}
+    loaded = {args.target: Loaded(target, tok, args.target)}
 
-    def as_loaded(model: nn.Module, tok_q: Any) -> nn.Module | OtherVocabulary:
-        method = _cross_vocab(args.cross_vocab, tok, tok_q,
-                              min(vocab_width(target), vocab_width(model)))
-        return model if method is None else OtherVocabulary(model, tok, tok_q, method)
-
-    def load(name: str) -> nn.Module | OtherVocabulary:
+    def load(name: str) -> Loaded:
         if name not in loaded:
-            loaded[name] = load_model_and_tokenizer(name, device, args.dtype, args.use_unsloth,
-                                                    progress, **placement)[:2]
-        return as_loaded(*loaded[name])
-    options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps)
+            model, tok_q, _ = load_model_and_tokenizer(name, device, args.dtype,
+                                                       args.use_unsloth, progress, **placement)
+            loaded[name] = Loaded(model, tok_q, name)
+        return loaded[name]
+    options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps, args.pard_mask,
+                           args.cross_vocab)
     found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
     models = [n for n in found if n in loaded]  # the --draft names that are models
     base = models[0] if len(models) == 1 else args.target
     if len(models) == 1 and layers:  # its early-exit views are the drafts, not it
         del found[base]
     for n in layers:
-        name = f"{base} [first {n} layers]"
-        view = as_loaded(early_exit_draft(loaded[base][0], n), loaded[base][1])
-        found[name] = next(d for kind in DRAFTERS for d in [kind.from_model(name, view, target)]
-                           if d)
-    if args.pard_mask is not None:
-        found = _pard_mode(args.pard_mask, tok, found)
+        view = loaded[base]._replace(model=early_exit_draft(loaded[base].model, n), layers=n)
+        found[f"{base} [first {n} layers]"] = drafter_of(f"{base} [first {n} layers]", view,
+                                                         target, options)
     return target, tok, list(found.values()), device
 
 
@@ -7540,6 +7809,8 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
     launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(args, layers, progress, launch)
+    if args.pard_mask is not None and not any(d.kind == "PARD" for d in drafts):
+        raise UsageError(PARD_WITHOUT_MODEL)  # (every draft a head, or of another tokenizer)
     inputs = _cli_prompts(args, prompts, tok, sweep)
     settings = replace(settings, eos=eos_ids(target, tok))
     for length, _ in inputs:
@@ -7627,7 +7898,8 @@ def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: 
     out = sys.stderr if args.json == "-" else sys.stdout
     configs = [engine_config(r, args.engine_config) if args.engine_config else None
                for r in reports]
-    print("\n\n".join(format_report(r) + ("\n" + format_engine_config(c) if c else "")
+    print("\n\n".join(format_report(r) + ("\n" + format_engine_config(c, args.engine_config)
+                                           if c else "")
                        for r, c in zip(reports, configs)), file=out)
     if args.context_lengths is not None:
         print("\n" + format_context_table(reports, _context_lengths(args)), file=out)

@@ -1006,55 +1006,59 @@ LEGACY_REPORT_JSON = (
 # the first continuation token came to be the prefill's, issue 24): the numbers a later run,
 # on any machine, must give within CROSS_MACHINE_REL (run key aside: it hashes the models' files).
 REPORT_JSON = (
-    '{"target":"t","draft":"d","temperature":0.9,"top_k":0,"top_p":1.0,"gamma":2,"cost_ratio":1'
-    '.0,"cost_ratio_source":"parameters per token, draft/target","verify_cost":1.0,"proposal":"'
-    'sample","drafted_by":null,"system_prompt":null,"context":null,"vocab":48,"truncated_prompt'
-    's":0,"partial":false,"progress_note":null,"costs":null,"per_prompt":[{"index":0,"category"'
-    ':null,"positions":3,"scored":3,"alpha_sum":0.5646092519164085,"top1_sum":0.0,"p_argmax_q_s'
-    'um":0.017957785516045988,"head_alpha_sums":[],"head_scored":[],"head_p_argmax_q_sums":[],"'
-    'coverage_sum":null,"windows":{"1":[0.5646092519164085,3],"2":[0.3685373411622693,2],"3":[0'
-    '.11646840719941833,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accept'
-    'ed":0,"examined":3,"cycles":3,"censored":0,"reached":[3,0],"accepted_at":[0,0],"unproposed'
-    '":[0,0],"proposed":[0,0,3],"generated":4},{"index":1,"category":null,"positions":3,"scored'
-    '":3,"alpha_sum":0.686015859246254,"top1_sum":0.0,"p_argmax_q_sum":0.0034626825945451856,"h'
-    'ead_alpha_sums":[],"head_scored":[],"head_p_argmax_q_sums":[],"coverage_sum":null,"windows'
-    '":{"1":[0.686015859246254,3],"2":[0.6482394578007877,2],"3":[0.2853249159479543,1],"4":[0.'
-    '0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2,"examined":4,"cycles":2'
-    ',"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0],"proposed":[0,0,2],"g'
-    'enerated":4}],"notes":["cost ratio from parameter counts: a rough guide; memory-bound serv'
-    'ing and the verify pass\'s real cost can differ (--cost-ratio measure times them)"],"one_dr'
-    'aft_pass":false,"cross_vocab":null,"alpha":0.20843751852711043,"alpha_std":0.0286158117745'
-    '95375,"alpha_stderr":0.02023443455497424,"alpha_ci":[0.18820308397213617,0.228671953082084'
-    '66],"scored_positions":6,"n_sequences":2,"alpha_by_head":null,"alpha_by_rule":{"sample":0.'
-    '20843751852711043,"argmax":0.0035700780184318623},"tokens_per_cycle_by_rule":{"sample":1.2'
-    '5188371765685,"argmax":1.0035828234754895},"est_speedup_by_rule":{"sample":0.4172945725522'
-    '8336,"argmax":0.33452760782516316},"proposal_rate":1.0,"scored_on":"continuation","estimat'
-    'or":"iid","expected_accepted":0.25188371765684997,"expected_accepted_iid":0.25188371765684'
-    '997,"expected_accepted_positional":0.2541941997407643,"tokens_per_cycle":1.25188371765685,'
-    '"tokens_per_cycle_ci":[1.223623484788759,1.2809628152084598],"est_speedup":0.4172945725522'
-    '8336,"est_speedup_ci":[0.40787449492958633,0.4269876050694866],"greedy_agreement":0.0,"p_a'
-    'rgmax_q":0.0035700780184318623,"alpha_by_category":null,"sequences_by_category":null,"prop'
-    'osal_rate_by_category":null,"best_gamma":1,"draft_vocab_coverage":null,"empirical_alpha":0'
-    '.2857142857142857,"empirical_alpha_stderr":0.2448979591836735,"empirical_alpha_ci":[0.0,0.'
-    '5],"accepted_tokens":2,"examined_tokens":7,"cycles":5,"censored_cycles":0,"mean_accepted_l'
-    'ength":0.4,"empirical_tokens_per_cycle":1.4,"empirical_tokens_per_cycle_ci":[1.0,2.0],"emp'
-    'irical_est_speedup":0.4666666666666666,"empirical_est_speedup_ci":[0.3333333333333333,0.66'
-    '66666666666666],"alpha_by_draft_offset":[0.4,0.0],"reached_by_draft_offset":[5,2],"accepte'
-    'd_by_draft_offset":[2,0],"unproposed_by_draft_offset":[0,0],"proposed_by_cycle":[0,0,5],"a'
-    'ccepted_per_cycle_by_draft_offset":[0.4,0.0],"generated_tokens":8,"tokens_per_verify_pass"'
-    ':1.6,"simulated_prompts":2,"gamma_table":[{"gamma":1,"tokens_per_cycle":1.2084375185271103'
-    ',"est_speedup":0.6042187592635552,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.7},{"gamm'
-    'a":2,"tokens_per_cycle":1.25188371765685,"est_speedup":0.41729457255228336,"sim_tokens_per'
-    '_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,"tokens_per_cycle":1.26093953'
-    '55928876,"est_speedup":0.3152348838982219,"sim_tokens_per_cycle":null,"sim_est_speedup":nu'
-    'll},{"gamma":4,"tokens_per_cycle":1.2628271078117086,"est_speedup":0.25256542156234174,"si'
-    'm_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_per_cycle":1.263220548'
-    '6810402,"est_speedup":0.2105367581135067,"sim_tokens_per_cycle":null,"sim_est_speedup":nul'
-    'l},{"gamma":6,"tokens_per_cycle":1.2633025565195308,"est_speedup":0.1804717937885044,"sim_'
-    'tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_cycle":1.26331965002'
-    '98858,"est_speedup":0.15791495625373572,"sim_tokens_per_cycle":null,"sim_est_speedup":null'
-    '},{"gamma":8,"tokens_per_cycle":1.263323212958767,"est_speedup":0.14036924588430744,"sim_t'
-    'okens_per_cycle":null,"sim_est_speedup":null}]}'
+    '{"target":"t","draft":"d","temperature":0.9,"top_k":0,"top_p":1.0,"gamma":2,"cost_ratio":1.0'
+    ',"cost_ratio_source":"parameters per token, draft/target","verify_cost":1.0,"proposal":"samp'
+    'le","drafted_by":null,"system_prompt":null,"context":null,"vocab":48,"truncated_prompts":0,"'
+    'partial":false,"progress_note":null,"costs":null,"per_prompt":[{"index":0,"category":null,"p'
+    'ositions":3,"scored":3,"alpha_sum":0.564609207212925,"top1_sum":0.0,"p_argmax_q_sum":0.01795'
+    '7777250558138,"head_alpha_sums":[],"head_scored":[],"head_p_argmax_q_sums":[],"coverage_sum"'
+    ':null,"windows":{"1":[0.564609207212925,3],"2":[0.36853726235501527,2],"3":[0.11646828013530'
+    '972,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":0,"examined":'
+    '3,"cycles":3,"censored":0,"reached":[3,0],"accepted_at":[0,0],"unproposed":[0,0],"proposed":'
+    '[0,0,3],"drafted":3,"drafted_accepted":0,"verify_steps":2,"generated":4},{"index":1,"categor'
+    'y":null,"positions":3,"scored":3,"alpha_sum":0.6860156059265137,"top1_sum":0.0,"p_argmax_q_s'
+    'um":0.0034626811975613236,"head_alpha_sums":[],"head_scored":[],"head_p_argmax_q_sums":[],"c'
+    'overage_sum":null,"windows":{"1":[0.6860156059265137,3],"2":[0.6482392096518161,2],"3":[0.28'
+    '532475239157873,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2'
+    ',"examined":4,"cycles":2,"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0]'
+    ',"proposed":[0,0,2],"drafted":2,"drafted_accepted":1,"verify_steps":1,"generated":4}],"notes'
+    '":["cost ratio from parameter counts: a rough guide; memory-bound serving and the verify pas'
+    's\'s real cost can differ (--cost-ratio measure times them)"],"one_draft_pass":false,"drafter'
+    '":{"kind":"draft model","checkpoint":"d","layers":null},"cross_vocab":null,"alpha":0.2084374'
+    '688565731,"alpha_std":0.02861576260327212,"alpha_stderr":0.020234399785598118,"alpha_ci":[0.'
+    '18820306907097498,0.22867186864217123],"scored_positions":6,"n_sequences":2,"alpha_by_head":'
+    'null,"alpha_by_rule":{"sample":0.2084374688565731,"argmax":0.00357007640801991},"tokens_per_'
+    'cycle_by_rule":{"sample":1.251883647279908,"argmax":1.003582821853579},"est_speedup_by_rule"'
+    ':{"sample":0.41729454909330266,"argmax":0.3345276072845263},"acceptance_rates_by_rule":{"sam'
+    'ple":[0.2084374688565731,0.04344617842333488],"argmax":[0.00357007640801991,1.27454455591003'
+    '44e-05]},"proposal_rate":1.0,"scored_on":"continuation","estimator":"iid","expected_accepted'
+    '":0.251883647279908,"expected_accepted_iid":0.251883647279908,"expected_accepted_positional"'
+    ':0.2541941180017079,"tokens_per_cycle":1.251883647279908,"tokens_per_cycle_ci":[1.2236234642'
+    '787092,1.2809626921504735],"est_speedup":0.41729454909330266,"est_speedup_ci":[0.40787448809'
+    '290305,0.42698756405015786],"greedy_agreement":0.0,"p_argmax_q":0.00357007640801991,"alpha_b'
+    'y_category":null,"sequences_by_category":null,"proposal_rate_by_category":null,"best_gamma":'
+    '1,"draft_vocab_coverage":null,"empirical_alpha":0.2857142857142857,"empirical_alpha_stderr":'
+    '0.2448979591836735,"empirical_alpha_ci":[0.0,0.5],"accepted_tokens":2,"examined_tokens":7,"c'
+    'ycles":5,"censored_cycles":0,"mean_accepted_length":0.4,"empirical_tokens_per_cycle":1.4,"em'
+    'pirical_tokens_per_cycle_ci":[1.0,2.0],"empirical_est_speedup":0.4666666666666666,"empirical'
+    '_est_speedup_ci":[0.3333333333333333,0.6666666666666666],"alpha_by_draft_offset":[0.4,0.0],"'
+    'reached_by_draft_offset":[5,2],"accepted_by_draft_offset":[2,0],"unproposed_by_draft_offset"'
+    ':[0,0],"proposed_by_cycle":[0,0,5],"accepted_per_cycle_by_draft_offset":[0.4,0.0],"generated'
+    '_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"drafted_tokens":5,"drafted_ac'
+    'cepted":1,"verify_steps":3,"accept_rate":0.2,"accept_rate_ci":[0.0,0.5],"logged_tokens_per_c'
+    'ycle":1.3333333333333333,"logged_tokens_per_cycle_ci":[1.0,2.0],"gamma_table":[{"gamma":1,"t'
+    'okens_per_cycle":1.208437468856573,"est_speedup":0.6042187344282866,"sim_tokens_per_cycle":1'
+    '.4,"sim_est_speedup":0.7},{"gamma":2,"tokens_per_cycle":1.251883647279908,"est_speedup":0.41'
+    '729454909330266,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,'
+    '"tokens_per_cycle":1.260939458741959,"est_speedup":0.3152348646854897,"sim_tokens_per_cycle"'
+    ':null,"sim_est_speedup":null},{"gamma":4,"tokens_per_cycle":1.262827029161551,"est_speedup":'
+    '0.25256540583231024,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_p'
+    'er_cycle":1.2632204695620997,"est_speedup":0.2105367449270166,"sim_tokens_per_cycle":null,"s'
+    'im_est_speedup":null},{"gamma":6,"tokens_per_cycle":1.263302477283336,"est_speedup":0.180471'
+    '782469048,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_cycle":'
+    '1.263319570765177,"est_speedup":0.15791494634564712,"sim_tokens_per_cycle":null,"sim_est_spe'
+    'edup":null},{"gamma":8,"tokens_per_cycle":1.263323133687266,"est_speedup":0.1403692370763628'
+    '7,"sim_tokens_per_cycle":null,"sim_est_speedup":null}]}'
 )
 
 
@@ -1929,7 +1933,8 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
                                   sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
                                   continuation_tokens=12, draft_name="ngram (n=1..3)")
     keys = ("run_key", "run_key_parts")  # each records the models it was given
-    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", *keys)} \
+    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", "drafter",
+                                                       *keys)} \
         == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k not in keys}
     rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
                                      "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
@@ -3570,40 +3575,294 @@ def test_medusa_heads_draft_trees_from_each_heads_own_q(tok_plain, tmp_path, mon
     assert r.trees.rows[1].alpha_by_depth[3:] == [0.0, None]  # nothing past the last head
 
 
-def test_engine_settings_accept_as_the_report_measured(llama, llama2, tok_plain):
-    """--engine-config: vLLM's synthetic_acceptance_rates are P(first j accepted), non-
-    increasing, summing to tokens per cycle - 1 (the simulation's, or the teacher-forced
-    chain's without it); a static tree goes to vLLM with its speculative_token_tree, a
-    dynamic one to SGLang with its flags and SGLANG_SIMULATE_ACC_LEN = its accept length;
-    what an engine cannot serve says so."""
+def by_hand_rates(r) -> list[float]:
+    """P(accepted length >= j) from a report's simulated counts, by hand: the product of
+    accepted / at risk (reached, or every proposal accepted and nothing proposed there)."""
+    s, out, run = r.simulated, [], 1.0
+    for took, reached, unproposed in zip(s.accepted_by_draft_offset, s.reached_by_draft_offset,
+                                         s.unproposed_by_draft_offset):
+        run *= took / (reached + unproposed) if reached + unproposed else 0.0
+        out.append(run)
+    return out
+
+
+KINDS_SERVED = {  # kind -> (vLLM method or None: the ngram stand-in, SGLang algorithm,
+    # llama.cpp --spec-type), as each engine's configuration code names its proposer
+    "draft model": ("draft_model", "STANDALONE", "draft-simple"),
+    "early exit": (None, None, "draft-simple"),
+    "n-gram": ("ngram", "NGRAM", "ngram-simple"),
+    "MTP": ("mtp", "EAGLE", "draft-mtp"),
+    "Gemma-4 assistant": ("mtp", None, None),
+    "EAGLE-3": ("eagle3", "EAGLE3", "draft-eagle3"),
+    "Medusa": (None, None, None),
+    "PARD": ("draft_model", None, None),
+    "DFlash": ("dflash", "DFLASH", "draft-dflash"),
+    "TLI": ("draft_model", None, None),
+    "SLEM": (None, None, None),
+}
+
+
+def test_engine_settings_replay_the_reports_rates_under_the_engines_rule(llama, llama2,
+                                                                         tok_plain):
+    """--engine-config: vLLM's synthetic_acceptance_rates, llama.cpp's --spec-synth-rates
+    and SGLang's SGLANG_SIMULATE_ACC_LEN (1 + their sum) are P(accepted length >= j) under the
+    engines' rule: the simulation's, by hand from its counts, where it ran that rule
+    (--proposal argmax), else the teacher-forced alpha of p(argmax q) to the power j, by hand
+    from the per-prompt sums (a simulation of Leviathan's rule is not the engines'). Each
+    kind gets the engine's own proposer with its checkpoint, or the model-free n-gram
+    stand-in, which says so; trees go where the engine serves their shape, else one line
+    says why not."""
     seqs = sd.build_sequences(PROMPTS, tok_plain)
     static = sd.TreeSpec(choices=((0,), (1,), (0, 0)))
-    kw = dict(sampling=sd.SamplingParams(0.8), settings=sd.Settings(
-        gamma=3, continuation_tokens=12, seed=1, trees=(sd.TreeSpec(2, 2, 5), static,
-                                                         sd.TreeSpec(1, 2, 3))))
-    sim, = sd.measure_drafts(llama, [("d", llama2)], seqs, simulate=True, **kw)
-    tf, = sd.measure_drafts(llama, [("d", llama2)], seqs, **kw)
-    for r, tpc in ((sim, sim.empirical_tokens_per_cycle), (tf, tf.tokens_per_cycle)):
-        chain, dyn, stat, top1 = sd.engine_config(r, "vllm")
-        rates = chain["speculative_config"]["synthetic_acceptance_rates"]
-        assert len(rates) == 3 and rates == sorted(rates, reverse=True)
-        assert 1 + sum(rates) == pytest.approx(tpc, abs=2e-4)
-        assert chain["speculative_config"]["rejection_sample_method"] == "synthetic"
-        assert "unsupported" in dyn
-        got = stat["speculative_config"]
-        assert ast.literal_eval(got["speculative_token_tree"]) == [(0,), (1,), (0, 0)]
-        assert got["num_speculative_tokens"] == 3
-        assert got["synthetic_acceptance_length"] == pytest.approx(
-            r.trees.rows[1].accept_length, abs=1e-4)
-        assert 1 + sum(top1["speculative_config"]["synthetic_acceptance_rates"]) == \
-            pytest.approx(r.trees.rows[2].accept_length, abs=2e-4)
-        chain, dyn, stat, top1 = sd.engine_config(r, "sglang")
-        assert float(chain["env"]["SGLANG_SIMULATE_ACC_LEN"]) == pytest.approx(tpc, abs=1e-4)
+    trees = (sd.TreeSpec(2, 2, 5), static, sd.TreeSpec(1, 3, 3),
+             sd.TreeSpec(choices=((0,), (0, 0))))
+    kw = dict(settings=sd.Settings(gamma=3, continuation_tokens=12, seed=1, trees=trees,
+                                   simulate=True))
+    draft = sd.ModelDrafter("d", llama2, "/ckpt/draft")
+    argmax, = sd.measure_drafts(llama, [draft], seqs,
+                                sampling=sd.SamplingParams(0.8, proposal="argmax"), **kw)
+    textbook, = sd.measure_drafts(llama, [draft], seqs, sampling=sd.SamplingParams(0.8), **kw)
+    alpha = sum(p["p_argmax_q_sum"] for p in textbook.per_prompt) / sum(
+        p["scored"] for p in textbook.per_prompt)
+    for r, want in ((argmax, by_hand_rates(argmax)), (textbook, [alpha ** j for j in (1, 2, 3)])):
+        chain, dyn, stat, top1, flat = sd.engine_config(r, "vllm")
+        got = chain["speculative_config"]
+        assert got["synthetic_acceptance_rates"] == pytest.approx(want, abs=6e-5)
+        assert got["method"] == "draft_model" and got["model"] == "/ckpt/draft"
+        assert got["num_speculative_tokens"] == 3 and got["rejection_sample_method"] == "synthetic"
+        assert "PR #42121" in dyn["unsupported"] and "PR #42121" in stat["unsupported"]
+        for row, entry in ((r.trees.rows[2], top1), (r.trees.rows[3], flat)):  # chains
+            rates = entry["speculative_config"]["synthetic_acceptance_rates"]
+            assert 1 + sum(rates) == pytest.approx(row.accept_length, abs=3e-4)
+            assert len(rates) == 2  # 3 tokens verified: 2 drafts, whatever the steps say
+        chain, dyn, stat, top1, flat = sd.engine_config(r, "sglang")
+        assert float(chain["env"]["SGLANG_SIMULATE_ACC_LEN"]) == pytest.approx(
+            1 + sum(want), abs=1e-4)
+        assert chain["args"] == ["--speculative-algorithm", "STANDALONE",
+                                 "--speculative-draft-model-path", "/ckpt/draft",
+                                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                 "--speculative-num-draft-tokens", "4",
+                                 "--max-running-requests", "48"]
+        assert chain["env"]["SGLANG_SIMULATE_ACC_TOKEN_MODE"] == "real-draft-token"
+        assert dyn["env"]["SGLANG_SIMULATE_ACC_TOKEN_MODE"] == "fixed"  # (topk > 1)
         assert float(dyn["env"]["SGLANG_SIMULATE_ACC_LEN"]) == pytest.approx(
             r.trees.rows[0].accept_length, abs=1e-4)
-        assert dyn["args"] == ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
-                               "--speculative-num-draft-tokens", "5"]
-        assert "unsupported" in stat
+        assert dyn["args"][4:10] == ["--speculative-num-steps", "2", "--speculative-eagle-topk",
+                                     "2", "--speculative-num-draft-tokens", "5"]
+        assert "dynamically" in stat["unsupported"]
+        assert top1["args"][4:10] == ["--speculative-num-steps", "2", "--speculative-eagle-topk",
+                                      "1", "--speculative-num-draft-tokens", "3"]
+        measured, chain, dyn, stat, top1, flat = sd.engine_config(r, "llamacpp")
+        assert measured["args"][measured["args"].index("--spec-draft-n-max") + 1] == "3"
+        assert "--spec-synth-rates" not in measured["args"]
+        synth = [float(x) for x in chain["args"][chain["args"].index("--spec-synth-rates") + 1]
+                 .split(",")]
+        assert synth == pytest.approx(want, abs=6e-5)
+        assert "chains" in dyn["unsupported"] and "chains" in stat["unsupported"]
+    for kind, served in KINDS_SERVED.items():
+        r = dataclasses.replace(argmax, run=dataclasses.replace(
+            argmax.run, drafter={"kind": kind, "checkpoint": "/ckpt/x", "layers": 2,
+                                 "ngram": [1, 2]}))
+        for engine, name in zip(("vllm", "sglang", "llamacpp"), served):
+            entry = sd.engine_config(r, engine)[-5]  # (the chain; llama.cpp: its replay)
+            words = entry["note"]
+            assert "settings that replay" in sd.format_engine_config([entry], engine)
+            if engine == "vllm":
+                assert entry["speculative_config"]["method"] == (name or "ngram"), kind
+                has_model = "model" in entry["speculative_config"]
+            elif engine == "sglang":
+                assert entry["args"][1] == (name or "NGRAM"), kind
+                has_model = "--speculative-draft-model-path" in entry["args"]
+            else:
+                assert entry["args"][entry["args"].index("--spec-type") + 1] == (
+                    name or "ngram-simple"), kind
+                has_model = "--model-draft" in entry["args"]
+            assert ("stands in" in words) == (name is None), (kind, engine)
+            assert has_model == (name is not None and kind not in ("MTP", "n-gram")), kind
+    knowing_none = dataclasses.replace(argmax, run=dataclasses.replace(
+        argmax.run, drafter={"kind": "draft model", "checkpoint": None}))
+    assert "not known" in sd.engine_config(knowing_none, "vllm")[0]["note"]
+    early = dataclasses.replace(argmax, run=dataclasses.replace(
+        argmax.run, target="m/t.Q4.gguf", drafter={"kind": "early exit",
+                                                   "checkpoint": "m/t.Q4.gguf", "layers": 24}))
+    assert sd.engine_config(early, "llamacpp")[0]["args"][:6] == [
+        "-m", "m/t.Q4.gguf", "--spec-type", "draft-simple", "--model-draft", "m/t.Q4.first24.gguf"]
+    with pytest.raises(sd.UsageError, match="unknown engine"):
+        sd.engine_config(argmax, "tgi")
+
+
+def engines_here() -> bool:
+    """vLLM and SGLang are importable (looked up, not imported: that takes seconds)."""
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("vllm", "sglang"))
+
+
+ENGINES_ABSENT = ("vLLM and SGLang are not installed here; benchmarks/engines_check.sh makes a "
+                  "CPU venv with vLLM 0.33.0 and SGLang 0.5.23 and runs this test in it")
+
+
+def judge_vllm(config: dict, target: str) -> dict:
+    """vLLM's own command-line parsing and validation of --speculative-config for a target
+    folder (EngineArgs -> create_model_config -> create_speculative_config) -> what it
+    resolved; the engine's exception when it refuses."""
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", target, "--speculative-config", json.dumps(config)])
+    engine = EngineArgs.from_cli_args(parsed)
+    spec = engine.create_speculative_config(target_model_config=engine.create_model_config(),
+                                            target_parallel_config=ParallelConfig())
+    return {"method": spec.method, "tokens": spec.num_speculative_tokens, "model": spec.model,
+            "rates": spec.synthetic_acceptance_rates,
+            "parallel": spec.parallel_drafting, "hetero": spec.use_heterogeneous_vocab}
+
+
+def judge_sglang(args: list[str], env: dict, target: str) -> dict:
+    """SGLang's own parsing and checks of the server flags (ServerArgs.from_cli_args ->
+    resolve_once -> check_server_args) for a CUDA server of a target folder, the simulation's
+    variables read back through SGLang's accessors and its sampler of the simulated length
+    (which refuses an unknown method) -> what it resolved."""
+    import argparse as ap
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        from sglang.srt.environ import envs
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.spec_utils import sample_simulated_acc_len
+        parser = ap.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        server = ServerArgs.from_cli_args(parser.parse_args(
+            ["--model-path", target, "--device", "cuda", *args]))
+        server.resolve_once()
+        server.check_server_args()
+        got = server.resolved_dict()  # (what the resolution set, as the server reads it)
+        length = envs.SGLANG_SIMULATE_ACC_LEN.get()
+        width = got["speculative_num_draft_tokens"] if got["speculative_algorithm"] in (
+            "NGRAM", "DFLASH") else (got["speculative_num_steps"] or 0) + 1
+        drawn = sample_simulated_acc_len(length, envs.SGLANG_SIMULATE_ACC_METHOD.get(), width)
+        return {"algorithm": got["speculative_algorithm"],
+                "steps": got["speculative_num_steps"], "topk": got["speculative_eagle_topk"],
+                "tokens": got["speculative_num_draft_tokens"],
+                "running": got["max_running_requests"],
+                "draft": got["speculative_draft_model_path"], "length": length, "drawn": drawn,
+                "mode": envs.SGLANG_SIMULATE_ACC_TOKEN_MODE.get()}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def engine_folders(root) -> dict[str, tuple[str, str]]:
+    """For each kind of drafter, a checkpoint folder as its engines' configuration code reads it
+    (a config.json alone: neither engine opens weights to check settings) and the target
+    folder it drafts for -> kind: (checkpoint, target)."""
+    small = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rms_norm_eps=1e-6, hidden_act="silu", rope_theta=10000.0, bos_token_id=1,
+                 eos_token_id=2)
+    llama = dict(small, architectures=["LlamaForCausalLM"], model_type="llama")
+    configs = {
+        "target": llama, "draft": llama, "wide": dict(llama, vocab_size=V + 12),
+        "pard": dict(llama, pard_token=PARD_MASK),
+        "eagle3": dict(small, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                       draft_vocab_size=32),
+        "dflash": dict(small, architectures=["DFlashDraftModel"], model_type="qwen3",
+                       head_dim=16, block_size=8,
+                       dflash_config={"target_layer_ids": [0], "mask_token_id": PARD_MASK}),
+        "deepseek": dict(small, architectures=["DeepseekV3ForCausalLM"],
+                         model_type="deepseek_v3", num_nextn_predict_layers=1,
+                         moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                         num_experts_per_tok=2, n_group=1, topk_group=1,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         routed_scaling_factor=1.0, norm_topk_prob=True,
+                         topk_method="noaux_tc", scoring_func="sigmoid")}
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    from transformers import Gemma4AssistantConfig
+    gemma = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                 sliding_window=64, max_position_embeddings=256, hidden_size_per_layer_input=0,
+                 vocab_size_per_layer_input=0, vocab_size=V, hidden_size=32,
+                 intermediate_size=64, num_hidden_layers=2,
+                 layer_types=["sliding_attention", "full_attention"])
+    assistant = Gemma4AssistantConfig(text_config=dict(model_type="gemma4_text", **gemma),
+                                      backbone_hidden_size=32, use_ordered_embeddings=False,
+                                      architectures=["Gemma4AssistantForCausalLM"])
+    assistant.save_pretrained(root / "assistant")  # (its target's config aside: a Llama's
+    at = {name: str(root / name) for name in [*configs, "assistant"]}  # is checked alike)
+    t = at["target"]
+    return {"draft model": (at["draft"], t), "early exit": (t, t), "n-gram": (None, t),
+            "MTP": (None, at["deepseek"]), "Gemma-4 assistant": (at["assistant"], t),
+            "EAGLE-3": (at["eagle3"], t), "Medusa": (at["draft"], t), "PARD": (at["pard"], t),
+            "DFlash": (at["dflash"], t), "TLI": (at["wide"], t), "SLEM": (at["wide"], t)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not engines_here(), reason=ENGINES_ABSENT)
+def test_engine_settings_pass_the_engines_own_checks(llama, llama2, tok_plain, tmp_path):
+    """Every setting --engine-config prints, for every kind of drafter and tree shape, through
+    vLLM's and SGLang's own configuration code: each is accepted; vLLM resolves the method,
+    checkpoint and rates printed, the rates the report's P(accepted length >= j) (by hand
+    from its counts); SGLang resolves the algorithm, draft path, steps, top-k and draft tokens
+    the line intends (NGRAM: its steps are the draft tokens over the breadth, 1; DFLASH: one
+    step, a block of N), an explicit --max-running-requests, and the length printed, which
+    its own sampler of the simulated length takes. A shape an engine cannot serve is one
+    line saying why."""
+    seqs = sd.build_sequences(PROMPTS, tok_plain)
+    trees = (sd.TreeSpec(2, 2, 5), sd.TreeSpec(1, 3, 4), sd.TreeSpec(choices=((0,), (0, 0))),
+             sd.TreeSpec(choices=((0,), (1,), (0, 0))))
+    r, = sd.measure_drafts(llama, [sd.ModelDrafter("d", llama2)], seqs,
+                           sampling=sd.SamplingParams(0.8, proposal="argmax"), gamma=3,
+                           continuation_tokens=12, seed=1, trees=trees, simulate=True)
+    chain_rates = by_hand_rates(r)
+    folders = engine_folders(tmp_path)
+    old = {"num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_rates": [round(x, 4) for x in chain_rates]}  # (version 0.3's
+    with pytest.raises(ValueError, match="without speculative model"):  # line: refused)
+        judge_vllm(old, folders["draft model"][1])
+    assert judge_sglang(["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                         "--speculative-num-draft-tokens", "4"],  # (0.3's: no speculation)
+                        {"SGLANG_SIMULATE_ACC_LEN": "1.5"}, folders["draft model"][1]
+                        )["algorithm"] is None
+    for kind, (checkpoint, target) in folders.items():
+        run = dataclasses.replace(r.run, target=target, drafter={
+            "kind": kind, "checkpoint": checkpoint, "layers": 1, "ngram": [1, 2]})
+        report = dataclasses.replace(r, run=run)
+        for entry in sd.engine_config(report, "vllm"):
+            if "unsupported" in entry:
+                assert entry["for"].startswith("tree") and "PR #42121" in entry["unsupported"]
+                continue
+            config = entry["speculative_config"]
+            got = judge_vllm(config, target)
+            assert got["method"] == config["method"] and got["tokens"] == len(got["rates"])
+            assert got["rates"] == config["synthetic_acceptance_rates"], (kind, entry)
+            if entry["for"].startswith("chain"):
+                assert got["rates"] == pytest.approx(chain_rates, abs=6e-5)
+            assert got["model"] == config.get("model", got["model"]), kind
+            assert got["hetero"] == (kind == "TLI"), kind  # (DFlash: parallel by vLLM's own
+            assert got["parallel"] == (kind in ("PARD", "DFlash")), kind  # choice)
+        for entry in sd.engine_config(report, "sglang"):
+            if "unsupported" in entry:
+                assert "dynamically" in entry["unsupported"] or "own trees" in entry[
+                    "unsupported"], (kind, entry)
+                continue
+            args = dict(zip(entry["args"][::2], entry["args"][1::2]))
+            got = judge_sglang(entry["args"], entry["env"], target)
+            n = int(args["--speculative-num-draft-tokens"])
+            want = {"NGRAM": (n, 1, n), "DFLASH": (1, 1, n)}.get(
+                got["algorithm"], (int(args.get("--speculative-num-steps", 0)),
+                                   int(args.get("--speculative-eagle-topk", 0)), n))
+            assert got["algorithm"] == args["--speculative-algorithm"], (kind, entry)
+            assert (got["steps"], got["topk"], got["tokens"]) == want, (kind, entry)
+            assert got["draft"] == args.get("--speculative-draft-model-path", target if (
+                kind == "MTP") else None), kind  # (MTP: SGLang reads the target's own layers)
+            assert got["running"] == int(args["--max-running-requests"]) == 48
+            assert got["length"] == float(entry["env"]["SGLANG_SIMULATE_ACC_LEN"])
+            assert got["mode"] == entry["env"]["SGLANG_SIMULATE_ACC_TOKEN_MODE"]
+            assert got["mode"] == "fixed" or (got["topk"] == 1 and got["algorithm"] != "NGRAM")
+            assert 1 <= got["drawn"] <= want[2]
 
 
 def test_a_report_with_trees_reads_back_and_prices_each_tree(llama, llama2, tok_plain,
@@ -4526,7 +4785,7 @@ def test_wider_draft_vocab_is_cut_before_sampling(llama, wide_draft, seqs):
 def numbers(report) -> dict:
     """Every number of a report (the notes and names aside)."""
     d = report.to_dict()
-    return {k: v for k, v in d.items() if k not in ("notes", "draft", "target")}
+    return {k: v for k, v in d.items() if k not in ("notes", "draft", "target", "drafter")}
 
 
 def test_a_drafts_numbers_do_not_depend_on_the_other_drafts(llama, wide_draft, tok_plain):
@@ -6563,7 +6822,8 @@ def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tm
                                                    / (one["cost_ratio"] + 1), rel=1e-9)
     two_modes = make_llama(1)  # a PARD-2 draft: measured in its target-independent mode
     two_modes.config.pard_token, two_modes.config.pard2_target_layers = PARD_MASK, [1, 2]
-    assert sd.PardDrafter.from_model("p2", two_modes, two_modes).name == \
+    assert sd.PardDrafter.from_model("p2", sd.Loaded(two_modes), two_modes,
+                                     sd.DraftOptions()).name == \
         "p2 [PARD-2, target-independent mode]"
     cfg = json.loads((pard / "config.json").read_text())
     cfg["pard_token"] = 99
@@ -6773,7 +7033,8 @@ def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, caps
     loaded = make_llama(0)  # a DFlash config a hub id loaded as a causal LM: not run as one
     loaded.config.dflash_config = {"mask_token_id": PARD_MASK}
     with pytest.raises(sd.UsageError, match="huggingface-cli download"):
-        sd.DFlashDrafter.from_model("z-lab/x-DFlash", loaded, biased4)
+        sd.DFlashDrafter.from_model("z-lab/x-DFlash", sd.Loaded(loaded), biased4,
+                                    sd.DraftOptions())
     save_dflash(tmp_path / "ok", "zlab", w, DFLASH)
     seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
     with pytest.raises(sd.UsageError, match="--gamma 4: .* drafts at most 3 tokens a pass"):
@@ -7050,7 +7311,8 @@ def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(fo
 def numbers_of(report) -> dict:
     """Every number of a report, the draft's name and the translation's record aside."""
     out = report.to_dict()
-    for k in ("draft", "run_key", "run_key_parts", "cross_vocab", "draft_vocab_coverage"):
+    for k in ("draft", "drafter", "run_key", "run_key_parts", "cross_vocab",
+              "draft_vocab_coverage"):
         out.pop(k)
     for row in out["per_prompt"]:
         row.pop("coverage_sum")
