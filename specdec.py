@@ -287,6 +287,21 @@ class LoopConfig(NamedTuple):
     device: torch.device
     seed: int = 0
 
+    def drafting(self) -> Drafting:
+        """What the drafter's session of this loop fixes: gamma drafting steps a cycle."""
+        return Drafting(self.sampling, self.gamma, self.vocab, self.device)
+
+
+class Drafting(NamedTuple):
+    """What a drafter's session fixes for every call: how it proposes, how many tokens a call
+    drafts, the logit columns both models share, and the device of the loop's tensors."""
+
+    sampling: SamplingParams
+    steps: int  # tokens a call drafts, at most: a chain's gamma, a tree's depth, 1 for a
+    # fork that grows a tree by a level
+    vocab: int
+    device: torch.device
+
 
 class TargetView(NamedTuple):
     """What a drafter that reads the target (reads_target) is shown after each target pass:
@@ -307,12 +322,12 @@ class Proposal(NamedTuple):
     # that finds nothing to propose (n-gram lookup without a match) proposes fewer, or none
 
     @classmethod
-    def none(cls, rows: int, config: LoopConfig) -> Proposal:
+    def none(cls, rows: int, drafting: Drafting) -> Proposal:
         """Nothing proposed in any row (a cycle that is one plain target step)."""
-        tokens = torch.zeros(rows, config.gamma, dtype=torch.long, device=config.device)
-        return cls(tokens, torch.zeros(*tokens.shape, config.vocab, device=config.device),
-                   torch.ones(rows, dtype=torch.bool, device=config.device),
-                   torch.zeros(rows, dtype=torch.long, device=config.device))
+        tokens = torch.zeros(rows, drafting.steps, dtype=torch.long, device=drafting.device)
+        return cls(tokens, torch.zeros(*tokens.shape, drafting.vocab, device=drafting.device),
+                   torch.ones(rows, dtype=torch.bool, device=drafting.device),
+                   torch.zeros(rows, dtype=torch.long, device=drafting.device))
 
 
 @dataclass
@@ -343,17 +358,16 @@ class Scores:
 
 
 class Session(abc.ABC):
-    """A drafter following one batch of prompts through the simulation. Each cycle: propose,
-    the target verifies the proposal, then advance by what the cycle committed."""
+    """A drafter following one batch of prompts through the simulation, drafting chains. Each
+    cycle: propose, the target verifies the proposal, then advance by what the cycle
+    committed. `drafting` is what it was started with (Drafter.start)."""
+
+    drafting: Drafting
 
     @abc.abstractmethod
-    def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor,
-                forced: torch.Tensor | None = None) -> Proposal:
-        """Draft up to gamma tokens per row after pending (B,), the newest committed token, at
-        position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G)), or, given
-        forced (B, G), is forced[b, i]: a tree's branches and its replay of the target's
-        text draft given tokens. Forced, only the last step's q is read (a branch's children):
-        a session may leave the earlier ones zero (a draft model computes the last alone)."""
+    def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor) -> Proposal:
+        """Draft up to drafting.steps tokens per row after pending (B,), the newest committed
+        token, at position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G))."""
 
     @abc.abstractmethod
     def advance(self, n_acc: torch.Tensor, committed: list[list[int]],
@@ -366,16 +380,57 @@ class Session(abc.ABC):
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
 
-    grows = False  # a fork that drafted a forced token may draft on from it (propose after
-    # the forced token, as if committed): a drafter that reads only its own tokens (a draft
-    # model), whose tree then grows a level a pass instead of redrafting each path
 
-    def fork(self, rows: torch.Tensor, config: LoopConfig) -> Session:
-        """A copy of the session over `rows` (repeats allowed), run under `config` from here
-        on, sharing no state with this one: a tree drafts each of its branches in a row of its
-        own. A drafter without a distribution per step (n-gram lookup) drafts no tree."""
-        raise UsageError(f"{type(self).__name__.removesuffix('Session')} drafting proposes one "
-                         f"chain: it cannot draft a tree (--tree, --tree-choices)")
+class TreeSession(Session):
+    """A session that also drafts trees (a drafter whose record says it can: Abilities.trees):
+    it drafts given tokens, as a tree's branches and the replay of the target's text need, and
+    forks a copy of itself per branch."""
+
+    grows = False  # a fork that drafted a given token may draft on from it (propose after it,
+    # as if committed): a drafter that reads only its own tokens (a draft model), whose tree
+    # then grows a level a pass instead of redrafting each path
+
+    @abc.abstractmethod
+    def given(self, pending: torch.Tensor, npos: torch.Tensor, tokens: torch.Tensor
+              ) -> Proposal:
+        """propose's drafts when they are given: tokens (B, W) drafted after pending at npos,
+        W up to drafting.steps (a draft model's, any). Only the last step's q is read (a
+        branch's children): a session may leave the earlier ones zero."""
+
+    @abc.abstractmethod
+    def fork(self, rows: torch.Tensor, drafting: Drafting) -> TreeSession:
+        """A copy of the session over `rows` (repeats allowed), drafting as `drafting` says
+        from here on, sharing no state with this one: a tree drafts each of its branches in a
+        row of its own."""
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a drafter can do, declared in one record (Drafter.can): the loop, the routes and
+    the trees read it, and Drafter.check refuses a setting it rules out. A kind declares its
+    own; what depends on a checkpoint (steps, layers) is filled in by its constructor."""
+
+    kind: str = "draft model"  # what the engines call it (engine_config)
+    reads_target: bool = False  # shown the target's states (TargetView; score's states)
+    target_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3,
+    # DFlash), besides the final hidden states
+    steps: int | None = None  # the most tokens it proposes a cycle (None: gamma); offset k <=
+    # steps has a teacher-forced alpha of its own (MTP layers, Medusa heads), not alpha again
+    trees: bool = True  # drafts the trees engines serve: a distribution per step (not a
+    # lookup), drafted step by step (not a block in one pass, which no engine serves as a tree)
+    one_pass: bool = False  # drafts its whole block in one pass (PARD, DFlash): a cycle costs
+    # one draft pass whatever gamma is
+    max_gamma: int | None = None  # the largest block one pass drafts (a DFlash block of B:
+    # B - 1); a larger gamma is refused
+    teacher_forced: bool = True  # has a teacher-forced form (SLEM: SlemDrafter says why not)
+    distribution: bool = True  # proposes from a distribution q (not a point mass on text it
+    # copied or re-tokenised: n-gram lookup, SLEM)
+
+
+ABILITY_ALIASES = {"kind": "kind", "reads_target": "reads_target", "layers": "target_layers",
+                   "steps": "steps", "drafts_trees": "trees", "one_pass": "one_pass",
+                   "max_gamma": "max_gamma", "simulated_only": "teacher_forced"}  # (the old
+# attributes, Drafter.__getattr__)
 
 
 class DraftOptions(NamedTuple):
@@ -409,21 +464,37 @@ class Drafter(abc.ABC):
 
     name: str
     width: int | None  # logit columns: the vocabulary it can propose from (None: any)
-    kind: str = "draft model"  # what the engines call it (engine_config)
     checkpoint: str | None = None  # where its network was read from (hub id, folder, .gguf
-    # file) for the engines' settings; None: made in memory, or the target's own
-    reads_target: bool = False
-    steps: int | None = None  # the most tokens it proposes per cycle (None: gamma); each
-    # offset k <= steps has a teacher-forced alpha of its own (MTP layers), not alpha again
-    layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3), besides the
-    # final hidden states
-    drafts_trees: bool = True  # drafts the trees engines serve: a distribution per step (not
-    # a lookup) drafted step by step (not a block in one pass, which no engine serves as a tree)
-    one_pass: bool = False  # drafts its whole block in one pass (PARD, DFlash): a cycle costs
-    # one draft step whatever gamma is
-    max_gamma: int | None = None  # the largest block one pass drafts, where a larger gamma is
-    # refused (a DFlash block of B: B - 1)
-    simulated_only: bool = False  # no teacher-forced form (SLEM: SlemDrafter says why)
+    # file): what the engines' settings load and the run key fingerprints; None: made in
+    # memory, or the target's own
+    can: Abilities = Abilities()  # what it can do; a kind declares its own
+
+    def check(self, settings: Settings) -> None:
+        """Refuse, in one line, a setting it cannot run, as its record (can) says; a kind with
+        more to refuse adds its own checks to these."""
+        can, gamma = self.can, settings.gamma
+        if not can.teacher_forced and not settings.simulate:
+            raise UsageError(f"{self.name} has no teacher-forced form, only a simulated one: "
+                             f"add --simulate (simulate=True)")
+        if settings.trees and not can.trees:
+            raise UsageError(f"--tree: {self.name} drafts no tree ({can.kind} drafting is "
+                             f"measured as one chain, as engines serve it); measure it without "
+                             f"--tree")
+        if can.max_gamma is not None and gamma > can.max_gamma:
+            raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.max_gamma} "
+                             f"tokens a pass (its block of {can.max_gamma + 1}: the pending "
+                             f"token and {can.max_gamma} masks); use --gamma {can.max_gamma} "
+                             f"or less")
+
+    def __getattr__(self, name: str) -> Any:
+        """Deprecated: a capability read as an attribute of its own (drafter.steps,
+        drafter.reads_target, ...), as before they were one record: read drafter.can."""
+        if name in ABILITY_ALIASES:
+            warnings.warn(f"Drafter.{name} is deprecated: read drafter.can."
+                          f"{ABILITY_ALIASES[name]}", DeprecationWarning, stacklevel=2)
+            value = getattr(self.can, ABILITY_ALIASES[name])
+            return not value if name == "simulated_only" else value
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -435,8 +506,9 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def start(self, prompts: list[list[int]], view: TargetView | None,
-              config: LoopConfig) -> Session:
-        """A session over prompts whose last tokens are still to be fed (pending)."""
+              drafting: Drafting) -> Session:
+        """A session over prompts whose last tokens are still to be fed (pending); a
+        TreeSession for a drafter that drafts trees (can.trees)."""
 
     @abc.abstractmethod
     def param_cost(self, target: nn.Module) -> tuple[float, str]:
@@ -470,7 +542,7 @@ class Drafter(abc.ABC):
     def serving(self) -> dict[str, Any]:
         """What a serving engine's settings name of it (RunInfo.drafter, engine_config): its
         kind, its checkpoint, and its kind's own options."""
-        return {"kind": self.kind, "checkpoint": self.checkpoint}
+        return {"kind": self.can.kind, "checkpoint": self.checkpoint}
 
     # Each kind recognises and loads itself; find_drafter asks the kinds of DRAFTERS in turn.
 
@@ -1049,19 +1121,28 @@ def sample_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], co
     return conts
 
 
+class Scoring(NamedTuple):
+    """What the teacher-forced route works out at every scored position: under which sampling,
+    over how many logit columns, and how many of the drafter's ranks (for trees; 0: none)."""
+
+    sampling: SamplingParams
+    vocab: int
+    ranks: int = 0
+
+
 @torch.no_grad()
 def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
-                   sampling: SamplingParams, vocab: int, chunk: int | None = None,
-                   where: Callable[[int], str] = lambda n: f"scored position {n}",
-                   ranks: int = 0) -> dict[str, torch.Tensor]:
+                   scoring: Scoring, chunk: int | None = None,
+                   where: Callable[[int], str] = lambda n: f"scored position {n}"
+                   ) -> dict[str, torch.Tensor]:
     """Per-position numbers (N,) from the target's logits at the scored positions
     (p_logits(start, stop): positions start..stop-1, (n, V)) and a drafter's Scores there, a
     chunk of positions at a time: alpha_t, top-1 agreement, p(argmax q), whether the drafter
     proposed anything there (all zero where it did not) and, given ranks, p at each of the
-    drafter's `ranks` most likely tokens ("p_rank", (N, R); Scores.top). Only a (chunk, V)
-    slice of fp32
-    probabilities exists at a time, whatever N and V are. where(n) names scored position n in
-    error messages."""
+    drafter's most likely tokens ("p_rank", (N, R); Scores.top). Only a (chunk, V) slice of
+    fp32 probabilities exists at a time, whatever N and V are. where(n) names scored position
+    n in error messages."""
+    sampling, vocab, ranks = scoring
     chunk = chunk or max(16, (1 << 24) // vocab)
     alpha, top1, p_of_q, covered, rank_p = [], [], [], [], []
     for s in range(0, scores.proposed.shape[0], chunk):
@@ -1262,68 +1343,76 @@ def pard_mask_token(mask: str, tok: Any) -> int:
     return token
 
 
-class ModelSession(Session):
+class ModelSession(TreeSession):
     """A draft model's cache: it has seen every committed token but the pending one, and, when
     the last block was accepted whole, not its last draft d_G either (fed with the next).
     The draft may sit on another device than the target (a draft in training on the GPU, its
     frozen target elsewhere): its cache and inputs live on its own device, the proposal is
-    handed back on the loop's (config.device, the target's)."""
+    handed back on the loop's (drafting.device, the target's)."""
 
     grows = True
 
-    def __init__(self, model: nn.Module, prompts: list[list[int]], config: LoopConfig):
-        self.model, self.config = model, config
-        self.device = model_device(model) or config.device
+    def __init__(self, model: nn.Module, prompts: list[list[int]], drafting: Drafting):
+        self.model, self.drafting = model, drafting
+        self.device = model_device(model) or drafting.device
         self.slots, _ = prefill(model, [r[:-1] for r in prompts], self.device)
         self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
+        self.width = drafting.steps  # G, the tokens the last call drafted
 
-    def propose(self, pending, npos, u, forced=None):
-        c = self.config
+    def first_input(self, pending: torch.Tensor, npos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a call feeds before its drafts: the pending token at npos, after last cycle's
+        d_G where that block was accepted whole (a dead slot elsewhere) -> ids, positions,
+        live (None: all live)."""
+        if not any(self.full):
+            return pending[:, None], npos[:, None], None
+        full = torch.tensor(self.full, device=pending.device).long()
+        return (torch.stack([self.last, pending], 1), torch.stack([(npos - 1).clamp_min(0), npos],
+                                                                  1),
+                torch.stack([full, torch.ones_like(full)], 1))  # (B, 2) each
+
+    def propose(self, pending, npos, u):
+        d = self.drafting
         pending, npos, u = pending.to(self.device), npos.to(self.device), u.to(self.device)
-        x, pos, live = pending[:, None], npos[:, None], None
-        if any(self.full):  # feed last cycle's d_G too (a dead slot where not accepted)
-            x = torch.stack([self.last, pending], 1)  # (B, 2)
-            pos = torch.stack([(npos - 1).clamp_min(0), npos], 1)
-            full = torch.tensor(self.full, device=x.device).long()
-            live = torch.stack([full, torch.ones_like(full)], 1)
-        if forced is not None:  # the drafts are known: one pass over them all (a tree's)
-            return self.forced(x, pos, live, npos, forced.to(self.device))
-        logits = extend(self.model, self.slots, x, pos, live, last_only=True)
+        logits = extend(self.model, self.slots, *self.first_input(pending, npos), last_only=True)
         qs, ds = [], []
         finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
-        for i in range(c.gamma):
+        for i in range(d.steps):
             finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits[:, -1, :c.vocab], c.sampling))  # (B, V)
+            qs.append(draft_probs(logits[:, -1, :d.vocab], d.sampling))  # (B, V)
             ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
-            if i < c.gamma - 1:
+            if i < d.steps - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
-        self.last = ds[-1]
-        back = c.device  # the target's: where the acceptance test runs
+        self.last, self.width = ds[-1], d.steps
+        back = d.device  # the target's: where the acceptance test runs
         return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back))
 
-    def forced(self, x: torch.Tensor, pos: torch.Tensor, live: torch.Tensor | None,
-               npos: torch.Tensor, forced: torch.Tensor) -> Proposal:
-        """propose's drafts when they are given (forced, (B, G)): the pending token's input
-        x at pos (live) and the first G - 1 drafts in one pass, the same slots filled; the
-        head runs at the last position alone (the q read), the earlier q's are zero."""
-        c, more = self.config, forced[:, :self.config.gamma - 1]
+    def given(self, pending, npos, tokens):
+        """The pending token's input and the first W - 1 given drafts in one pass, the slots a
+        proposal would fill; the head runs at the last position alone (the q read), the earlier
+        q's are zero."""
+        d, tokens = self.drafting, tokens.to(self.device)
+        pending, npos = pending.to(self.device), npos.to(self.device)
+        x, pos, live = self.first_input(pending, npos)
+        more = tokens[:, :-1]
         x = torch.cat([x, more], 1)
         pos = torch.cat([pos, npos[:, None] + 1 + torch.arange(more.shape[1],
                                                                device=npos.device)], 1)
         live = None if live is None else torch.cat([live, torch.ones_like(more)], 1)
         logits = extend(self.model, self.slots, x, pos, live, last_only=True)  # (B, 1, V)
-        q = logits.new_zeros(len(x), c.gamma, c.vocab)
-        q[:, -1] = draft_probs(logits[:, -1, :c.vocab], c.sampling)
-        self.last, self.full = forced[:, -1], [False] * len(x)  # (last cycle's d_G: fed)
-        return Proposal(forced.to(c.device), q.to(c.device),
-                        torch.isfinite(logits).flatten(1).all(1).to(c.device))
+        q = logits.new_zeros(len(x), tokens.shape[1], d.vocab)
+        q[:, -1] = draft_probs(logits[:, -1, :d.vocab], d.sampling)
+        self.last, self.full = tokens[:, -1], [False] * len(x)  # (last cycle's d_G: fed)
+        self.width = tokens.shape[1]
+        return Proposal(tokens.to(d.device), q.to(d.device),
+                        torch.isfinite(logits).flatten(1).all(1).to(d.device))
 
     def advance(self, n_acc, committed, view):
-        gamma, n_host = self.config.gamma, [len(c) - 1 for c in committed]
-        if gamma > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(self.slots, n_acc.to(self.device), max(n_host), gamma - 1)
-        self.full = [n == gamma for n in n_host]
+        width, n_host = self.width, [len(c) - 1 for c in committed]
+        if width > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
+            settle_slots(self.slots, n_acc.to(self.device), max(n_host), width - 1)
+        self.full = [n == width for n in n_host]
 
     def keep(self, rows):
         rows = rows.to(self.device)
@@ -1331,9 +1420,9 @@ class ModelSession(Session):
         self.last = self.last[rows]
         self.full = [self.full[r] for r in rows.tolist()]
 
-    def fork(self, rows, config):
+    def fork(self, rows, drafting):
         twin, rows = copy.copy(self), rows.to(self.device)
-        twin.config, twin.slots = config, fork_slots(self.slots, rows)
+        twin.drafting, twin.slots = drafting, fork_slots(self.slots, rows)
         twin.last, twin.full = self.last[rows], [self.full[r] for r in rows.tolist()]
         return twin
 
@@ -1359,7 +1448,8 @@ class ModelDrafter(OwnDraftModel, Drafter):
                  layers: int | None = None):
         self.name, self.model, self.width = name, model, vocab_width(model)
         self.checkpoint, self.layers_kept = checkpoint, layers
-        self.kind = "draft model" if layers is None else "early exit"
+        if layers is not None:
+            self.can = replace(self.can, kind="early exit")
         self.route: bool | None = None  # head_route, found on the first rows scored
 
     def serving(self):
@@ -1373,8 +1463,8 @@ class ModelDrafter(OwnDraftModel, Drafter):
         return [Scores(out, torch.ones(len(out), dtype=torch.bool, device=out.device),
                        model_head(self.model, self.route, sampling, vocab))]
 
-    def start(self, prompts, view, config):
-        return ModelSession(self.model, prompts, config)
+    def start(self, prompts, view, drafting):
+        return ModelSession(self.model, prompts, drafting)
 
     @classmethod
     def from_model(cls, name, loaded, target, options):
@@ -1453,21 +1543,21 @@ def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, star
 class NgramSession(Session):
     """Each row's committed tokens and its n-gram index."""
 
-    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], config: LoopConfig):
-        self.drafter, self.config = drafter, config
+    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter, self.drafting = drafter, drafting
         self.seqs = [list(seq) for seq in prompts]
         self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
         for seq, first in zip(self.seqs, self.firsts):
             index_ngrams(seq, first, drafter.sizes, 0)
 
-    def propose(self, pending, npos, u, forced=None):  # (a lookup proposes what it finds)
-        c, d = self.config, self.drafter
-        found = [ngram_lookup(seq, first, d.sizes, c.gamma, d.eos)
+    def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
+        c, d = self.drafting, self.drafter
+        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos)
                  for seq, first in zip(self.seqs, self.firsts)]
-        tokens = torch.tensor([f + [0] * (c.gamma - len(f)) for f in found], dtype=torch.long)
+        tokens = torch.tensor([f + [0] * (c.steps - len(f)) for f in found], dtype=torch.long)
         count = torch.tensor([len(f) for f in found])
         q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.gamma) < count[:, None])[..., None]  # (B, G, V)
+            torch.arange(c.steps) < count[:, None])[..., None]  # (B, G, V)
         return Proposal(tokens.to(c.device), q.to(c.device),
                         torch.ones(len(found), dtype=torch.bool, device=c.device),
                         count.to(c.device))
@@ -1488,7 +1578,7 @@ class NgramDrafter(Drafter):
     either proposal rule; a position with no match proposes nothing, and a cycle there is one
     plain target step."""
 
-    kind, drafts_trees = "n-gram", False
+    can = Abilities("n-gram", trees=False, distribution=False)
 
     def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
         if not 1 <= min_n <= max_n:
@@ -1518,8 +1608,8 @@ class NgramDrafter(Drafter):
         return [Scores(found_t.clamp_min(0), found_t >= 0,
                        lambda x, where: nn.functional.one_hot(x, vocab).float())]
 
-    def start(self, prompts, view, config):
-        return NgramSession(self, prompts, config)
+    def start(self, prompts, view, drafting):
+        return NgramSession(self, prompts, drafting)
 
     def param_cost(self, target):
         return 0.0, "no network: a lookup in the text costs nothing next to a target step"
@@ -1554,9 +1644,9 @@ class CommittedStates(Session):
     it once (absorb), so a cycle costs the same at any context length, up to attention.
     held[b]: the target states row b has had = its pending token's position, T (host)."""
 
-    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
-        self.config, self.held = config, [len(p) - 1 for p in prompts]
-        ids, live, pos = left_pad([p[1:] for p in prompts], config.device)  # x_1..x_T
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
+        self.drafting, self.held = drafting, [len(p) - 1 for p in prompts]
+        ids, live, pos = left_pad([p[1:] for p in prompts], drafting.device)  # x_1..x_T
         if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
             self.absorb(ids, self.states_of(view), live, pos + 1)
 
@@ -1572,7 +1662,7 @@ class CommittedStates(Session):
         raise NotImplementedError
 
     def advance(self, n_acc, committed, view):
-        c = self.config
+        c = self.drafting
         ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
         fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
         states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
@@ -1583,13 +1673,13 @@ class CommittedStates(Session):
 
     def ready(self) -> torch.Tensor:
         """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
-        return torch.tensor([h > 0 for h in self.held], device=self.config.device)
+        return torch.tensor([h > 0 for h in self.held], device=self.drafting.device)
 
     def keep(self, rows):
         self.held = [self.held[r] for r in rows.tolist()]
 
 
-class MtpSession(CommittedStates):
+class MtpSession(CommittedStates, TreeSession):
     """The MTP layers over the committed tokens and the target's final hidden states: each
     drafting step k has a cache of its own history (slots[k], Slots whose positions are those
     of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
@@ -1597,14 +1687,14 @@ class MtpSession(CommittedStates):
     drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
 
     def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
-                 config: LoopConfig):
+                 drafting: Drafting):
         self.drafter, rows = drafter, len(prompts)
-        steps = min(config.gamma, drafter.steps)
-        self.slots = [new_slots(rows, config.device) for _ in range(steps)]
+        steps = min(drafting.steps, drafter.can.steps)
+        self.slots = [new_slots(rows, drafting.device) for _ in range(steps)]
         weight = next(drafter.mtp.parameters())
         self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
-                                 device=config.device) for _ in range(steps)]
-        super().__init__(prompts, view, config)
+                                 device=drafting.device) for _ in range(steps)]
+        super().__init__(prompts, view, drafting)
 
     def states_of(self, view):
         return view.hidden
@@ -1612,10 +1702,19 @@ class MtpSession(CommittedStates):
     def absorb(self, ids, states, live, pos):
         self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
 
-    def propose(self, pending, npos, u, forced=None):
-        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+    def propose(self, pending, npos, u):
+        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(npos, lambda k, q: tokens[:, k])
+
+    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> Proposal:
+        """Each step's q at the pending token's position and after, step k's token pick(k, q):
+        drawn, or given."""
+        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
         if not any(self.held):
-            return Proposal.none(len(pending), c)
+            return Proposal.none(len(npos), c)
         head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
         tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
         for k, slots in enumerate(self.slots):
@@ -1626,8 +1725,8 @@ class MtpSession(CommittedStates):
                 drop_slots(slots, k)  # they read drafts: never part of the history
             out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
             qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
-        steps, pad = len(qs), c.gamma - len(qs)  # offsets past the last step: none proposed
+            ds.append(pick(k, qs[-1]))
+        steps, pad = len(qs), c.steps - len(qs)  # offsets past the last step: none proposed
         q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(q, (0, 0, 0, pad)),
@@ -1639,10 +1738,10 @@ class MtpSession(CommittedStates):
         self.last = [last[rows] for last in self.last]
         super().keep(rows)
 
-    def fork(self, rows, config):
+    def fork(self, rows, drafting):
         twin = copy.copy(self)
-        twin.config, twin.held = config, [self.held[r] for r in rows.tolist()]
-        steps = min(config.gamma, self.drafter.steps)  # a step this session never ran: none
+        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
+        steps = min(drafting.steps, self.drafter.can.steps)  # a step this session never ran
         twin.slots = [fork_slots(s, rows) for s in self.slots[:steps]]
         twin.last = [last[rows] for last in self.last[:steps]]
         return twin
@@ -1662,18 +1761,19 @@ class MtpDrafter(Drafter):
     cache; see docs/drafters.md for reused layers), cached: a session runs each committed
     token through every step once (MtpSession), a cycle only the steps' drafted positions."""
 
-    kind, reads_target = "MTP", True
+    can = Abilities("MTP", reads_target=True)
 
     def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
                  steps: int | None = None):
         self.target, self.mtp, self.heads = target, mtp, mtp.num_mtp_layers
         self.layer_types = [mtp_layer_type(mtp.config, k) for k in range(self.heads)]
-        self.steps = self.heads if steps is None else steps
-        if self.steps < 1:
-            raise UsageError(f"--mtp-steps must be >= 1, got {self.steps}")
+        steps = self.heads if steps is None else steps
+        if steps < 1:
+            raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
+        self.can = replace(self.can, steps=steps)
         heads = f"{self.heads} head{'s' if self.heads > 1 else ''}"
-        self.name = name or (f"mtp ({heads})" if self.steps == self.heads
-                             else f"mtp ({heads}, {self.steps} steps)")
+        self.name = name or (f"mtp ({heads})" if steps == self.heads
+                             else f"mtp ({heads}, {steps} steps)")
         self.width = vocab_width(target)
 
     @classmethod
@@ -1700,7 +1800,7 @@ class MtpDrafter(Drafter):
         return step % self.heads
 
     def drafted_by(self, gamma):
-        return [f"layer {self.layer_of(k) + 1}" if k < self.steps else "-"
+        return [f"layer {self.layer_of(k) + 1}" if k < self.can.steps else "-"
                 for k in range(gamma)]
 
     def forward_step(self, k: int, slots: Slots, ids: torch.Tensor, hidden: torch.Tensor,
@@ -1755,9 +1855,10 @@ class MtpDrafter(Drafter):
                             device=device)
         pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
         states = states[:, :width]  # (B, T-1, H) the last has no token after it
-        slots = [new_slots(len(rows), device) for _ in range(self.steps)]
-        last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(self.steps)]
-        outs = [[states[:, :0]] for _ in range(self.steps)]
+        steps = self.can.steps
+        slots = [new_slots(len(rows), device) for _ in range(steps)]
+        last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(steps)]
+        outs = [[states[:, :0]] for _ in range(steps)]
         for start in range(0, width, SCORE_STARTS):  # masks (B, 1, n, T), never (B, 1, T, T)
             at = slice(start, start + SCORE_STARTS)
             for k, out in enumerate(self.steps_over(slots, last, ids[:, at], states[:, at],
@@ -1767,8 +1868,8 @@ class MtpDrafter(Drafter):
         return step_scores([torch.cat(o, 1)[:, k:] for k, o in enumerate(outs)], spans,
                            self.head(sampling, vocab), device)
 
-    def start(self, prompts, view, config):
-        return MtpSession(self, prompts, view, config)
+    def start(self, prompts, view, drafting):
+        return MtpSession(self, prompts, view, drafting)
 
     def networks(self):
         return [self.mtp]
@@ -1785,19 +1886,19 @@ class MtpDrafter(Drafter):
                 "(every MoE expert counted: prefer measure for MoE models)")
 
 
-class LastState(Session):
+class LastState(TreeSession):
     """A session that keeps, per row, the target's final hidden state at the last committed
     position before the pending token (None before the target has processed any): the
     Gemma-4 assistant, Medusa heads."""
 
-    def __init__(self, prompts: list[list[int]], view: TargetView | None, config: LoopConfig):
-        self.config = config
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
+        self.drafting = drafting
         self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """((B,) rows that have a state, their states (B, H), zeros where none; None when no
         row has one)."""
-        device = self.config.device
+        device = self.drafting.device
         ready = torch.tensor([h is not None for h in self.hidden], device=device)
         if not ready.any():
             return ready, None
@@ -1811,9 +1912,20 @@ class LastState(Session):
     def keep(self, rows):
         self.hidden = [self.hidden[r] for r in rows.tolist()]
 
-    def fork(self, rows, config):
+    def propose(self, pending, npos, u):
+        return self.draft(pending, npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(pending, npos, lambda k, q: tokens[:, k])
+
+    def draft(self, pending: torch.Tensor, npos: torch.Tensor,
+              pick: Callable[[int, torch.Tensor], torch.Tensor]) -> Proposal:
+        """The drafts after pending at npos, step k's token pick(k, q): drawn, or given."""
+        raise NotImplementedError
+
+    def fork(self, rows, drafting):
         twin = copy.copy(self)
-        twin.config, twin.hidden = config, [self.hidden[r] for r in rows.tolist()]
+        twin.drafting, twin.hidden = drafting, [self.hidden[r] for r in rows.tolist()]
         return twin
 
 
@@ -1821,33 +1933,33 @@ class AssistantSession(LastState):
     """The last state, and the target's cache, which the assistant reads."""
 
     def __init__(self, drafter: AssistantDrafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
-        super().__init__(prompts, view, config)
+                 view: TargetView | None, drafting: Drafting):
+        super().__init__(prompts, view, drafting)
         self.drafter, self.slots = drafter, view.slots if view is not None else None
 
-    def propose(self, pending, npos, u, forced=None):
-        c, d = self.config, self.drafter
+    def draft(self, pending, npos, pick):
+        c, d = self.drafting, self.drafter
         ready, hidden = self.stacked()
         if self.slots is None or hidden is None:  # nothing processed yet: no proposal
             return Proposal.none(len(pending), c)
         hidden = hidden[:, None]  # (B, 1, H)
         token, qs, ds = pending[:, None], [], []
         finite = torch.ones_like(ready)
-        for i in range(c.gamma):  # every step at the pending token's position
+        for i in range(c.steps):  # every step at the pending token's position
             out, hidden = d.step(token, hidden, npos[:, None], self.slots)
             logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
             finite &= torch.isfinite(logits).flatten(1).all(1)
             qs.append(draft_probs(logits, c.sampling) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, i]) if forced is None else forced[:, i])
+            ds.append(pick(i, qs[-1]))
             token = ds[-1][:, None]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.gamma)
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps)
 
     def advance(self, n_acc, committed, view):
         super().advance(n_acc, committed, view)
         self.slots = view.slots
 
-    def fork(self, rows, config):
-        twin = super().fork(rows, config)
+    def fork(self, rows, drafting):
+        twin = super().fork(rows, drafting)
         twin.slots = self.slots and fork_slots(self.slots, rows)  # the target's, read only
         return twin
 
@@ -1863,7 +1975,7 @@ class AssistantDrafter(Drafter):
     cache), and at T > 0 it samples from its processed distribution, which is the q the test
     uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
 
-    kind, reads_target = "Gemma-4 assistant", True
+    can = Abilities("Gemma-4 assistant", reads_target=True)
 
     def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant",
                  checkpoint: str | None = None):
@@ -1939,8 +2051,8 @@ class AssistantDrafter(Drafter):
             made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
         return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
 
-    def start(self, prompts, view, config):
-        return AssistantSession(self, prompts, view, config)
+    def start(self, prompts, view, drafting):
+        return AssistantSession(self, prompts, view, drafting)
 
     def param_cost(self, target):
         return (params_per_token(self.assistant) / params_per_token(target),
@@ -2027,53 +2139,62 @@ class Eagle3Net(nn.Module):
         return full
 
 
-class Eagle3Session(CommittedStates):
+class Eagle3Session(CommittedStates, TreeSession):
     """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
     drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
     (slots) and its output at the pending token's position (last), where each cycle's steps
     start (Eagle3Net.later adds and drops their keys)."""
 
     def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
+                 view: TargetView | None, drafting: Drafting):
         self.drafter, fc = drafter, drafter.net.fc.weight
-        self.slots = new_slots(len(prompts), config.device)
-        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=config.device)
-        super().__init__(prompts, view, config)
+        self.slots = new_slots(len(prompts), drafting.device)
+        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=drafting.device)
+        super().__init__(prompts, view, drafting)
 
     def states_of(self, view):
-        return torch.cat([view.layers[i] for i in self.drafter.layers], -1)
+        return torch.cat([view.layers[i] for i in self.drafter.can.target_layers], -1)
 
     def absorb(self, ids, states, live, pos):
         net = self.drafter.net
         out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
         self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
 
-    def propose(self, pending, npos, u, forced=None):
-        c, d, ready = self.config, self.drafter, self.ready()  # (B,)
+    def propose(self, pending, npos, u):
+        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(npos, lambda k, q: tokens[:, k])
+
+    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> Proposal:
+        """The steps from the pending token's position, step k's token pick(k, q): drawn, or
+        given."""
+        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
         if not any(self.held):
-            return Proposal.none(len(pending), c)
+            return Proposal.none(len(npos), c)
         at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
         seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
         head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
 
         def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
             qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
-            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
+            ds.append(pick(k, qs[-1]))
             return ds[-1][:, None]
 
-        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.gamma, draw)
-        draw(c.gamma - 1, outs[-1])
+        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.steps, draw)
+        draw(c.steps - 1, outs[-1])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
-                        torch.ones_like(ready), ready.long() * c.gamma)
+                        torch.ones_like(ready), ready.long() * c.steps)
 
     def keep(self, rows):
         select_slots(self.slots, rows)
         self.last = self.last[rows]
         super().keep(rows)
 
-    def fork(self, rows, config):
+    def fork(self, rows, drafting):
         twin = copy.copy(self)
-        twin.config, twin.held = config, [self.held[r] for r in rows.tolist()]
+        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
         twin.slots, twin.last = fork_slots(self.slots, rows), self.last[rows]
         return twin
 
@@ -2086,17 +2207,18 @@ class Eagle3Drafter(Drafter):
     Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
     accepted, and the report gives the share of p's mass the draft vocabulary covers."""
 
-    kind, reads_target = "EAGLE-3", True
+    can = Abilities("EAGLE-3", reads_target=True)
 
     def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
                  steps: int = max(GAMMA_TABLE), checkpoint: str | None = None):
-        self.target, self.net, self.layers, self.name = target, net, tuple(layers), name
-        self.width, self.steps, self.checkpoint = vocab_width(target), steps, checkpoint
+        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
+        self.width = vocab_width(target)
+        self.can = replace(self.can, target_layers=tuple(layers), steps=steps)
 
     def for_run(self, eos, gammas):
         """As many steps as the run's largest block (the best-gamma table included)."""
-        return Eagle3Drafter(self.target, self.net, self.layers, self.name, max(gammas),
-                             self.checkpoint)
+        return Eagle3Drafter(self.target, self.net, self.can.target_layers, self.name,
+                             max(gammas), self.checkpoint)
 
     def support(self, vocab: int) -> torch.Tensor:
         """(vocab,) the target ids the draft vocabulary holds."""
@@ -2105,38 +2227,40 @@ class Eagle3Drafter(Drafter):
             0, ids[ids < vocab], True)
 
     def fused(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The target's hidden states at self.layers (each (B, T, H_t)) -> fc's (B, T, H)."""
-        return self.net.fc(torch.cat([states[i] for i in self.layers], -1).to(self.net.fc.weight))
+        """The target's hidden states at its layers (each (B, T, H_t)) -> fc's (B, T, H)."""
+        return self.net.fc(torch.cat([states[i] for i in self.can.target_layers], -1).to(
+            self.net.fc.weight))
 
     def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
         return q_head(lambda out: self.net.logits(out, vocab), sampling, vocab, propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
-        with layer_inputs(self.target, self.layers) as got:
+        layers, steps = self.can.target_layers, self.can.steps
+        with layer_inputs(self.target, layers) as got:
             teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
-        ahead = torch.tensor([list(r[1:]) + [0] * (width + self.steps - len(r) + 1)
+        ahead = torch.tensor([list(r[1:]) + [0] * (width + steps - len(r) + 1)
                               for r in rows], device=device)  # (B, T-1+steps): row[p]
         live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
                             device=device)
         pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
         feats = self.fused({i: torch.cat(got[i], 1)[:, :width]  # chunks joined
-                             for i in self.layers})  # (B, T-1, H)
-        slots, outs = new_slots(len(rows), device), [[] for _ in range(self.steps)]
+                             for i in layers})  # (B, T-1, H)
+        slots, outs = new_slots(len(rows), device), [[] for _ in range(steps)]
         for start in range(0, width, SCORE_STARTS):  # every position a cycle start
             at = slice(start, min(start + SCORE_STARTS, width))
             out, seen = self.net.committed(ahead[:, at], feats[:, at], slots, live[:, at],
                                            pos[:, at])
             for k, o in enumerate(self.net.later(  # step k+1 reads the continuation's token
-                    out, seen, pos[:, at], slots.cache, self.steps,
+                    out, seen, pos[:, at], slots.cache, steps,
                     lambda k, _: ahead[:, at.start + k + 1:at.stop + k + 1])):
                 outs[k].append(o)
         return step_scores([torch.cat(o, 1) for o in outs], spans, self.head(sampling, vocab),
                            device, self.support(vocab))
 
-    def start(self, prompts, view, config):
-        return Eagle3Session(self, prompts, view, config)
+    def start(self, prompts, view, drafting):
+        return Eagle3Session(self, prompts, view, drafting)
 
     def param_cost(self, target):
         net = sum(p.numel() for n, p in self.net.named_parameters() if not n.startswith("embed"))
@@ -2171,7 +2295,7 @@ class Eagle3Drafter(Drafter):
         layers = (config.get("eagle_aux_hidden_state_layer_ids")
                   or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                   or [2, n_layers // 2, n_layers - 3])
-        draft_vocab = cls.check(w, config, cfg, target, layers, folder)
+        draft_vocab = cls.check_checkpoint(w, config, cfg, target, layers, folder)
         embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
             else target.get_input_embeddings()
         net = Eagle3Net(cfg, target.config.get_text_config(decoder=True).hidden_size,
@@ -2189,8 +2313,8 @@ class Eagle3Drafter(Drafter):
         return cls(target, on_target(net, target), layers, folder, checkpoint=folder)
 
     @staticmethod
-    def check(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any, target: nn.Module,
-              layers: Sequence[int], name: str) -> int:
+    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any,
+                         target: nn.Module, layers: Sequence[int], name: str) -> int:
         """One clear line for an EAGLE-3 head that does not fit the target; else its draft
         vocabulary's size."""
         tcfg = target.config.get_text_config(decoder=True)
@@ -2269,22 +2393,22 @@ class MedusaSession(LastState):
     """The last state, which every head reads."""
 
     def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
-        super().__init__(prompts, view, config)
+                 view: TargetView | None, drafting: Drafting):
+        super().__init__(prompts, view, drafting)
         self.drafter = drafter
 
-    def propose(self, pending, npos, u, forced=None):  # (heads never read the drafts)
-        c, d = self.config, self.drafter
+    def draft(self, pending, npos, pick):  # (heads never read the drafts)
+        c, d = self.drafting, self.drafter
         ready, hidden = self.stacked()
         if hidden is None:
             return Proposal.none(len(pending), c)
         hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
-        steps, qs, ds = min(c.gamma, d.steps), [], []
+        steps, qs, ds = min(c.steps, d.can.steps), [], []
         for k in range(steps):
             qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
                 d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
-            ds.append(sample_from(qs[-1], u[:, k]) if forced is None else forced[:, k])
-        pad = c.gamma - steps  # offsets past the last head: nothing proposed
+            ds.append(pick(k, qs[-1]))
+        pad = c.steps - steps  # offsets past the last head: nothing proposed
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
                         torch.ones_like(ready), ready.long() * steps)
@@ -2316,15 +2440,15 @@ class MedusaDrafter(Drafter):
     each head, head k drafting offset k. The heads read only the target's state, never the
     drafted tokens. Trees of candidates are out of scope."""
 
-    kind, reads_target = "Medusa", True
+    can = Abilities("Medusa", reads_target=True)
 
     def __init__(self, target: nn.Module, net: MedusaNet, name: str,
                  checkpoint: str | None = None):
         self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
-        self.width, self.steps = vocab_width(target), len(net.blocks)
+        self.width, self.can = vocab_width(target), replace(self.can, steps=len(net.blocks))
 
     def drafted_by(self, gamma):
-        return [f"head {k + 1}" if k < self.steps else "-" for k in range(gamma)]
+        return [f"head {k + 1}" if k < self.can.steps else "-" for k in range(gamma)]
 
     def support(self, vocab: int) -> torch.Tensor | None:
         """(vocab,) the target ids its token map holds (None: every id)."""
@@ -2342,13 +2466,13 @@ class MedusaDrafter(Drafter):
             states = teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
         outs = [self.net.block(k, states[:, :width].to(self.net.blocks[0][0].weight))
-                for k in range(self.steps)]  # reads to draft row[j + 2 + k]
+                for k in range(self.can.steps)]  # reads to draft row[j + 2 + k]
         return step_scores(outs, spans, [self.head(k, sampling, vocab)
-                                         for k in range(self.steps)], device,
+                                         for k in range(self.can.steps)], device,
                            self.support(vocab))
 
-    def start(self, prompts, view, config):
-        return MedusaSession(self, prompts, view, config)
+    def start(self, prompts, view, drafting):
+        return MedusaSession(self, prompts, view, drafting)
 
     def param_cost(self, target):
         head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
@@ -2377,7 +2501,7 @@ class MedusaDrafter(Drafter):
         files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
         w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
             k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
-        heads = cls.check(w, config, target, folder)
+        heads = cls.check_checkpoint(w, config, target, folder)
         own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
         if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
             own = {0: w.get("lm_head.weight", own.get(0))}
@@ -2390,8 +2514,8 @@ class MedusaDrafter(Drafter):
                    folder, folder)
 
     @staticmethod
-    def check(w: dict[str, torch.Tensor], config: dict[str, Any], target: nn.Module,
-              name: str) -> int:
+    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any],
+                         target: nn.Module, name: str) -> int:
         """One clear line for Medusa tensors that do not fit the target; else the number of
         heads."""
         blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
@@ -2440,23 +2564,23 @@ class PardSession(Session):
     parallel drafting): the pending token's output drafts offset 1, mask j's offset j + 1, and
     no draft is read back; the masks' slots are dropped after the pass."""
 
-    def __init__(self, drafter: PardDrafter, prompts: list[list[int]], config: LoopConfig):
-        self.drafter, self.config = drafter, config
-        self.device = model_device(drafter.model) or config.device
+    def __init__(self, drafter: PardDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter, self.drafting = drafter, drafting
+        self.device = model_device(drafter.model) or drafting.device
         self.slots, _ = prefill(drafter.model, [r[:-1] for r in prompts], self.device)
         self.unread: list[list[int]] = [[] for _ in prompts]  # accepted, not yet fed
 
     def propose(self, pending, npos, u):
-        c, d, dev = self.config, self.drafter, self.device
+        c, d, dev = self.drafting, self.drafter, self.device
         pending, npos = pending.to(dev), npos.to(dev)
         ids, live, _ = left_pad(self.unread, dev)  # (B, n): fed before the pending token
         n, rows = ids.shape[1], len(pending)
-        x = torch.cat([ids, pending[:, None], torch.full((rows, c.gamma - 1), d.mask,
+        x = torch.cat([ids, pending[:, None], torch.full((rows, c.steps - 1), d.mask,
                                                          device=dev)], 1)  # (B, n + G)
-        pos = (npos[:, None] - n + torch.arange(n + c.gamma, device=dev)).clamp_min(0)
-        live = torch.cat([live, torch.ones(rows, c.gamma, dtype=torch.long, device=dev)], 1)
+        pos = (npos[:, None] - n + torch.arange(n + c.steps, device=dev)).clamp_min(0)
+        live = torch.cat([live, torch.ones(rows, c.steps, dtype=torch.long, device=dev)], 1)
         logits = extend(d.model, self.slots, x, pos, live)[:, n:, :c.vocab]  # (B, G, V)
-        drop_slots(self.slots, c.gamma - 1)  # the masks' slots: never part of the history
+        drop_slots(self.slots, c.steps - 1)  # the masks' slots: never part of the history
         self.unread = [[] for _ in self.unread]
         q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
         back = c.device  # the target's: where the acceptance test runs
@@ -2485,7 +2609,7 @@ class PardDrafter(OwnDraftModel, Drafter):
     (the pattern PARD trains with). Offset j's alpha is thus exactly what a cycle from t
     proposes, as many offsets as the run's largest block."""
 
-    kind, one_pass, drafts_trees = "PARD", True, False
+    can = Abilities("PARD", trees=False, one_pass=True)
 
     def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE),
                  checkpoint: str | None = None):
@@ -2494,8 +2618,8 @@ class PardDrafter(OwnDraftModel, Drafter):
             raise UsageError(f"{name}: the PARD mask token {mask!r} is not in the draft's "
                              f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
                              f"of its tokenizer (--pard-mask)")
-        self.name, self.model, self.mask, self.steps = name, model, mask, steps
-        self.checkpoint = checkpoint
+        self.name, self.model, self.mask, self.checkpoint = name, model, mask, checkpoint
+        self.can = replace(self.can, steps=steps)
         self.width = vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
@@ -2505,7 +2629,7 @@ class PardDrafter(OwnDraftModel, Drafter):
 
     @torch.no_grad()
     def score(self, rows, spans, states, sampling, vocab, device):
-        model, k = self.model, self.steps - 1  # k: mask tokens after each start
+        model, k = self.model, self.can.steps - 1  # k: mask tokens after each start
         device = model_device(model) or device
         if self.route is None:
             self.route = head_route(model, _probe(rows, device))
@@ -2535,7 +2659,7 @@ class PardDrafter(OwnDraftModel, Drafter):
             masked.append(getattr(out, key).unflatten(1, (len(t), k)))
         masked_t = torch.cat(masked, 1)  # (B, hi - lo, k, ...)
         head, scores = model_head(model, self.route, sampling, vocab), []
-        for step in range(self.steps):  # offset step + 1 at start t drafts row[t + 1 + step]
+        for step in range(self.can.steps):  # offset step + 1 at start t drafts row[t+1+step]
             picked = torch.cat([real[b, s:e] if step == 0 else
                                 masked_t[b, s - lo:max(e - step, s) - lo, step - 1]
                                 for b, (s, e) in enumerate(spans)]).to(device)
@@ -2543,8 +2667,8 @@ class PardDrafter(OwnDraftModel, Drafter):
                                                     device=device), head))
         return scores
 
-    def start(self, prompts, view, config):
-        return PardSession(self, prompts, config)
+    def start(self, prompts, view, drafting):
+        return PardSession(self, prompts, drafting)
 
     @classmethod
     def from_model(cls, name, loaded, target, options):
@@ -2653,16 +2777,16 @@ class DFlashSession(CommittedStates):
     pending token and block_size - 1 masks at the positions from it, one pass."""
 
     def __init__(self, drafter: DFlashDrafter, prompts: list[list[int]],
-                 view: TargetView | None, config: LoopConfig):
-        if config.gamma > drafter.max_gamma:
-            raise UsageError(f"--gamma {config.gamma}: {drafter.name} drafts at most "
-                             f"{drafter.max_gamma} tokens a pass (its block of "
-                             f"{drafter.max_gamma + 1})")
+                 view: TargetView | None, drafting: Drafting):
+        if drafting.steps > drafter.can.max_gamma:
+            raise UsageError(f"--gamma {drafting.steps}: {drafter.name} drafts at most "
+                             f"{drafter.can.max_gamma} tokens a pass (its block of "
+                             f"{drafter.can.max_gamma + 1})")
         self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
-        empty = torch.zeros(rows, 0, dtype=torch.long, device=config.device)
+        empty = torch.zeros(rows, 0, dtype=torch.long, device=drafting.device)
         self.live, self.pos = empty, empty.clone()  # (B, S) of the context
         self.kv = drafter.net.context(fc.new_zeros(rows, 0, fc.shape[1]), empty)  # none yet
-        super().__init__(prompts, view, config)
+        super().__init__(prompts, view, drafting)
 
     def states_of(self, view):
         return self.drafter.features(view.layers, view.hidden)
@@ -2675,8 +2799,8 @@ class DFlashSession(CommittedStates):
         self.pos = torch.cat([self.pos, pos - 1], 1)
 
     def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
-        size = d.max_gamma + 1
+        c, d = self.drafting, self.drafter
+        size = d.can.max_gamma + 1
         ids = torch.cat([pending[:, None], torch.full((len(pending), size - 1), d.mask,
                                                       device=pending.device)], 1)  # (B, size)
         pos = npos[:, None] + torch.arange(size, device=npos.device)
@@ -2684,7 +2808,7 @@ class DFlashSession(CommittedStates):
                              torch.ones(len(ids), size, size, dtype=torch.bool,
                                         device=ids.device)], -1)  # context, then both ways
         out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
-        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.gamma],
+        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.steps],
                                                       lambda r: f"row {r}")  # (B, G, V)
         return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
                                                          device=ids.device))
@@ -2706,15 +2830,16 @@ class DFlashDrafter(Drafter):
     Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
     the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
 
-    kind, reads_target, one_pass, drafts_trees = "DFlash", True, True, False
+    can = Abilities("DFlash", reads_target=True, trees=False, one_pass=True)
 
     def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
                  mask: int, name: str, checkpoint: str | None = None):
         self.target, self.net, self.ids, self.mask, self.name = target, net, list(ids), mask, name
         self.checkpoint = checkpoint
         self.n_layers = len(decoder_layers(target))
-        self.layers = tuple(sorted({i + 1 for i in self.ids if i + 1 < self.n_layers}))
-        self.width, self.steps, self.max_gamma = vocab_width(target), size - 1, size - 1
+        self.width = vocab_width(target)
+        self.can = replace(self.can, steps=size - 1, max_gamma=size - 1, target_layers=tuple(
+            sorted({i + 1 for i in self.ids if i + 1 < self.n_layers})))
 
     def features(self, inputs: dict[int, torch.Tensor], final: torch.Tensor | None
                  ) -> torch.Tensor:
@@ -2738,12 +2863,12 @@ class DFlashDrafter(Drafter):
     def score(self, rows, spans, states, sampling, vocab, device):
         last = self.n_layers - 1 in self.ids
         with final_states(self.target, last) as seen, \
-                layer_inputs(self.target, self.layers) as got:
+                layer_inputs(self.target, self.can.target_layers) as got:
             teacher_forced(self.target, rows, device, True)
         feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
                               torch.cat(seen, 1) if last else None)  # (B, T, F)
         _, live, pos = right_pad(rows, device)
-        context, size = self.net.context(feats, pos), self.steps + 1
+        context, size = self.net.context(feats, pos), self.can.steps + 1
         ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
                            device=device)
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
@@ -2761,15 +2886,15 @@ class DFlashDrafter(Drafter):
             outs.append(out.unflatten(1, (len(t), size))[:, :, 1:])
         blocks = torch.cat(outs, 1)  # (B, hi - lo, size - 1, H)
         head, scores = self.head(sampling, vocab), []
-        for k in range(self.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
+        for k in range(self.can.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
             picked = torch.cat([blocks[b, s - lo:max(e - k, s) - lo, k]
                                 for b, (s, e) in enumerate(spans)]).to(device)
             scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
                                                     device=device), head))
         return scores
 
-    def start(self, prompts, view, config):
-        return DFlashSession(self, prompts, view, config)
+    def start(self, prompts, view, drafting):
+        return DFlashSession(self, prompts, view, drafting)
 
     def param_cost(self, target):
         net = sum(p.numel() for p in self.net.parameters())
@@ -2811,7 +2936,7 @@ class DFlashDrafter(Drafter):
         ids = keys.get("target_layer_ids") or (
             [n_target // 2] if n_draft == 1 else  # z-lab's build_target_layer_ids
             [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)])
-        cfg, w = cls.check(folder, keys, ids, target)
+        cfg, w = cls.check_checkpoint(folder, keys, ids, target)
         net = DFlashNet(cfg, w["fc.weight"].shape[1])
         missing, unexpected = net.load_state_dict(w, strict=False)
         if [k for k in missing if not k.startswith("rotary.")] or unexpected:
@@ -2823,8 +2948,8 @@ class DFlashDrafter(Drafter):
                    int(keys["mask_token_id"]), folder, folder)
 
     @staticmethod
-    def check(folder: str, keys: dict[str, Any], ids: Sequence[int], target: nn.Module
-              ) -> tuple[Any, dict[str, torch.Tensor]]:
+    def check_checkpoint(folder: str, keys: dict[str, Any], ids: Sequence[int],
+                         target: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
         """One clear line for a DFlash draft that does not fit the target or that specdec
         cannot build; else its layers' config (a Qwen3Config) and its weights, named as
         DFlashNet names them."""
@@ -3025,9 +3150,9 @@ class ReadingSession(Session):
     values its cache holds live (slots at positions 0..len-1), and sync, which brings the
     cache to the ids it must have read before a proposal."""
 
-    def __init__(self, model: nn.Module, readings: list[list[int]], config: LoopConfig):
-        self.model, self.config = model, config
-        self.device = model_device(model) or config.device
+    def __init__(self, model: nn.Module, readings: list[list[int]], drafting: Drafting):
+        self.model, self.drafting = model, drafting
+        self.device = model_device(model) or drafting.device
         self.held = [list(r[:-1]) for r in readings]  # the last id is fed by the first sync
         self.slots, _ = prefill(model, self.held, self.device)
 
@@ -3071,24 +3196,24 @@ class TliSession(ReadingSession):
     each cycle's accepted drafts as the draft wrote them and the target's token read), and
     gamma shared tokens of its own a cycle, each drawn from q renormalised over them."""
 
-    def __init__(self, drafter: TliDrafter, prompts: list[list[int]], config: LoopConfig):
+    def __init__(self, drafter: TliDrafter, prompts: list[list[int]], drafting: Drafting):
         self.drafter = drafter
         self.text = [drafter.vocab.reading(p)[0] for p in prompts]
-        super().__init__(drafter.model, self.text, config)
+        super().__init__(drafter.model, self.text, drafting)
         self.drafted: torch.Tensor | None = None  # (B, G) the last block, the draft's own ids
 
     def propose(self, pending, npos, u):
-        c, d = self.config, self.drafter
+        c, d = self.drafting, self.drafter
         logits = self.sync(self.text)
         at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
         qs, ds = [], []
         finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
-        for i in range(c.gamma):
+        for i in range(c.steps):
             finite &= torch.isfinite(logits).flatten(1).all(1)
             q = draft_probs(d.masked(logits[:, -1, :cut]), c.sampling)  # (B, V_d), 0 off I
             ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
             qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
-            if i < c.gamma - 1:
+            if i < c.steps - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
                                 last_only=True)
         self.drafted = torch.stack(ds, 1)  # (B, G)
@@ -3100,7 +3225,7 @@ class TliSession(ReadingSession):
         # (no block before it: a timed step's session, measure_costs, commits one token first)
         drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
         for b, new in enumerate(committed):
-            self.held[b] += drafted[b][:self.config.gamma - 1]  # fed while drafting; sync
+            self.held[b] += drafted[b][:self.drafting.steps - 1]  # fed while drafting; sync
             self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
         self.drafted = None  # keeps what was accepted
 
@@ -3148,8 +3273,7 @@ class TliDrafter(OtherVocabDrafter):
     temperature. Teacher-forced alpha_t = sum over the shared tokens of min(p_t, q~_t); p's mass
     off them can never be accepted (its share: draft_vocab_coverage)."""
 
-    kind = method = "TLI"
-    drafts_trees = False
+    method, can = "TLI", Abilities("TLI", trees=False)
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
@@ -3188,8 +3312,8 @@ class TliDrafter(OtherVocabDrafter):
         return [Scores(picked, made, lambda x, where: self.vocab.on_target(inner(x, where), vocab),
                        self.vocab.in_target)]
 
-    def start(self, prompts, view, config):
-        return TliSession(self, prompts, config)
+    def start(self, prompts, view, drafting):
+        return TliSession(self, prompts, drafting)
 
 
 SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
@@ -3227,18 +3351,18 @@ class SlemSession(ReadingSession):
     text, and what follows is proposed. With one tokenizer nothing is translated: the draft's
     ids are proposed as they are."""
 
-    def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], config: LoopConfig):
+    def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], drafting: Drafting):
         self.drafter = drafter
-        self.steps = max(1, config.gamma // drafter.factor)  # config.gamma counts target ids
+        self.steps = drafting.steps  # the draft's own tokens a cycle
         self.text = [list(p) for p in prompts]
         self.last: list[list[int] | None] = [None] * len(prompts)
         self.seen = [0] * len(prompts)
         with _quiet_loggers("transformers"):
             readings = [drafter.draft_input(t, None, 0) for t in self.text]
-        super().__init__(drafter.model, readings, config)
+        super().__init__(drafter.model, readings, drafting)
 
     def propose(self, pending, npos, u):
-        c, d, k = self.config, self.drafter, self.steps
+        c, d, k = self.drafting, self.drafter, self.steps
         with _quiet_loggers("transformers"):  # (decode's notes on its own arguments)
             inputs = [d.draft_input(t, last, seen)
                       for t, last, seen in zip(self.text, self.last, self.seen)]
@@ -3261,7 +3385,7 @@ class SlemSession(ReadingSession):
                         for t, a, new in zip(self.text, inputs, drafts)]
         for b, (a, new) in enumerate(zip(inputs, drafts)):
             self.last[b], self.seen[b] = a + d.written(new), len(self.text[b])
-        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:c.gamma]
+        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:d.block(k)]
                     for p in proposed]  # ids the target has, a cycle's most
         width = max(1, max(len(p) for p in proposed))
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposed], device=c.device)
@@ -3293,8 +3417,8 @@ class SlemDrafter(OtherVocabDrafter):
     token is kept depends on how a whole block of the draft's text re-tokenises and aligns
     with the target's tokens, which no single position's p and q determine (simulated_only)."""
 
-    kind = method = "SLEM"
-    simulated_only, drafts_trees = True, False
+    method = "SLEM"
+    can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
@@ -3357,8 +3481,8 @@ class SlemDrafter(OtherVocabDrafter):
                        lambda x, where: torch.zeros(len(x), vocab, device=x.device),
                        self.vocab.in_target)]
 
-    def start(self, prompts, view, config):
-        return SlemSession(self, prompts, config)
+    def start(self, prompts, view, drafting):
+        return SlemSession(self, prompts, drafting)
 
 
 # The kinds of drafter, in the order find_drafter asks them: the names first, then the
@@ -3378,12 +3502,8 @@ def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
         return None
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    found = next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
-                  if d), None)
-    for net in found.networks() if found else []:  # the run key knows the head by its files
-        if net is not target:
-            net.specdec_folder = folder  # (model_identity)
-    return found
+    return next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
+                 if d), None)
 
 
 def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
@@ -3481,7 +3601,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
     and only the tokens up to it are emitted. The token budget only truncates what is
     emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
-    n_acc, count, gamma, eos = cycle.n_acc, cycle.count, config.gamma, config.eos
+    n_acc, count, width, eos = cycle.n_acc, cycle.count, len(row.reached), config.eos
     capped = min(count, config.budget - len(row.tokens) - 1)  # what an engine drafts here
     emitted = cycle.drafted[:n_acc] + [cycle.new]
     cut = next((i + 1 for i, t in enumerate(cycle.drafted[:n_acc]) if t in eos), None)
@@ -3490,7 +3610,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         emitted = emitted[:cut]
     else:
         examined, accepted = min(n_acc + 1, count), n_acc
-        if n_acc == count < gamma:  # every proposal accepted, and none at the next offset
+        if n_acc == count < width:  # every proposal accepted, and none at the next offset
             row.unproposed[count] += 1
     row.proposed[count] += 1
     if row.drafted is not None:
@@ -3560,9 +3680,10 @@ def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.G
     c = config
     # a drafter that reads the target is shown every position's state (asked for the last
     # logits only, some models skip the other positions)
-    with final_states(target, reads.reads_target) as seen, \
-            layer_inputs(target, reads.layers) as got:
-        slots, logits = prefill(target, prompts, c.device, last_only=not reads.reads_target)
+    can = reads.can
+    with final_states(target, can.reads_target) as seen, \
+            layer_inputs(target, can.target_layers) as got:
+        slots, logits = prefill(target, prompts, c.device, last_only=not can.reads_target)
     check_finite(logits, "target", lambda b: f"{names[b]}, its last prompt position (prefill)")
     p = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
     first = sample_from(p, draw_uniforms(gens, 1, c.device)[:, 0]).tolist()  # (B,)
@@ -3591,7 +3712,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     c, keys, progress = config, list(prompts), progress or Quiet()
     rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
     gens = row_generators(c.seed, keys, phase=2)
-    stats = [RowStats.empty(c.gamma) for _ in rows]
+    width = drafter.block(c.gamma)  # the most tokens a proposal holds (SLEM: the target's)
+    stats = [RowStats.empty(width) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
     first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
     for row, t in zip(stats, first):
@@ -3602,17 +3724,18 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     # npos; the drafter's session starts from the prompts and that pending token.
     pending = torch.tensor([first[b] for b in live], dtype=torch.long, device=c.device)  # (B,)
     npos = torch.tensor([len(rows[b]) for b in live], dtype=torch.long, device=c.device)
-    session = drafter.start([rows[b] + [first[b]] for b in live], view, c) if live else None
+    session = drafter.start([rows[b] + [first[b]] for b in live], view, c.drafting()) \
+        if live else None
     while live:
-        u = draw_uniforms([gens[b] for b in live], 2 * c.gamma + 1, c.device)  # (B, 2G+1)
+        u = draw_uniforms([gens[b] for b in live], 2 * width + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
-        proposal = session.propose(pending, npos, u[:, :c.gamma])
+        proposal = session.propose(pending, npos, u[:, :width])
         # 2. verify: one target forward scores the pending token and all G proposals
-        with final_states(target, drafter.reads_target or states is not None) as seen, \
-                layer_inputs(target, drafter.layers) as got:
+        with final_states(target, drafter.can.reads_target or states is not None) as seen, \
+                layer_inputs(target, drafter.can.target_layers) as got:
             p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c)
         # 3. accept: the accepted run, and the token that follows it
-        n_acc, new = accept(p, proposal, u[:, c.gamma:])
+        n_acc, new = accept(p, proposal, u[:, width:])
         cycles = Cycle.read(n_acc, new, proposal, finite_p)
         still = []
         for r, (b, cyc) in enumerate(zip(live, cycles)):
@@ -3629,7 +3752,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
         # or narrower: SLEM's, as wide as the batch's longest)
         settle_slots(slots, n_acc, max(cyc.n_acc for cyc in cycles), proposal.tokens.shape[1])
         session.advance(n_acc, [cyc.drafted[:cyc.n_acc] + [cyc.new] for cyc in cycles],
-                        view_of(seen if drafter.reads_target else [], slots, got))
+                        view_of(seen if drafter.can.reads_target else [], slots, got))
         pending, npos = new, npos + n_acc + 1
         if not still:
             break
@@ -3653,7 +3776,6 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
     draft block (a SLEM block's width in target tokens follows: Drafter.block)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
-    config = config._replace(gamma=drafter.block(config.gamma))
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
@@ -3736,17 +3858,22 @@ TREE_SCORES = SamplingParams(1.0)  # what a tree ranks its nodes by: the drafter
 # temperature, as EAGLE's topK_genrate and SGLang's select_top_k_tokens do
 
 
-def branch_q(session: Session, pending: torch.Tensor, npos: torch.Tensor, rows: torch.Tensor,
-             paths: torch.Tensor) -> torch.Tensor:
+def ranking(session: TreeSession, steps: int) -> Drafting:
+    """What a fork of a tree's session drafts with: the drafter's own scores (TREE_SCORES),
+    `steps` tokens a call."""
+    return session.drafting._replace(sampling=TREE_SCORES, steps=steps)
+
+
+def branch_q(session: TreeSession, pending: torch.Tensor, npos: torch.Tensor,
+             rows: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
     """The drafter's q (TREE_SCORES) after each branch of a tree: rows (M,) the batch row it
     grows from, paths (M, d) its drafted tokens (d >= 0) -> (M, V), zero where the drafter
     proposes nothing that deep (past an MTP layer's or a Medusa head's last step). A fork of
-    the session per branch drafts its tokens, forced."""
+    the session per branch drafts its tokens, given."""
     d = paths.shape[1]
-    fork = session.fork(rows, session.config._replace(sampling=TREE_SCORES, gamma=d + 1))
-    forced = torch.cat([paths, paths.new_zeros(len(paths), 1)], 1)  # (M, d + 1)
-    prop = fork.propose(pending[rows], npos[rows], torch.zeros(forced.shape, device=npos.device),
-                        forced)
+    fork = session.fork(rows, ranking(session, d + 1))
+    given = torch.cat([paths, paths.new_zeros(len(paths), 1)], 1)  # (M, d + 1)
+    prop = fork.given(pending[rows], npos[rows], given)
     made = torch.arange(d + 1, device=npos.device) < (
         prop.count[:, None] if prop.count is not None else d + 1)
     return (prop.q * made[..., None])[:, d]
@@ -3842,14 +3969,14 @@ def static_tree(pending: torch.Tensor, spec: TreeSpec) -> TreeLevels:
              if alive[r, i]] for r in range(b)]
 
 
-def draft_trees(session: Session, pending: torch.Tensor, npos: torch.Tensor,
+def draft_trees(session: TreeSession, pending: torch.Tensor, npos: torch.Tensor,
                 shapes: Sequence[tuple[TreeSpec, torch.Tensor]]) -> list[list[list[tuple]]]:
     """The trees of drafts after each row's pending token (B,) at npos (B,), for each shape
     (a TreeSpec and the rows it drafts for): per shape a tree per row, its nodes as (token,
     parent index; -1 the root), parents first. Every shape drafts a level in the same drafter
-    call: a session that grows (Session.grows) forks the last level's forks and drafts each
-    branch's newest token, forced; another forks the session per branch and drafts its whole
-    path (branch_q)."""
+    call: a session that grows (TreeSession.grows) forks the last level's forks and drafts
+    each branch's newest token, given; another forks the session per branch and drafts its
+    whole path (branch_q)."""
     runs = [(static_tree if spec.choices else dynamic_tree)(pending[rows], spec)
             for spec, rows in shapes]
     asks: list[Branches | None] = [next(run) for run in runs]
@@ -3862,10 +3989,9 @@ def draft_trees(session: Session, pending: torch.Tensor, npos: torch.Tensor,
         rows = torch.cat([shapes[i][1][asks[i].rows] for i in on])
         if session.grows:
             fork = fork.fork(torch.cat([came[i][asks[i].parent] for i in on]),
-                             session.config._replace(sampling=TREE_SCORES, gamma=1))
-            prop = fork.propose(torch.cat([asks[i].token for i in on]), npos[rows] + depth,
-                                torch.zeros(len(rows), 1, device=npos.device),
-                                rows.new_zeros(len(rows), 1))
+                             ranking(session, 1))
+            prop = fork.given(torch.cat([asks[i].token for i in on]), npos[rows] + depth,
+                              rows.new_zeros(len(rows), 1))
             q = prop.q[:, 0] * (prop.count is None or prop.count[:, None] > 0)
         else:
             q = branch_q(session, pending, npos, rows, torch.cat([asks[i].path for i in on]))
@@ -3923,9 +4049,9 @@ def text_states(target: nn.Module, drafter: Drafter, rows: list[list[int]],
     """What a drafter that reads the target is shown of whole texts: one target pass over the
     rows (left-padded) -> its cache, and {-1: the final hidden states (B, W, H), i: the input of
     layer i} ({} and no pass for a drafter that reads only its own tokens)."""
-    if not drafter.reads_target:
+    if not drafter.can.reads_target:
         return None, {}
-    with final_states(target) as seen, layer_inputs(target, drafter.layers) as got:
+    with final_states(target) as seen, layer_inputs(target, drafter.can.target_layers) as got:
         slots, _ = prefill(target, rows, device, last_only=False)
     states = {i: torch.cat(v, 1) for i, v in got.items()}
     states[-1] = torch.cat(seen, 1)
@@ -3949,18 +4075,21 @@ def states_at(states: dict[int, torch.Tensor], rows: list[list[int]], of: list[i
 
 @torch.no_grad()
 def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]],
-                 firsts: dict[int, int], config: LoopConfig,
-                 spec: TreeSpec | Sequence[TreeSpec]) -> Any:
+                 firsts: dict[int, int], config: LoopConfig, specs: Sequence[TreeSpec]
+                 ) -> list[dict[int, TreeStats]]:
     """Tree cycles replayed on text the target wrote: texts[i] is prompt i with its
     continuation, text[firsts[i]] the continuation's first token (the prefill's, the first
     pending one). Each cycle the drafter's tree after the pending token (draft_trees), the
     accepted path the longest the text follows (follow), then the drafter moves on as if it
-    had drafted the text (forced) and the target had verified it (the target's states from
-    one pass over the whole text). Several shapes (a sequence of TreeSpec) go side by side, a
-    row of the drafter's session for each shape and prompt, every shape's level drafted in one
-    call -> {i: TreeStats} per shape (for a TreeSpec alone: its dict)."""
-    specs = [spec] if isinstance(spec, TreeSpec) else list(spec)
-    c, keys = config._replace(gamma=max(s.depth for s in specs)), list(texts)
+    had drafted the text (given) and the target had verified it (the target's states from
+    one pass over the whole text). The shapes go side by side, a row of the drafter's session
+    for each shape and prompt, every shape's level drafted in one call -> per shape
+    {i: TreeStats}. (A TreeSpec alone, deprecated: its dict.)"""
+    if isinstance(specs, TreeSpec):
+        warnings.warn("replay_trees(..., spec) with one TreeSpec is deprecated: pass a list of "
+                      "shapes and read the list it returns", DeprecationWarning, stacklevel=2)
+        return replay_trees(target, drafter, texts, firsts, config, [specs])[0]
+    c, keys, depth = config, list(texts), max(s.depth for s in specs)
     rows = [texts[k] for k in keys]
     slots, states = text_states(target, drafter, rows, c.device)
     stats = [{k: TreeStats([0] * s.depth, [0] * s.depth) for k in keys} for s in specs]
@@ -3975,7 +4104,8 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
     if slots is not None:  # the target's cache follows the session's rows
         select_slots(slots, torch.tensor([b for _, b in who], dtype=torch.long, device=c.device))
     session = drafter.start([rows[b][:s + 1] for (_, b), s in zip(who, starts)] if who else [],
-                            view([list(range(s)) for s in starts]) if who else None, c)
+                            view([list(range(s)) for s in starts]) if who else None,
+                            c.drafting()._replace(steps=depth))
     while who:
         pending = torch.tensor([rows[b][s] for (_, b), s in zip(who, starts)], device=c.device)
         npos = torch.tensor(starts, device=c.device)
@@ -3987,12 +4117,11 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
             for r, tree in zip(on.tolist(), trees):
                 j, b = who[r]
                 n_acc[r] = follow(tree, rows[b], starts[r], stats[j][keys[b]])
-        if session.grows:  # a draft model moves on by the drafts accepted, no further
-            session.config = c._replace(gamma=max(1, *n_acc))
-        g = session.config.gamma
-        forced = torch.tensor([[rows[b][min(s + 1 + j, len(rows[b]) - 1)] for j in range(g)]
-                               for (_, b), s in zip(who, starts)], device=c.device)
-        session.propose(pending, npos, torch.zeros(forced.shape, device=c.device), forced)
+        # the text as drafted: a draft model moves on by the drafts accepted, no further
+        g = max(1, *n_acc) if session.grows else depth
+        text = torch.tensor([[rows[b][min(s + 1 + j, len(rows[b]) - 1)] for j in range(g)]
+                             for (_, b), s in zip(who, starts)], device=c.device)
+        session.given(pending, npos, text)
         session.advance(torch.tensor(n_acc, device=c.device),
                         [rows[b][s + 1:s + a + 2] for (_, b), s, a in zip(who, starts, n_acc)],
                         view([list(range(s, s + g + 1)) for s in starts]))
@@ -4006,7 +4135,7 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
             if slots is not None:
                 select_slots(slots, keep)
             who, starts = [who[r] for r in still], [starts[r] for r in still]
-    return stats[0] if isinstance(spec, TreeSpec) else stats
+    return stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4041,17 +4170,6 @@ def chain_window_sum(steps: Sequence[torch.Tensor], k: int) -> tuple[float, int]
         return 0.0, 0
     chain = torch.stack([a.double()[:n] for a in steps[:k]])  # (k, n)
     return chain.cumprod(0).sum().item(), n
-
-
-def expected_accepted_positional(alphas: Sequence[torch.Tensor], gamma: int) -> float | None:
-    """Mean over start positions t of sum_{k=1..gamma} prod_{j<k} alpha_{t+j}.
-
-    Uses the measured alpha_t sequence of each continuation, so runs of easy or hard tokens
-    count as they occur. Only windows that fit inside a sequence are used.
-    """
-    pairs = [window_sum(a, gamma) for a in alphas]
-    count = sum(n for _, n in pairs)
-    return sum(s for s, _ in pairs) / count if count else None
 
 
 def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
@@ -4230,18 +4348,19 @@ def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: 
     drafts the block is timed proposing its largest)."""
     config = LoopConfig(SamplingParams(1.0), gamma, gamma, shared_vocab(target, drafter),
                         frozenset(), device)
-    n = len(ids)
+    n, can = len(ids), drafter.can
     last = torch.tensor([ids[-1]] * rows, device=device)
     u = torch.full((rows, gamma), 0.5, device=device)
 
     def setup() -> tuple[Session, TargetView | None]:
-        with final_states(target, drafter.reads_target) as seen, \
-                layer_inputs(target, drafter.layers) as got:
+        with final_states(target, can.reads_target) as seen, \
+                layer_inputs(target, can.target_layers) as got:
             slots, _ = prefill(target, [list(ids[:-1])] * rows, device,
-                               last_only=not drafter.reads_target)
-        session = drafter.start([list(ids)] * rows, view_of(seen, slots, got), config)
-        with final_states(target, drafter.reads_target) as seen, \
-                layer_inputs(target, drafter.layers) as got:
+                               last_only=not can.reads_target)
+        session = drafter.start([list(ids)] * rows, view_of(seen, slots, got),
+                                config.drafting())
+        with final_states(target, can.reads_target) as seen, \
+                layer_inputs(target, can.target_layers) as got:
             extend(target, slots, last[:, None], torch.full((rows, 1), n - 1, device=device))
         return session, view_of(seen, slots, got)
 
@@ -4289,8 +4408,8 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
     drafted = 1  # tokens the timed drafting proposes
     if drafter is not None:
         drafter = as_drafter("draft", drafter)  # one pass drafts a block: time the largest
-        if drafter.one_pass:
-            drafted = min(max(gammas), drafter.max_gamma or max(gammas))
+        if drafter.can.one_pass:
+            drafted = min(max(gammas), drafter.can.max_gamma or max(gammas))
         for w in widths:
             timed["draft", w] = draft_step(target, drafter, ids, device, drafted, w)
     times: dict[Any, list[float]] = {k: [] for k in timed}
@@ -4342,7 +4461,7 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
     """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
     gammas, how, specs = settings.gammas, settings.cost_ratio, settings.trees
-    once = drafter.one_pass
+    once = drafter.can.one_pass
     if how == "measure":
         nodes = sorted(set(gammas) | {spec.nodes - 1 for spec in specs})
         with step(f"timing the models ({drafter.name})"):
@@ -5329,7 +5448,7 @@ class Proposer(NamedTuple):
 
 
 # vLLM's speculative_config method, SGLang's --speculative-algorithm and llama.cpp's
-# --spec-type for each kind of drafter (Drafter.kind); a kind an engine has no proposer for
+# --spec-type for each kind of drafter (Abilities.kind); a kind an engine has no proposer for
 # is left out, and a model-free n-gram proposer stands in (STAND_INS)
 PROPOSERS: dict[str, dict[str, Proposer]] = {
     "draft model": {"vllm": Proposer("draft_model"), "sglang": Proposer("STANDALONE"),
@@ -5628,54 +5747,13 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
             if not str(k).startswith("_") and k not in dropped}
 
 
-WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-
-
-def files_fingerprint(name: str) -> str | None:
-    """A cheap fingerprint of the weights a model name loads, for the run key: of a weights
-    file (a .gguf) its size and the sha256 of its first MiB (the header and the first tensors:
-    two checkpoints of one training run differ there); of a folder (a hub id: its snapshot in
-    the hub cache) the same of each of its weights files, with its name, and the sha256 of each
-    index json. Never a hash of the whole weights, so weights rewritten past their first MiB
-    alone go unseen. None when the name is no file, folder or cached hub id."""
-    import hashlib
-
-    def head(file: str) -> list[Any]:
-        with open(file, "rb") as f:
-            return [os.path.getsize(file), hashlib.sha256(f.read(1 << 20)).hexdigest()]
-    path = os.path.expanduser(name)
-    if os.path.isfile(path):
-        return _sha256(head(path))[:16]
-    if not os.path.isdir(path):
-        try:
-            from huggingface_hub import try_to_load_from_cache
-            config = try_to_load_from_cache(name, "config.json")
-        except Exception:  # not a hub id the cache knows
-            return None
-        if not isinstance(config, str):
-            return None
-        path = os.path.dirname(config)  # the snapshot: links to the cached files
-    seen = []
-    for f in sorted(os.listdir(path)):
-        full = os.path.join(path, f)
-        if f.endswith(".index.json"):
-            with open(full, "rb") as index:
-                seen.append([f, hashlib.sha256(index.read()).hexdigest()])
-        elif f.endswith(WEIGHTS_SUFFIXES) and os.path.isfile(full):
-            seen.append([f, *head(full)])
-    return _sha256(seen)[:16]
-
-
-def model_identity(model: nn.Module) -> str:
+def model_identity(model: nn.Module, files: str | None = None) -> str:
     """A model as a run key records it: a hash of its config, and the fingerprint of the files
-    it was loaded from (files_fingerprint, which load_model_and_tokenizer leaves on it as
-    `specdec_files`, or of the folder a head was read from, `specdec_folder`, which
-    head_drafter leaves). A model made in memory has its config alone."""
+    it was loaded from (the run's files_fingerprint of its checkpoint, handed in as data);
+    a model made in memory has its config alone."""
     config = getattr(model, "config", None)
     arch = _sha256(_architecture(config.to_dict()))[:16] if config is not None else \
         type(model).__name__
-    files = getattr(model, "specdec_files", None) or (
-        files_fingerprint(model.specdec_folder) if hasattr(model, "specdec_folder") else None)
     return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
 
 
@@ -5720,6 +5798,11 @@ class Measurement:
         self.progress: Any = Quiet()  # the run's progress bar, when it shows one
         self.target_name = "target"  # what the reports call the target
         self.route: bool | None = None  # head_route(target), found on the first batch
+        self.files: dict[str, str | None] = {}  # checkpoint -> its files' fingerprint, for the
+        # run key: the run reads them (files_fingerprint), the library has none
+        self.sides: dict[tuple, TargetPass] | None = None  # when a dict: each batch's target
+        # side made once and kept compact, for drafters of one step that read no target
+        # state (TrainingMeter measures one draft after another against them)
 
     def drafters(self, drafts: Sequence[Drafter | tuple[str, nn.Module]]) -> list[Drafter]:
         """The drafters as this setting runs them (for_run), once what cannot be measured is
@@ -5732,10 +5815,6 @@ class Measurement:
             raise UsageError("with --continuation-tokens 0 the prompts are scored, but every "
                              "prompt has fewer than 2 tokens: nothing to score; raise "
                              "--max-length or use --continuation-tokens > 0")
-        alone = next((d for d in drafters if d.simulated_only), None)
-        if alone is not None and not s.simulate:
-            raise UsageError(f"{alone.name} has no teacher-forced form, only a simulated one: "
-                             f"add --simulate (simulate=True)")
         vocab = min(shared_vocab(self.target, d) for d in drafters)
         if any(max(q.ids) >= vocab for q in seqs):
             raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
@@ -5745,17 +5824,8 @@ class Measurement:
         if s.trees and s.continuation_tokens < 2:
             raise UsageError("--tree replays trees on text the target wrote: give "
                              "--continuation-tokens >= 2")
-        flat = next((d.name for d in drafters if s.trees and not d.drafts_trees), None)
-        if flat is not None:
-            raise UsageError(f"--tree: {flat} drafts no tree here (an n-gram lookup proposes "
-                             f"one chain; PARD and DFlash blocks and drafts in another vocabulary "
-                             f"are measured as chains); measure it without --tree")
-        for d in drafters:
-            if d.max_gamma is not None and s.gamma > d.max_gamma:
-                raise UsageError(f"--gamma {s.gamma}: {d.name} drafts at most {d.max_gamma} "
-                                 f"tokens a pass (its block of {d.max_gamma + 1}: the pending "
-                                 f"token and {d.max_gamma} masks); use --gamma {d.max_gamma} "
-                                 f"or less")
+        for d in drafters:  # each refuses what it cannot run
+            d.check(s)
         return [d.for_run(self.eos, s.gammas) for d in drafters]
 
     def batches(self) -> list[list[int]]:
@@ -5812,7 +5882,8 @@ class Measurement:
                 continue
             for k in members:  # each drafter's own text, and the target's outputs over it
                 d = drafters[k]
-                kept = {} if self.route and d.steps is None and not d.reads_target else None
+                kept = {} if self.route and d.can.steps is None and not d.can.reads_target \
+                    else None
                 sims = self.simulate(d, batch, vocab, kept)
                 conts = [sims[i].tokens for i in batch]
                 self.score(d, emitted_pass(batch, self.sequences, conts, kept)
@@ -5826,6 +5897,9 @@ class Measurement:
                     conts: list[list[int]] | None = None) -> TargetPass:
         """The target's continuation of each prompt of a batch (`conts` when the simulation
         wrote it already), then one teacher-forced target pass over prompt + continuation."""
+        key = (tuple(batch), vocab)
+        if conts is None and self.sides is not None and key in self.sides:
+            return self.sides[key]
         sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
         if conts is None:
             self.progress.set_description("continuations")
@@ -5837,8 +5911,11 @@ class Measurement:
         rows, spans = scored_rows(sub, conts)
         first = 0 if self.route else min(s for s, _ in spans)
         with step("the target's teacher-forced pass"):
-            return TargetPass(batch, rows, spans, teacher_forced(
+            side = TargetPass(batch, rows, spans, teacher_forced(
                 self.target, rows, self.device, self.route, first), first=first)
+        if conts is None and self.sides is not None:  # kept: the scored positions alone
+            side = self.sides[key] = side._replace(states=side.at(0, self.device), compact=True)
+        return side
 
     def score(self, drafter: Drafter, side: TargetPass, vocab: int,
               into: dict[int, PromptResult]) -> None:
@@ -5847,7 +5924,7 @@ class Measurement:
         self.progress.set_description("teacher-forced")
         target, route, s = self.target, self.route, self.settings
         with step(f"the teacher-forced pass of draft {drafter.name}"):
-            reads = side.states if drafter.reads_target and route else None
+            reads = side.states if drafter.can.reads_target and route else None
             steps = drafter.score(side.rows, side.spans, reads, self.sampling, vocab,
                                   self.device)
             per_step = []
@@ -5858,13 +5935,13 @@ class Measurement:
                           for t in range(b + k, e)]
                 stats = position_stats(
                     lambda a, b: head_logits(target, states[a:b], route), scores,
-                    self.sampling, vocab, where=lambda n: "prompt {}, position {}".format(
-                        *labels[n]), ranks=TREE_RANKS if s.trees else 0)
+                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0),
+                    where=lambda n: "prompt {}, position {}".format(*labels[n]))
                 per_step.append({key: v.split(sizes) for key, v in stats.items()})
         for j, i in enumerate(side.batch):
             into[i] = PromptResult.of(i, self.sequences[i].category,
                                       [{key: v[j] for key, v in st.items()} for st in per_step],
-                                      s, self.sampling.proposal, drafter.steps is not None)
+                                      s, self.sampling.proposal, drafter.can.steps is not None)
 
     def replay(self, drafter: Drafter, batch: list[int], vocab: int,
                conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
@@ -5886,14 +5963,12 @@ class Measurement:
         """The simulation of one batch with a drafter (its budget: continuation_tokens);
         states: see simulate_batch."""
         self.progress.set_description("simulation")
-        config = self.config(vocab)  # (a block's target tokens: drafter.block)
         prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
         seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
         with step(f"the simulation with draft {drafter.name}"):
             rows = simulate_batch(self.target, drafter,
                                   {k: list(self.sequences[i].ids) for k, i in prompt.items()},
-                                  config._replace(gamma=drafter.block(config.gamma)),
-                                  self.progress, seen)
+                                  self.config(vocab), self.progress, seen)
         if states is not None:
             states.update({prompt[k]: v for k, v in seen.items()})
         return {prompt[k]: row for k, row in rows.items()}
@@ -5919,11 +5994,12 @@ class Measurement:
                       costs=cost.timings, per_prompt=[r.row() for r in results_
                                                       if r.positions or r.sim is not None],
                       one_draft_pass=cost.per_cycle, drafter=drafter.serving())
-        tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal, drafter.steps)
+        tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal,
+                                          drafter.can.steps)
         if tf is None and not interrupted:  # (no position at all to look at)
             raise UsageError("nothing to score: no scored position in any sequence; use "
                              "longer prompts or --continuation-tokens > 0")
-        if drafter.simulated_only:  # of the teacher-forced route, p's mass on its vocabulary
+        if not drafter.can.teacher_forced:  # of that route, p's mass on its vocabulary
             tf, table = TeacherForced(**pooled_means([r for r in results_ if r.positions])), []
         tf = tf or TeacherForced()
         tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
@@ -5949,11 +6025,12 @@ class Measurement:
                                "draft_tokens_per_cycle": s.gamma,
                                "most_target_tokens_per_cycle": width}
             run.notes[:0] = cross_vocab_notes(run.cross_vocab)
-        run.run_key_parts = self.run_key_parts(drafter, run.target)
+        run.run_key_parts = self.run_key_parts(drafter, run.target, self.files)
         run.run_key = run_key(run.run_key_parts)
         return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost))
 
-    def run_key_parts(self, drafter: Drafter, target_name: str) -> dict[str, Any]:
+    def run_key_parts(self, drafter: Drafter, target_name: str,
+                      files: dict[str, str | None] | None = None) -> dict[str, Any]:
         """Everything a report's per-prompt numbers depend on (how the costs are found aside),
         by name, as its JSON holds them: a resumed run reuses only results whose parts are all
         equal. The temperatures are this setting's; a run of several records its whole sweep
@@ -5961,9 +6038,12 @@ class Measurement:
         models = drafter.networks()
         dtypes = [str(next(m.parameters(), torch.empty(0)).dtype).removeprefix("torch.")
                   for m in [self.target, *models]]
-        parts = {"target": target_name, "target model": model_identity(self.target),
+        files = files or {}  # checkpoint -> the fingerprint of its files (files_fingerprint)
+        parts = {"target": target_name,
+                 "target model": model_identity(self.target, files.get(target_name)),
                  "draft": drafter.name,
-                 "draft model": "; ".join(map(model_identity, models)) or "none (no network)",
+                 "draft model": "; ".join(model_identity(m, files.get(drafter.checkpoint))
+                                          for m in models) or "none (no network)",
                  "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
                  "device": self.device.type, "temperatures": [self.sampling.temperature],
                  **asdict(self.sampling),
@@ -6051,37 +6131,22 @@ class TrainingMeter:
 
     def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence],
                  sampling: SamplingParams, settings: Settings, device: torch.device | None = None):
-        # the target's side is made once, before any draft: its own continuations
+        # the target's side is its own: the continuations are sampled apart from any draft,
+        # made once (at the first measurement) and kept
         self.m = Measurement(target, sequences, sampling,
                              replace(settings, separate_continuation=True),
                              device or model_device(target) or torch.device("cpu"))
-        self.sides: list[TargetPass] | None = None  # made on first use
-
-    def prepare(self, vocab: int) -> None:
-        m = self.m
-        with torch.no_grad():
-            m.route = head_route(m.target, _probe([s.ids for s in m.sequences], m.device))
-            self.sides = []
-            for batch in m.batches():
-                side = m.target_side(batch, vocab)
-                self.sides.append(side._replace(states=side.at(0, m.device), compact=True))
+        self.m.sides = {}
 
     def measure(self, draft: nn.Module, name: str = "draft") -> AcceptanceReport:
         """The report of `draft` now (in eval mode for the measurement, its mode restored)."""
         m, drafter = self.m, ModelDrafter(name, draft)
-        vocab = shared_vocab(m.target, drafter)
-        if self.sides is None:
-            self.prepare(vocab)
         was_training = draft.training
         draft.eval()
         results: dict[int, PromptResult] = {}
         try:
             with torch.no_grad():
-                for side in self.sides:
-                    m.score(drafter, side, vocab, results)
-                    for i, row in (m.simulate(drafter, side.batch, vocab).items()
-                                   if m.settings.simulate else ()):
-                        results[i].sim = row
+                m.measure([drafter], m.batches(), [results])
         finally:
             draft.train(was_training)
         timed = m.settings.cost_ratio == "measure"  # not at every evaluation: parameters
@@ -6241,7 +6306,6 @@ def _load_unsloth(name: str, device: torch.device, dtype: torch.dtype):
                          "or drop the flag") from None
     model, tok = FastLanguageModel.from_pretrained(name, dtype=dtype, load_in_4bit=False)
     FastLanguageModel.for_inference(model)
-    model.specdec_files = files_fingerprint(name)
     return model.eval(), tok, device
 
 
@@ -6291,7 +6355,6 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
         model.to(device)
     else:
         device = _input_device(model)
-    model.specdec_files = files_fingerprint(name)  # for the run key (model_identity)
     return model.eval().requires_grad_(False), tok, device
 
 
@@ -6609,7 +6672,7 @@ def check_context_room(target: nn.Module, drafters: Sequence[Drafter], length: i
     window is what such a run is there to show."""
     n_tokens = settings.continuation_tokens + settings.gamma * settings.simulate
     models = [("the target", target)] + [
-        (f"draft {d.name}", m) for d in drafters if not d.reads_target
+        (f"draft {d.name}", m) for d in drafters if not d.can.reads_target
         for m in d.networks() if hasattr(m, "config")]
     for who, model in models:
         room = max_positions(model)
@@ -6698,6 +6761,44 @@ def __getattr__(name: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------
 # files: whole-or-nothing writes, pictures (--plot, matplotlib imported only when asked), resuming
+
+
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def files_fingerprint(name: str) -> str | None:
+    """A cheap fingerprint of the weights a model name loads, for the run key: of a weights
+    file (a .gguf) its size and the sha256 of its first MiB (the header and the first tensors:
+    two checkpoints of one training run differ there); of a folder (a hub id: its snapshot in
+    the hub cache) the same of each of its weights files, with its name, and the sha256 of each
+    index json. Never a hash of the whole weights, so weights rewritten past their first MiB
+    alone go unseen. None when the name is no file, folder or cached hub id."""
+    import hashlib
+
+    def head(file: str) -> list[Any]:
+        with open(file, "rb") as f:
+            return [os.path.getsize(file), hashlib.sha256(f.read(1 << 20)).hexdigest()]
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        return _sha256(head(path))[:16]
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            config = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a hub id the cache knows
+            return None
+        if not isinstance(config, str):
+            return None
+        path = os.path.dirname(config)  # the snapshot: links to the cached files
+    seen = []
+    for f in sorted(os.listdir(path)):
+        full = os.path.join(path, f)
+        if f.endswith(".index.json"):
+            with open(full, "rb") as index:
+                seen.append([f, hashlib.sha256(index.read()).hexdigest()])
+        elif f.endswith(WEIGHTS_SUFFIXES) and os.path.isfile(full):
+            seen.append([f, *head(full)])
+    return _sha256(seen)[:16]
 
 
 def write_atomic(path: str, write: Callable[[Any], Any]) -> None:
@@ -7153,7 +7254,11 @@ class SweepPoint(NamedTuple):
 
     length: int | None  # --context-lengths' L (None: the prompts as the data has them)
     system: str | None  # the system prompt (None: the chat template's own; "": empty)
-    temperature: float
+    sampling: SamplingParams  # its temperature, with --top-k, --top-p and --proposal
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
 
     def describe(self) -> str:
         return (f"temperature {self.temperature:g}"
@@ -7161,45 +7266,54 @@ class SweepPoint(NamedTuple):
                 + ("" if self.length is None else f" at context length {self.length:,}"))
 
 
+class Options(NamedTuple):
+    """What the command line asks, each option read once (read_options): the settings of every
+    measurement, the sweep of settings, and what the run keys record of it."""
+
+    settings: Settings
+    sweep: list[SweepPoint]  # context length, then system prompt, then temperature
+    temperatures: list[float]  # --temperature as given, for the run keys
+    lengths: list[int] | None  # --context-lengths, ascending (None without it)
+    layers: list[int]  # --draft-layers
+
+
 @dataclass
 class Plan:
     """What the command line's run fixes for every setting of its sweep: the options, the
-    models, the prompts of each (context length, system prompt) with what a report records of
-    how they were cut, earlier results to resume (by run key), this process's place among the
-    ranks, how the run stops, and each context length's costs (found once)."""
+    models and the fingerprints of their files (for the run keys), the prompts of each
+    (context length, system prompt) with what a report records of how they were cut, earlier
+    results to resume (by run key), this process's place among the ranks, how the run stops,
+    and each context length's costs (found once)."""
 
     args: argparse.Namespace
+    options: Options
     target: nn.Module
     drafters: list[Drafter]
     device: torch.device
-    settings: Settings
     inputs: dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]
-    temperatures: list[float]  # the whole sweep's (--temperature), for the run keys
-    lengths: list[int] | None  # --context-lengths, ascending (None without it)
     launch: Launch
     stop: Stop
     progress: bool = False
+    files: dict[str, str | None] = field(default_factory=dict)  # checkpoint -> fingerprint
     done: dict[str, dict[int, PromptResult]] = field(default_factory=dict)
     costs: dict[int | None, list[Cost]] = field(default_factory=dict)
 
 
 def measurement(plan: Plan, point: SweepPoint) -> Measurement:
     """The Measurement of one setting of the sweep."""
-    a = plan.args
-    m = Measurement(plan.target, plan.inputs[point.length, point.system][0],
-                    SamplingParams(point.temperature, a.top_k, a.top_p, a.proposal),
-                    plan.settings, plan.device)
-    m.target_name = a.target
+    m = Measurement(plan.target, plan.inputs[point.length, point.system][0], point.sampling,
+                    plan.options.settings, plan.device)
+    m.target_name, m.files = plan.args.target, plan.files
     return m
 
 
 def sweep_key_parts(plan: Plan, m: Measurement, drafter: Drafter) -> dict[str, Any]:
     """A report's run key parts as the command line records them: its setting's, with the
     whole temperature sweep (and --context-lengths' list), so --resume never mixes runs."""
-    parts = m.run_key_parts(drafter, plan.args.target)
-    parts["temperatures"] = list(plan.temperatures)
-    if plan.lengths is not None:
-        parts["context lengths"] = list(plan.lengths)
+    parts = m.run_key_parts(drafter, plan.args.target, plan.files)
+    parts["temperatures"] = list(plan.options.temperatures)
+    if plan.options.lengths is not None:
+        parts["context lengths"] = list(plan.options.lengths)
     return json.loads(json.dumps(parts))
 
 
@@ -7220,12 +7334,12 @@ def collect(plan: Plan, m: Measurement, drafters: Sequence[Drafter],
                            * (passes + s.simulate * len(drafters)), "measuring",
                            plan.progress and launch.rank == 0)
     store = rank_store() if launch.world > 1 else None
+
+    def stopping() -> bool:  # before each batch
+        stop.raising = True  # a signal from here on cuts the batch short
+        return stop_requested(stop, store)
     try:
-        for batch in mine:
-            stop.raising = True  # a signal from here on cuts the batch short
-            if stop_requested(stop, store):
-                return True
-            m.measure_batch(drafters, batch, into)
+        return m.measure(drafters, mine, into, stopping)
     except KeyboardInterrupt as e:
         if not stop.signals:  # raised by Python's own Ctrl-C handler, not main's
             stop.signals.append("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
@@ -7235,7 +7349,6 @@ def collect(plan: Plan, m: Measurement, drafters: Sequence[Drafter],
     finally:
         stop.raising = False
         getattr(m.progress, "close", lambda: None)()
-    return False
 
 
 def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
@@ -7612,22 +7725,28 @@ def _check_context_options(args: argparse.Namespace, lengths: list[int]) -> None
                          "--system-prompt")
 
 
-def _sweep(args: argparse.Namespace) -> list[SweepPoint]:
-    """The CLI's settings, in the order they are measured: context length, then system prompt,
-    then temperature. --system-prompt none is an empty system message."""
+def read_options(args: argparse.Namespace) -> Options:
+    """The command line's options, each read once and checked before any model loads: the
+    settings, and the sweep in the order it is measured, context length, then system prompt,
+    then temperature (--system-prompt none is an empty system message)."""
     temperatures = _number_list(args.temperature, "--temperature", float)
+    samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal) for t in temperatures]
     systems = [None] if not args.system_prompt else [
         "" if text.strip().lower() == "none" else text for text in args.system_prompt]
-    for t in temperatures:
-        SamplingParams(t, args.top_k, args.top_p, args.proposal)  # refuse bad values first
     if args.same_documents and args.context_lengths is None:
         raise UsageError("--same-documents applies to --context-lengths; add it or drop "
                          "--same-documents")
     lengths = _context_lengths(args)
     if lengths is not None:
         _check_context_options(args, lengths)
-    return [SweepPoint(n, sp, t) for n in lengths or [None] for sp in systems
-            for t in temperatures]
+    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
+                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
+                        separate_continuation=args.separate_continuation, trees=_trees(args))
+    layers = (_number_list(args.draft_layers, "--draft-layers", int)
+              if args.draft_layers is not None else [])
+    return Options(settings, [SweepPoint(n, sp, sampling) for n in lengths or [None]
+                              for sp in systems for sampling in samplings],
+                   temperatures, lengths, layers)
 
 
 def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
@@ -7784,43 +7903,34 @@ def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
     return inputs
 
 
-def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
-                where: tuple[Launch, str] | None = None, stop: Stop | None = None
-                ) -> list[AcceptanceReport]:
-    """The CLI's run between parsing and printing: one report per (setting of the sweep,
-    draft). status(line) is told what is about to be measured; where: this process's place in
-    a multi-process launch (launch_from_env; read from the environment when not given);
-    stop: main's (see Stop), which a signal fills in. The settings are measured in turn
-    (run_setting), resuming what earlier reports finished; a stop ends the sweep after the
-    setting it cut short."""
-    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
-                                              grace_s=args.stop_timeout)
-    sweep = _sweep(args)
-    layers = (_number_list(args.draft_layers, "--draft-layers", int)
-              if args.draft_layers is not None else [])
-    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
-                        args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
-                        separate_continuation=args.separate_continuation, trees=_trees(args))
+def cli_plan(args: argparse.Namespace, options: Options, status: Callable[[str], None],
+             where: tuple[Launch, str] | None, stop: Stop) -> Plan:
+    """What the run needs before it measures, in order: the checks no model is needed for,
+    this process's place among the ranks, the models, the prompts of each setting, the
+    fingerprints of the models' files (the run keys), and what earlier reports finished."""
     _check_json_target(args.json)
     _check_plot_target(args.plot)
     earlier = _earlier_reports(args)
-    _check_drafters(args, layers)
+    _check_drafters(args, options.layers)
     prompts = load_texts(args.data, documents=args.context_lengths is not None)
     launch = join_processes(args.dist_timeout, where)
     progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
-    target, tok, drafts, device = cli_models(args, layers, progress, launch)
-    if args.pard_mask is not None and not any(d.kind == "PARD" for d in drafts):
+    target, tok, drafts, device = cli_models(args, options.layers, progress, launch)
+    if args.pard_mask is not None and not any(d.can.kind == "PARD" for d in drafts):
         raise UsageError(PARD_WITHOUT_MODEL)  # (every draft a head, or of another tokenizer)
-    inputs = _cli_prompts(args, prompts, tok, sweep)
-    settings = replace(settings, eos=eos_ids(target, tok))
+    inputs = _cli_prompts(args, prompts, tok, options.sweep)
+    options = options._replace(settings=replace(options.settings, eos=eos_ids(target, tok)))
     for length, _ in inputs:
         if length is not None:
-            check_context_room(target, drafts, length, settings)
-    left_out = sorted({p.length for p in sweep if (p.length, p.system) not in inputs})
-    sweep = [p for p in sweep if (p.length, p.system) in inputs]
+            check_context_room(target, drafts, length, options.settings)
+    files = {path: files_fingerprint(path)
+             for path in dict.fromkeys([args.target] + [d.checkpoint for d in drafts
+                                                        if d.checkpoint])}
+    plan = Plan(args, options, target, drafts, device, inputs, launch, stop, progress, files)
+    sweep = [p for p in options.sweep if (p.length, p.system) in inputs]
     if launch.rank == 0:
         context = next(iter(inputs.values()))[1]  # (every length's has the longest)
-        for n in left_out:
+        for n in sorted({p.length for p in options.sweep} - {p.length for p in sweep}):
             status(f"specdec: context length {n:,} left out: no document has that many "
                    f"tokens (the longest has {context['longest']:,})")
         ranks = f" by {launch.world} processes" if launch.world > 1 else ""
@@ -7828,16 +7938,30 @@ def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda
                f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
                f"{'context length, ' if args.context_lengths else ''}system prompt and "
                f"temperature on {device}{ranks}")
-    plan = Plan(args, target, drafts, device, settings, inputs,
-                _number_list(args.temperature, "--temperature", float), _context_lengths(args),
-                launch, stop, progress)
     if earlier:  # every earlier report must be one of this run's: never mixed
         keys = [sweep_key_parts(plan, m, d) for p in sweep for m in [measurement(plan, p)]
                 for d in m.drafters(drafts)]
         plan.done = _resumable(earlier, keys, args.json)
+    return plan
+
+
+def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
+                where: tuple[Launch, str] | None = None, stop: Stop | None = None,
+                options: Options | None = None) -> list[AcceptanceReport]:
+    """The CLI's run between parsing and printing: one report per (setting of the sweep,
+    draft). status(line) is told what is about to be measured; where: this process's place in
+    a multi-process launch (launch_from_env; read from the environment when not given);
+    stop: main's (see Stop), which a signal fills in; options: read_options(args), read
+    here when not given. The settings are measured in turn (run_setting), resuming what
+    earlier reports finished; a stop ends the sweep after the setting it cut short."""
+    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
+                                              grace_s=args.stop_timeout)
+    plan = cli_plan(args, options or read_options(args), status, where, stop)
     stop.raising = False  # started: from here a signal stops the run at its next look
     reports: list[AcceptanceReport] = []
-    for point in sweep:
+    for point in plan.options.sweep:
+        if (point.length, point.system) not in plan.inputs:
+            continue  # (a context length no document reaches)
         reports += run_setting(plan, point)
         if stop.ended:
             break  # interrupted: report what finished, measure no further setting
@@ -7859,13 +7983,13 @@ def gate_failures(reports: Sequence[AcceptanceReport], min_alpha: float) -> list
     return lines
 
 
-def _unmeasured(args: argparse.Namespace, reports: Sequence[AcceptanceReport]
+def _unmeasured(sweep: Sequence[SweepPoint], reports: Sequence[AcceptanceReport]
                 ) -> list[SweepPoint]:
     """The sweep's settings with no report (context lengths no document reaches aside)."""
     longest = next((r.run.context["longest"] for r in reports if r.run.context), None)
     measured = {(r.run.context and r.run.context["length"], r.system_prompt, r.temperature)
                 for r in reports}
-    return [p for p in _sweep(args) if (p.length, p.system, p.temperature) not in measured
+    return [p for p in sweep if (p.length, p.system, p.temperature) not in measured
             and (p.length is None or longest is None or p.length <= longest)]
 
 
@@ -7884,8 +8008,8 @@ def _hand_over_nothing(stop: Stop, launch: Launch) -> None:
             hand_over_nothing(stop, launch.rank)
 
 
-def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: Stop,
-           launch: Launch) -> int:
+def finish(args: argparse.Namespace, options: Options, reports: Sequence[AcceptanceReport],
+           stop: Stop, launch: Launch) -> int:
     """After the run: print the reports (rank 0 only), write the JSON and the plot, say what
     was left unmeasured -> the exit status."""
     tag = f" (rank {launch.rank})" if launch.rank else ""
@@ -7902,7 +8026,7 @@ def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: 
                                            if c else "")
                        for r, c in zip(reports, configs)), file=out)
     if args.context_lengths is not None:
-        print("\n" + format_context_table(reports, _context_lengths(args)), file=out)
+        print("\n" + format_context_table(reports, options.lengths), file=out)
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
     data = [r.to_dict() | ({"engine_config": c} if c else {}) for r, c in zip(reports, configs)]
@@ -7913,7 +8037,7 @@ def finish(args: argparse.Namespace, reports: Sequence[AcceptanceReport], stop: 
         write_json_atomic(args.json, data)
     if args.plot:
         plot_reports(reports, args.plot)
-    rest = _unmeasured(args, reports)
+    rest = _unmeasured(options.sweep, reports)
     if stop.ended and rest:
         print(f"specdec: {_stopped(stop)}: {', '.join(p.describe() for p in rest)} not "
               f"measured", file=sys.stderr)
@@ -7970,7 +8094,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tag = f" (rank {launch.rank})" if launch.rank else ""
     with _caught_signals(stop):
         try:
-            reports = cli_reports(args, say, (launch, address), stop)
+            options = read_options(args)
+            reports = cli_reports(args, say, (launch, address), stop, options=options)
         except (UsageError, FloatingPointError) as e:
             _hand_over_nothing(stop, launch)
             print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
@@ -7992,7 +8117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     " (--traceback shows where)"),
                   file=sys.stderr)
             return 3
-        return finish(args, reports, stop, launch)
+        return finish(args, options, reports, stop, launch)
 
 
 if __name__ == "__main__":

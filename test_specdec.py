@@ -1548,9 +1548,9 @@ def test_head_route_in_chunks_equals_full_logits(family, pairs, seqs):
     made = torch.ones(len(hq), dtype=torch.bool)
     via_head = sd.Scores(hq, made, sd.model_head(d, True, s, V))
     via_logits = sd.Scores(lq, made, sd.model_head(d, False, s, V))
-    chunked = sd.position_stats(lambda a, b: sd.head_logits(t, hp[a:b], True), via_head, s, V,
-                                chunk=2)
-    full = sd.position_stats(lambda a, b: lp[a:b], via_logits, s, V, chunk=10_000)
+    chunked = sd.position_stats(lambda a, b: sd.head_logits(t, hp[a:b], True), via_head,
+                                sd.Scoring(s, V), chunk=2)
+    full = sd.position_stats(lambda a, b: lp[a:b], via_logits, sd.Scoring(s, V), chunk=10_000)
     for k in ("alpha", "top1", "p_argmax_q"):
         assert torch.allclose(chunked[k], full[k], atol=1e-5), k
     # and the full-logits route matches each sequence run alone
@@ -2098,14 +2098,14 @@ def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plai
     s = SAMPLINGS["t1"]
     r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
                               continuation_tokens=6, seed=2, batch_size=4)
-    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.steps)
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.can.steps)
     means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
-             for k in range(drafter.steps)]
+             for k in range(drafter.can.steps)]
     assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
     accepted = 0
     for out, theirs, row, ours in transformers_from_the_prefill(
             monkeypatch, MTPCandidateGenerator, target, drafter, MTP_MORE_PROMPTS, tok_plain,
-            drafter.steps, budget=20, use_mtp=True):
+            drafter.can.steps, budget=20, use_mtp=True):
         assert row.tokens == out
         assert ours[:-1] == theirs[:-1]
         accepted += sum(n for _, n in theirs)
@@ -2143,7 +2143,7 @@ def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tm
     make_mtp_checkpoint(tmp_path, heads=layers, noise=0.05, seed=2)
     target = load_mtp_target(tmp_path)
     drafter = sd.MtpDrafter.of(target, steps)
-    K = drafter.steps
+    K = drafter.can.steps
     s, gamma = SAMPLINGS["topk_topp"], 4
     seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
     r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
@@ -2169,8 +2169,8 @@ class Logged(sd.Session):
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
 
-    def propose(self, pending, npos, u, forced=None):
-        self.log.append(self.inner.propose(pending, npos, u, forced))
+    def propose(self, pending, npos, u):
+        self.log.append(self.inner.propose(pending, npos, u))
         return self.log[-1]
 
     def advance(self, n_acc, committed, view):
@@ -2182,10 +2182,10 @@ class Logged(sd.Session):
 
 def simulated_with(target, drafter, session, seqs, s, gamma, budget, eos=(), seed=0):
     """run_simulation (the prompts as one batch) with the drafter's sessions made by
-    session(drafter, prompts, view, config) -> (RowStats by prompt, every Proposal in order)."""
+    session(drafter, prompts, view, drafting) -> (RowStats by prompt, every Proposal in order)."""
     log = []
     d = copy.copy(drafter.for_run(frozenset(eos), [gamma]))
-    d.start = lambda prompts, view, config: Logged(session(d, prompts, view, config), log)
+    d.start = lambda prompts, view, drafting: Logged(session(d, prompts, view, drafting), log)
     d.for_run = lambda eos, gammas: d
     return simulate(target, d, seqs, s, gamma, budget, eos=eos, seed=seed), log
 
@@ -2228,20 +2228,19 @@ def recomputed_step(drafter, k, ids, hidden):
 class RecomputedSession(sd.Session):
     """The sessions before issue 19, one row at a time: every committed token and target state
     kept, and each cycle the network run again over the whole sequence (draft(b, seq, states,
-    u_b, config) -> (drafts, their q (n, V))). The oracle for the cached sessions."""
+    u_b, drafting) -> (drafts, their q (n, V))). The oracle for the cached sessions."""
 
-    def __init__(self, draft, prompts, view, config, states_of):
-        self.draft, self.config, self.states_of = draft, config, states_of
+    def __init__(self, draft, prompts, view, drafting, states_of):
+        self.draft, self.drafting, self.states_of = draft, drafting, states_of
         self.seqs = [list(p) for p in prompts]
         fed = states_of(view) if view is not None else None
         self.states = [fed[b, fed.shape[1] - len(p) + 1:] if len(p) > 1 else None
                        for b, p in enumerate(prompts)]
 
-    def propose(self, pending, npos, u, forced=None):
-        assert forced is None  # (the oracle of the simulation's sessions only)
-        c = self.config
-        tokens = torch.zeros(len(pending), c.gamma, dtype=torch.long)
-        q = torch.zeros(len(pending), c.gamma, c.vocab)
+    def propose(self, pending, npos, u):
+        c = self.drafting
+        tokens = torch.zeros(len(pending), c.steps, dtype=torch.long)
+        q = torch.zeros(len(pending), c.steps, c.vocab)
         count = torch.zeros(len(pending), dtype=torch.long)
         for b, (seq, states) in enumerate(zip(self.seqs, self.states)):
             if states is not None:  # no target state yet: nothing proposed
@@ -2261,20 +2260,20 @@ class RecomputedSession(sd.Session):
         self.states = [self.states[r] for r in rows.tolist()]
 
 
-def recomputed_mtp(drafter, prompts, view, config):
+def recomputed_mtp(drafter, prompts, view, drafting):
     """Before issue 19: every step over the whole sequence each cycle; step k's slot j reads
     x_{j+1+k}, or a draft where that is past the pending token."""
-    head = drafter.head(config.sampling, config.vocab, propose=True)
+    head = drafter.head(drafting.sampling, drafting.vocab, propose=True)
 
     def draft(seq, states, u, c):
         hidden, drafts, qs = states[None], [], []
-        for k in range(min(c.gamma, drafter.steps)):
+        for k in range(min(c.steps, drafter.can.steps)):
             ids = torch.tensor([(seq[1:] + drafts)[k:]])  # (1, T)
             hidden = recomputed_step(drafter, k, ids, hidden)
             qs.append(head(hidden[:, -1], lambda r: "row"))
             drafts.append(int(sd.sample_from(qs[-1], u[:, k])))
         return torch.tensor(drafts), torch.cat(qs)
-    return RecomputedSession(draft, prompts, view, config, lambda v: v.hidden)
+    return RecomputedSession(draft, prompts, view, drafting, lambda v: v.hidden)
 
 
 @pytest.fixture(scope="session")
@@ -2500,7 +2499,7 @@ def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_pla
     tokens, and the draft vocabulary's share of p is the target's mass on its 32 ids."""
     w, ids = make_eagle3_checkpoint(tmp_path, fmt, llama4)
     drafter = sd.head_drafter(str(tmp_path), llama4)
-    assert isinstance(drafter, sd.Eagle3Drafter) and drafter.layers == (2, 2, 1)
+    assert isinstance(drafter, sd.Eagle3Drafter) and drafter.can.target_layers == (2, 2, 1)
     s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
     r = sd.measure_acceptance(llama4, drafter, seqs, sampling=s, device=CPU, gamma=3,
                               continuation_tokens=5, seed=2, batch_size=3)
@@ -2532,10 +2531,10 @@ def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp
     assert sum(row["examined"] for row in want) > 0
 
 
-def recomputed_eagle3(drafter, prompts, view, config):
+def recomputed_eagle3(drafter, prompts, view, drafting):
     """Before issue 19: every cycle the committed slots run again into a fresh cache
     (Eagle3Net.committed), then the cycle's steps from the last of them (Eagle3Net.later)."""
-    net, head = drafter.net, drafter.head(config.sampling, config.vocab, propose=True)
+    net, head = drafter.net, drafter.head(drafting.sampling, drafting.vocab, propose=True)
 
     def draft(seq, states, u, c):
         n, slots, qs, ds = len(states), sd.new_slots(1, CPU), [], []
@@ -2547,11 +2546,11 @@ def recomputed_eagle3(drafter, prompts, view, config):
             qs.append(head(outs[:, -1], lambda r: "row"))
             ds.append(sd.sample_from(qs[-1], u[:, k]))
             return ds[-1][:, None]
-        feed(c.gamma - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
-                                    c.gamma, feed)[-1])
+        feed(c.steps - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
+                                    c.steps, feed)[-1])
         return torch.cat(ds), torch.cat(qs)
-    return RecomputedSession(draft, prompts, view, config, lambda v: torch.cat(
-        [v.layers[i] for i in drafter.layers], -1))
+    return RecomputedSession(draft, prompts, view, drafting, lambda v: torch.cat(
+        [v.layers[i] for i in drafter.can.target_layers], -1))
 
 
 @pytest.mark.parametrize("key,gamma", [("t1", 1), ("t1", 3), ("greedy", 4)])
@@ -2600,7 +2599,7 @@ def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plai
     1 + heads tokens."""
     t = make_medusa_checkpoint(tmp_path, fmt, target=llama)
     drafter = sd.head_drafter(str(tmp_path), llama)
-    assert isinstance(drafter, sd.MedusaDrafter) and drafter.steps == 3
+    assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3
     s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
     r = sd.measure_acceptance(llama, drafter, seqs, sampling=s, device=CPU, gamma=5,
                               continuation_tokens=5, seed=2, batch_size=3)
@@ -2628,7 +2627,7 @@ def test_every_medusa_layout_gives_the_same_numbers(llama, tok_plain, tmp_path):
     for fmt in MEDUSA_LAYOUTS + ["fd-v2", "vllm-shared"]:
         make_medusa_checkpoint(tmp_path / fmt, fmt, t=t, target=llama)
         drafter = sd.head_drafter(str(tmp_path / fmt), llama)
-        assert isinstance(drafter, sd.MedusaDrafter) and drafter.steps == 3, fmt
+        assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3, fmt
         assert all(k.startswith(("blocks.", "lm_heads.")) for k in drafter.net.state_dict())
         reports[fmt] = numbers(sd.measure_acceptance(
             llama, drafter, seqs, sampling=sd.SamplingParams(0.8), device=CPU, gamma=3,
@@ -3283,12 +3282,11 @@ def trees_drafted(monkeypatch) -> list:
     seen, shape, follow, replay = [], [], sd.follow, sd.replay_trees
 
     def replay_shape(*args):  # the shapes one at a time, to know each tree's
-        shapes = [args[-1]] if isinstance(args[-1], sd.TreeSpec) else args[-1]
         done = []
-        for spec in shapes:
+        for spec in args[-1]:
             shape[:] = [spec]
-            done.append(replay(*args[:-1], spec))
-        return done[0] if isinstance(args[-1], sd.TreeSpec) else done
+            done += replay(*args[:-1], [spec])
+        return done
     monkeypatch.setattr(sd, "replay_trees", replay_shape)
     monkeypatch.setattr(sd, "follow", lambda nodes, text, start, stats: seen.append(
         (shape[0], paths_of(nodes), list(text[:start + 1]))) or follow(nodes, text, start,
@@ -3936,7 +3934,7 @@ def test_cli_trees_and_engine_settings(capsys, tmp_path, model_dirs, data_txt, m
     (["--tree-choices", "no/such/file"], "not a list of paths and not a readable file"),
     (["--tree-choices", "[(0,), (50,)]"], "past the vocabulary"),
     (["--tree", "1,2,3", "--continuation-tokens", "0"], "--continuation-tokens >= 2"),
-    (["--tree", "1,2,3", "--draft", "ngram"], "proposes one chain"),
+    (["--tree", "1,2,3", "--draft", "ngram"], "measured as one chain"),
 ])
 def test_cli_refuses_trees_no_engine_could_serve(args, word, capsys, model_dirs, data_txt):
     argv = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
@@ -4078,7 +4076,7 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
                                                                 monkeypatch, llama, llama2,
                                                                 llama4, mtp_pair):
     """What a tree's branches rest on, at every cycle of a replay: a fork of the drafter's
-    session told to draft a given path (forced) gives, after it, the q a fork that drew those
+    session told to draft a given path (given) gives, after it, the q a fork that drew those
     tokens itself (T = 1) had (the q a tree reads: its last; a draft model computes no other),
     and leaves the session it came from as it was (the replay goes on and still gives the
     top-1 tree's cycles, checked above)."""
@@ -4087,11 +4085,10 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
 
     def check(session, pending, npos, shapes):
         rows = torch.arange(len(pending))
-        config = session.config._replace(sampling=sd.SamplingParams(1.0), gamma=3)
+        drafting = session.drafting._replace(sampling=sd.SamplingParams(1.0), steps=3)
         u = torch.rand(len(pending), 3, generator=torch.Generator().manual_seed(len(checked)))
-        free = session.fork(rows, config).propose(pending, npos, u)
-        told = session.fork(rows, config).propose(pending, npos, torch.zeros_like(u),
-                                                  free.tokens)
+        free = session.fork(rows, drafting).propose(pending, npos, u)
+        told = session.fork(rows, drafting).given(pending, npos, free.tokens)
         made = 3 if free.count is None else int(free.count.min())
         assert torch.equal(told.tokens[:, :made], free.tokens[:, :made])
         assert torch.allclose(told.q[:, made - 1], free.q[:, made - 1], atol=1e-5)
@@ -4102,7 +4099,7 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
     sd.measure_drafts(target, [drafter], seqs, sampling=sd.SamplingParams(0.7),
                       settings=sd.Settings(gamma=3, continuation_tokens=10, seed=2,
                                            trees=(sd.TreeSpec(2, 2, 4),)))
-    assert len(checked) > 5 and max(checked) >= min(2, drafter.steps or 3)
+    assert len(checked) > 5 and max(checked) >= min(2, drafter.can.steps or 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4120,6 +4117,14 @@ def test_expected_accepted_iid_alpha_one_is_gamma(gamma):
     assert sd.expected_accepted_iid(1.0, gamma) == gamma
 
 
+def positional(alphas, gamma):
+    """The positional estimate as the report pools it: every sequence's window sums
+    (window_sum) over all their windows; None without a whole window."""
+    sums = [sd.window_sum(a, gamma) for a in alphas]
+    count = sum(n for _, n in sums)
+    return sum(w for w, _ in sums) / count if count else None
+
+
 def test_expected_accepted_positional_matches_naive_loop():
     g = torch.Generator().manual_seed(21)
     seqs = [torch.rand(n, generator=g) for n in (9, 3, 5, 1, 12)]
@@ -4130,24 +4135,23 @@ def test_expected_accepted_positional_matches_naive_loop():
         for t in range(len(a) - gamma + 1):
             total += sum(math.prod(a[t:t + k]) for k in range(1, gamma + 1))
             count += 1
-    got = sd.expected_accepted_positional(seqs, gamma)
-    assert got == pytest.approx(total / count, abs=1e-9)
+    assert positional(seqs, gamma) == pytest.approx(total / count, abs=1e-9)
     # and each window equals the enumeration over accept patterns with those alphas
     a = seqs[0].double().tolist()
-    one = sd.expected_accepted_positional([seqs[0][:gamma]], gamma)
-    assert one == pytest.approx(accepted_by_enumeration(a[:gamma]), abs=1e-6)
+    assert positional([seqs[0][:gamma]], gamma) == pytest.approx(
+        accepted_by_enumeration(a[:gamma]), abs=1e-6)
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.65, 0.95])
 def test_expected_accepted_positional_constant_alpha_is_iid(alpha):
-    alphas = [torch.full((n,), alpha) for n in (5, 8, 4)]
-    got = sd.expected_accepted_positional(alphas, 4)
+    got = positional([torch.full((n,), alpha) for n in (5, 8, 4)], 4)
     assert got == pytest.approx(sd.expected_accepted_iid(alpha, 4), abs=1e-6)
     assert got == pytest.approx(sum(alpha ** k for k in range(1, 5)), abs=1e-6)
 
 
 def test_expected_accepted_positional_needs_a_full_window():
-    assert sd.expected_accepted_positional([torch.rand(2), torch.rand(3)], 4) is None
+    assert sd.window_sum(torch.rand(3), 4) == (0.0, 0)
+    assert positional([torch.rand(2), torch.rand(3)], 4) is None
 
 
 @pytest.mark.parametrize("gamma,want", [(1, 0.8), (2, 1.2 / 1.8), (4, 1.3 / 2.2)])
@@ -4491,7 +4495,8 @@ def gate_report(alpha, alpha_ci, empirical=None, empirical_ci=None):
 def test_min_alpha_gate_known_outcomes(report, threshold, fails, capsys, monkeypatch):
     lines = sd.gate_failures([report], threshold)
     assert bool(lines) == fails
-    monkeypatch.setattr(sd, "cli_reports", lambda args, status, where, stop: [report])
+    monkeypatch.setattr(sd, "cli_reports",
+                        lambda args, status, where, stop, options: [report])
     rc = sd.main(["--target", "t", "--draft", "d", "--min-alpha", str(threshold), "--quiet"])
     out, err = capsys.readouterr()
     assert rc == (1 if fails else 0) and "speculative-decoding acceptance" in out
@@ -4690,7 +4695,7 @@ def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, t
         r = sd.measure_acceptance(t, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
                                   gamma=2, continuation_tokens=4, cost_ratio="measure")
         assert r.costs["draft_step_s"] > 0 and r.cost_ratio > 0.05, drafter.name
-        k = min(2, drafter.steps or 2)  # proposals a cycle, and a verify pass of k + 1
+        k = min(2, drafter.can.steps or 2)  # proposals a cycle, and a verify pass of k + 1
         verify = max([1.0] + [r.costs["verify_cost"][g] for g in range(1, k + 1)])
         assert r.est_speedup == pytest.approx(
             r.tokens_per_cycle / (k * r.cost_ratio + verify), rel=1e-9)
@@ -5228,7 +5233,8 @@ def test_a_head_checkpoint_rewritten_in_its_folder_is_another_draft(tmp_path, ll
             drafter = sd.head_drafter(folder, of)
             m = sd.Measurement(of, sd.build_sequences(["a b"], tok_plain),
                                sd.SamplingParams(0.0), sd.Settings(), CPU)
-            keys.append(m.run_key_parts(drafter, "t")["draft model"])
+            keys.append(m.run_key_parts(drafter, "t", {folder: sd.files_fingerprint(folder)})[
+                "draft model"])
         assert keys[0] != keys[1] and keys[0] == keys[2] and "no files" not in keys[0], keys
 
 
@@ -5741,8 +5747,8 @@ def test_collect_looks_for_a_stop_before_each_batch(monkeypatch, llama, llama2, 
     monkeypatch.setattr(sd.Measurement, "measure_batch", batch)
     settings = sd.Settings(gamma=2, continuation_tokens=3, batch_size=2)
     stop = sd.Stop()
-    plan = sd.Plan(None, llama, [], CPU, settings, {}, [0.7], None, sd.Launch(0, 2, 0, 2),
-                   stop)
+    options = sd.Options(settings, [], [0.7], None, [])
+    plan = sd.Plan(None, options, llama, [], CPU, {}, sd.Launch(0, 2, 0, 2), stop)
     m = sd.Measurement(llama, seqs, sd.SamplingParams(0.7), settings, CPU)
     results = [{}]
     cut = sd.collect(plan, m, m.drafters([sd.as_drafter("d", llama2)]), results)
@@ -5757,7 +5763,7 @@ def test_a_signal_while_the_report_is_written_is_noted_not_raised(capsys, monkey
     import signal
     import time
 
-    def reports(args, status, where, stop):
+    def reports(args, status, where, stop, options):
         stop.raising = False  # as cli_reports has it once the models are loaded
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs here
@@ -6110,6 +6116,14 @@ def test_cli_both_forms_print_the_report(form, capsys, model_dirs, data_txt):
     assert f"{model_dirs['draft']}  ⇒  {model_dirs['target']}" in out
 
 
+def unfingerprinted(parts: dict) -> dict:
+    """Run key parts with the files' fingerprints as the library has none: "config ..., files
+    f" read as "config ..., no files (made in memory)"."""
+    assert "files " in parts["target model"] and "files " in parts["draft model"]
+    return {k: re.sub(r"files [0-9a-f]+", "no files (made in memory)", v)
+            if k in ("target model", "draft model") else v for k, v in parts.items()}
+
+
 def test_cli_json_equals_library_report(capsys, tmp_path, model_dirs, data_txt):
     path = tmp_path / "r.json"
     rc, out, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
@@ -6128,6 +6142,10 @@ def test_cli_json_equals_library_report(capsys, tmp_path, model_dirs, data_txt):
     want = json.loads(json.dumps(want))  # tuples become lists, as in the file
     assert got.pop("notes")[:-1] == want.pop("notes")
     assert set(got) == set(want)
+    # the command line's key knows the models by their files' fingerprints, handed to it as
+    # data; the library's measures models made in memory
+    assert unfingerprinted(got.pop("run_key_parts")) == want.pop("run_key_parts")
+    assert got.pop("run_key") != want.pop("run_key")
     for k, v in want.items():
         assert got[k] == (pytest.approx(v, abs=1e-12) if isinstance(v, float) else v), k
     assert f"{want['alpha']:.3f}" in out
@@ -6179,8 +6197,10 @@ def test_cli_several_drafts_and_temperatures(capsys, tmp_path, model_dirs, data_
     for g, w in zip(got, want):
         w = json.loads(json.dumps(w.to_dict()))
         assert g.pop("notes")[:-1] == w.pop("notes")
-        # the command line's run key covers its whole sweep, the library's its own setting
-        assert g.pop("run_key_parts") == {**w.pop("run_key_parts"), "temperatures": [0.0, 1.0]}
+        # the command line's run key covers its whole sweep and the models' files, the
+        # library's its own setting and models in memory
+        assert unfingerprinted(g.pop("run_key_parts")) == {**w.pop("run_key_parts"),
+                                                           "temperatures": [0.0, 1.0]}
         assert g.pop("run_key") != w.pop("run_key")
         assert g == w
     assert got[1]["alpha"] == pytest.approx(1, abs=1e-5) and got[3]["empirical_alpha"] == 1.0
@@ -6845,7 +6865,7 @@ def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_pl
     timed, real = [], sd.PardSession.propose
 
     def counted(self, pending, npos, u):
-        timed.append(self.config.gamma)
+        timed.append(self.drafting.steps)
         return real(self, pending, npos, u)
     monkeypatch.setattr(sd.PardSession, "propose", counted)
     seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
@@ -6853,7 +6873,7 @@ def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_pl
                     sd.head_drafter(dflash_folders[1]["zlab"], biased4)):
         r = sd.measure_acceptance(biased4, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
                                   gamma=2, continuation_tokens=4, cost_ratio="measure")
-        drafted = min(8, drafter.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
+        drafted = min(8, drafter.can.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
         assert r.one_draft_pass and r.costs["draft_step_s"] > 0
         assert r.costs["draft_tokens"] == drafted
         assert f"draft pass of {drafted}" in r.cost_ratio_source
@@ -6893,7 +6913,7 @@ def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_p
     reports = []
     for fmt, folder in folders.items():
         d = sd.head_drafter(folder, biased4)
-        assert isinstance(d, sd.DFlashDrafter) and d.max_gamma == 3 and d.layers == (1, 3), fmt
+        assert isinstance(d, sd.DFlashDrafter) and d.can.max_gamma == 3 and d.can.target_layers == (1, 3), fmt
         reports.append(sd.measure_acceptance(biased4, d, seqs, sampling=s, device=CPU, gamma=2,
                                              continuation_tokens=7, seed=2, batch_size=3))
         assert reports[-1].alpha_by_head == pytest.approx([sum(a) / len(a) for a in want],
