@@ -123,6 +123,14 @@ __all__ = [
 ]
 
 
+# ==============================================================================================
+# PART I. THE CORE, in the order a cycle runs: what the parts hand each other and the drafter
+# interface; the sampling maths; forward passes over a cache; the teacher-forced route; the model
+# drafter, the reference kind; the simulation loop; trees; statistics; the report; the
+# measurement of one setting. It names no other kind of drafter: those are Part II's.
+# ==============================================================================================
+
+
 # ----------------------------------------------------------------------------------------------
 # types: what the parts hand each other (settings, prompts, the drafter interface)
 
@@ -207,6 +215,8 @@ class SamplingParams:
 
 
 GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
+
+
 TREE_RANKS = 10  # candidate ranks whose acceptance is measured per drafting step (trees)
 
 
@@ -273,6 +283,19 @@ class TokenSequence(NamedTuple):
     category: str | None = None
     truncated: bool = False
     document: int | None = None  # the document it was cut from (--context-lengths): its
+
+
+class Drafting(NamedTuple):
+    """What a drafter's session fixes for every call: how it proposes, how many tokens a call
+    drafts, the logit columns both models share, and the device of the loop's tensors."""
+
+    sampling: SamplingParams
+    steps: int  # tokens a call drafts, at most: a chain's gamma, a tree's depth, 1 for a
+    # fork that grows a tree by a level
+    vocab: int
+    device: torch.device
+
+
     # random streams are that document's, at every length (None: its index's)
 
 
@@ -290,17 +313,6 @@ class LoopConfig(NamedTuple):
     def drafting(self) -> Drafting:
         """What the drafter's session of this loop fixes: gamma drafting steps a cycle."""
         return Drafting(self.sampling, self.gamma, self.vocab, self.device)
-
-
-class Drafting(NamedTuple):
-    """What a drafter's session fixes for every call: how it proposes, how many tokens a call
-    drafts, the logit columns both models share, and the device of the loop's tensors."""
-
-    sampling: SamplingParams
-    steps: int  # tokens a call drafts, at most: a chain's gamma, a tree's depth, 1 for a
-    # fork that grows a tree by a level
-    vocab: int
-    device: torch.device
 
 
 class TargetView(NamedTuple):
@@ -424,6 +436,8 @@ class Abilities:
     # B - 1); a larger gamma is refused
     teacher_forced: bool = True  # has a teacher-forced form (SLEM: SlemDrafter says why not)
     distribution: bool = True  # proposes from a distribution q (not a point mass on text it
+
+
     # copied or re-tokenised: n-gram lookup, SLEM)
 
 
@@ -1215,12 +1229,8 @@ def emitted_pass(batch: list[int], sequences: Sequence[TokenSequence],
 
 
 # ----------------------------------------------------------------------------------------------
-# drafters: what proposes the tokens the target verifies
-#
-# Each kind is a Drafter (teacher-forced: score -> Scores per drafting step; simulated: start ->
-# a Session that proposes, then advances by what each cycle committed), one small Session, and
-# what it is recognised and loaded from (from_name, from_checkpoint, from_model: the formats
-# teams publish, next to the network that reads them). DRAFTERS lists the kinds.
+# the model drafter, the reference kind: a draft model (or an early-exit view of the target)
+# with a KV cache of its own; what the other kinds (Part II) are measured beside
 
 
 def q_head(logits_of: Callable[[torch.Tensor], torch.Tensor], sampling: SamplingParams,
@@ -1242,105 +1252,6 @@ def model_head(model: nn.Module, route: bool, sampling: SamplingParams, vocab: i
                ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
     """Scores.head for a model's scored outputs (see scored_outputs)."""
     return q_head(lambda states: head_logits(model, states, route), sampling, vocab)
-
-
-def left_pad_states(states: Sequence[torch.Tensor | None], width: int, size: int,
-                    device: torch.device) -> torch.Tensor:
-    """Per-row states (n_b, size) (None: none yet) -> (B, width, size), zeros on the left."""
-    return torch.stack([torch.cat([torch.zeros(width - len(h), size).to(h), h])
-                        if h is not None and len(h) else torch.zeros(width, size, device=device)
-                        for h in states])
-
-
-def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
-                heads: Any, device: torch.device, support: torch.Tensor | None = None
-                ) -> list[Scores]:
-    """Scores of a drafter whose step k+1 at slot j (B, T, H: outs[k]) drafts row[j + 2 + k]:
-    at scored position t (which predicts row[t + 1]) that is its output at slot t - 1, for
-    positions t < end - k; position 0 has no slot before it and proposes nothing. heads: one
-    Scores.head, or one per step."""
-    scores = []
-    for k, out in enumerate(outs):
-        picked, made = [], []
-        for b, (s, e) in enumerate(spans):
-            h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
-            if s == 0 and e - k > 0:
-                h = torch.cat([torch.zeros_like(out[b, :1]), h])
-            picked.append(h.to(device))
-            made.append(torch.arange(len(h), device=device) + s > 0)
-        head = heads[k] if isinstance(heads, (list, tuple)) else heads
-        scores.append(Scores(torch.cat(picked), torch.cat(made), head, support))
-    return scores
-
-
-def read_weights(folder: str, names: Sequence[str] | None = None,
-                 keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
-    """The tensors `keep` wants (by name) in a checkpoint folder's safetensors or PyTorch files
-    (or in the files `names`): read one by one where the format allows (safetensors), so the
-    heads of a full model never load the model."""
-    found = sorted(os.listdir(folder))
-    names = list(names) if names else ([n for n in found if n.endswith(".safetensors")] or
-                                       [n for n in found if n.endswith((".bin", ".pt", ".pth"))])
-    weights: dict[str, torch.Tensor] = {}
-    for name in names:
-        path = os.path.join(folder, name)
-        if name.endswith(".safetensors"):
-            from safetensors import safe_open
-            with safe_open(path, framework="pt") as f:
-                weights.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
-        else:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            weights.update({k: v for k, v in loaded.items() if keep(k)})
-    if not weights:
-        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights specdec reads")
-    return weights
-
-
-def on_target(net: nn.Module, target: nn.Module) -> nn.Module:
-    """A draft head in eval mode, frozen, on the target's device and in its dtype."""
-    device = model_device(target) or torch.device("cpu")
-    net = net.to(device=device, dtype=next(target.parameters()).dtype)
-    return net.eval().requires_grad_(False)
-
-
-def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
-    """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
-    tokenizer of its own, an assistant sidecar, uses the target's)."""
-    if tok_p is tok_q or tok_q is None:
-        return
-    n = min(n_shared, len(tok_p), len(tok_q))
-    ids = list(range(n))
-    a, b = tok_p.convert_ids_to_tokens(ids), tok_q.convert_ids_to_tokens(ids)
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            raise UsageError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
-                             f"target, {y!r} for the draft): speculative decoding needs a "
-                             f"shared tokenizer; pick a draft from the target's family")
-
-
-def vocabulary_method(loaded: Loaded, target: nn.Module, options: DraftOptions) -> str | None:
-    """How a loaded draft model drafts (--cross-vocab, options.cross_vocab): None, in the
-    target's vocabulary, when its tokenizer agrees with the target's on their shared ids
-    (check_tokenizers; a draft without one of its own, an assistant sidecar, uses the target's)
-    and no method is forced; else "tli" (auto's choice) or "slem"."""
-    if options.cross_vocab != "auto":
-        return options.cross_vocab
-    try:
-        check_tokenizers(options.tokenizer, loaded.tokenizer,
-                         min(vocab_width(target), vocab_width(loaded.model)))
-    except UsageError:
-        return "tli"
-    return None
-
-
-def pard_mask_token(mask: str, tok: Any) -> int:
-    """--pard-mask's token id: an id, or a token of the target's tokenizer."""
-    token = int(mask) if mask.isdigit() else (tok.get_vocab() if tok is not None else {}).get(
-        mask)
-    if token is None:
-        raise UsageError(f"--pard-mask {mask!r}: no such token in the tokenizer's vocabulary; "
-                         f"give one it has (one of its special tokens) or an id")
-    return token
 
 
 class ModelSession(TreeSession):
@@ -1512,2019 +1423,6 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
     if getattr(model, "generation_config", None) is not None:
         draft.generation_config = copy.deepcopy(model.generation_config)
     return draft
-
-
-def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
-                 eos: set[int] | frozenset[int], end: int | None = None) -> list[int]:
-    """Prompt lookup, as transformers' PromptLookupCandidateGenerator does it, in seq[:end]:
-    for n in `sizes` (longest first), the earliest earlier occurrence of the last n tokens;
-    propose what followed it, up to n_tokens and not past `end`, cut before an EOS (nothing, if
-    the EOS comes first). first[ngram] = where that n-gram first occurs (index_ngrams)."""
-    end = len(seq) if end is None else end
-    for n in sizes:
-        if n > end - 1:
-            continue
-        i = first.get(tuple(seq[end - n:end]))
-        if i is not None and i + n < end:  # earlier than the suffix itself: something follows
-            copied = list(seq[i + n:min(i + n + n_tokens, end)])
-            return copied[:next((k for k, t in enumerate(copied) if t in eos), len(copied))]
-    return []
-
-
-def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, start: int,
-                 stop: int | None = None) -> None:
-    """Record where each n-gram (n in sizes) ending at positions start..stop-1 first occurs."""
-    for end in range(max(start, 0), len(seq) if stop is None else stop):
-        for n in sizes:
-            if end + 1 >= n:
-                first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
-
-
-class NgramSession(Session):
-    """Each row's committed tokens and its n-gram index."""
-
-    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], drafting: Drafting):
-        self.drafter, self.drafting = drafter, drafting
-        self.seqs = [list(seq) for seq in prompts]
-        self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
-        for seq, first in zip(self.seqs, self.firsts):
-            index_ngrams(seq, first, drafter.sizes, 0)
-
-    def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
-        c, d = self.drafting, self.drafter
-        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos)
-                 for seq, first in zip(self.seqs, self.firsts)]
-        tokens = torch.tensor([f + [0] * (c.steps - len(f)) for f in found], dtype=torch.long)
-        count = torch.tensor([len(f) for f in found])
-        q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.steps) < count[:, None])[..., None]  # (B, G, V)
-        return Proposal(tokens.to(c.device), q.to(c.device),
-                        torch.ones(len(found), dtype=torch.bool, device=c.device),
-                        count.to(c.device))
-
-    def advance(self, n_acc, committed, view):
-        for seq, first, new in zip(self.seqs, self.firsts, committed):
-            seq += new
-            index_ngrams(seq, first, self.drafter.sizes, len(seq) - len(new))
-
-    def keep(self, rows):
-        keep = rows.tolist()
-        self.seqs, self.firsts = [self.seqs[r] for r in keep], [self.firsts[r] for r in keep]
-
-
-class NgramDrafter(Drafter):
-    """Model-free drafts copied from earlier text (prompt lookup; vLLM's `ngram`, llama.cpp's
-    lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal) under
-    either proposal rule; a position with no match proposes nothing, and a cycle there is one
-    plain target step."""
-
-    can = Abilities("n-gram", trees=False, distribution=False)
-
-    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
-        if not 1 <= min_n <= max_n:
-            raise UsageError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max, got "
-                             f"{min_n} and {max_n}")
-        self.sizes, self.min_n = range(max_n, min_n - 1, -1), min_n
-        self.eos = frozenset() if eos is None else frozenset(eos)  # never copied into a draft
-        self.eos_given = eos is not None  # else the run's EOS ids are used (for_run)
-        self.name, self.width = f"ngram (n={min_n}..{max_n})", None
-
-    def for_run(self, eos, gammas):
-        return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
-
-    def serving(self):
-        return {**super().serving(), "ngram": [self.min_n, self.sizes[0]]}
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        found = []
-        for row, (s, e) in zip(rows, spans):
-            first: dict[tuple, int] = {}
-            index_ngrams(row, first, self.sizes, 0, s)
-            for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
-                index_ngrams(row, first, self.sizes, t, t + 1)
-                copied = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
-                found.append(copied[0] if copied else -1)
-        found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
-        return [Scores(found_t.clamp_min(0), found_t >= 0,
-                       lambda x, where: nn.functional.one_hot(x, vocab).float())]
-
-    def start(self, prompts, view, drafting):
-        return NgramSession(self, prompts, drafting)
-
-    def param_cost(self, target):
-        return 0.0, "no network: a lookup in the text costs nothing next to a target step"
-
-    @classmethod
-    def from_name(cls, name, target, options):
-        if name != "ngram":
-            return None
-        return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer))
-
-
-def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
-    """MTP layer k's attention, as transformers' MtpModel masks it: (kind, sliding window in
-    positions, None for full attention). A key is seen from a query q positions later when
-    0 <= q < window (its sliding_window_overlay: kv > q - window), as vLLM's flash-attention
-    window (window - 1, 0) does too. Other kinds (chunked, linear) are refused."""
-    kinds = getattr(config, "layer_types", None)
-    kind = kinds[k] if kinds else "full_attention"
-    layer = config.per_layer_config[k] if getattr(config, "is_heterogeneous", False) else config
-    if kind == "full_attention":
-        return kind, None
-    if kind == "sliding_attention":
-        return kind, int(layer.sliding_window)
-    raise UsageError(f"--draft mtp: MTP layer {k + 1} has {kind} attention; specdec runs MTP "
-                     f"layers with full or sliding-window attention only")
-
-
-class CommittedStates(Session):
-    """A session whose network reads each committed token with the target's state one
-    position before it (the MTP layers, EAGLE-3) and caches what it computed there: every pass
-    it is shown (start's prefill, each cycle's verify) runs the newly committed tokens through
-    it once (absorb), so a cycle costs the same at any context length, up to attention.
-    held[b]: the target states row b has had = its pending token's position, T (host)."""
-
-    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
-        self.drafting, self.held = drafting, [len(p) - 1 for p in prompts]
-        ids, live, pos = left_pad([p[1:] for p in prompts], drafting.device)  # x_1..x_T
-        if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
-            self.absorb(ids, self.states_of(view), live, pos + 1)
-
-    def states_of(self, view: TargetView) -> torch.Tensor:
-        """What the session reads of a target pass, at its positions (B, t, ...)."""
-        raise NotImplementedError
-
-    def absorb(self, ids: torch.Tensor, states: torch.Tensor, live: torch.Tensor,
-               pos: torch.Tensor) -> None:
-        """Run newly committed tokens ids (B, t) at positions pos (live: 1 where a row has
-        one, the padding on the left) into the cache; states (B, t, ...) are the target's one
-        position before each."""
-        raise NotImplementedError
-
-    def advance(self, n_acc, committed, view):
-        c = self.drafting
-        ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
-        fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
-        states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
-                                 ids.shape[1], fed.shape[-1], c.device)  # (B, W, ...)
-        held = torch.tensor(self.held, device=c.device)  # (B,) T
-        self.absorb(ids, states, live, held[:, None] + 1 + pos)
-        self.held = [h + len(new) for h, new in zip(self.held, committed)]
-
-    def ready(self) -> torch.Tensor:
-        """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
-        return torch.tensor([h > 0 for h in self.held], device=self.drafting.device)
-
-    def keep(self, rows):
-        self.held = [self.held[r] for r in rows.tolist()]
-
-
-class MtpSession(CommittedStates, TreeSession):
-    """The MTP layers over the committed tokens and the target's final hidden states: each
-    drafting step k has a cache of its own history (slots[k], Slots whose positions are those
-    of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
-    runs step 1 nowhere (its draft comes from last[0]) and step k+1 over its k slots that read
-    drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
-
-    def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
-                 drafting: Drafting):
-        self.drafter, rows = drafter, len(prompts)
-        steps = min(drafting.steps, drafter.can.steps)
-        self.slots = [new_slots(rows, drafting.device) for _ in range(steps)]
-        weight = next(drafter.mtp.parameters())
-        self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
-                                 device=drafting.device) for _ in range(steps)]
-        super().__init__(prompts, view, drafting)
-
-    def states_of(self, view):
-        return view.hidden
-
-    def absorb(self, ids, states, live, pos):
-        self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
-
-    def propose(self, pending, npos, u):
-        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
-
-    def given(self, pending, npos, tokens):
-        return self.draft(npos, lambda k, q: tokens[:, k])
-
-    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
-              ) -> Proposal:
-        """Each step's q at the pending token's position and after, step k's token pick(k, q):
-        drawn, or given."""
-        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
-        if not any(self.held):
-            return Proposal.none(len(npos), c)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
-        tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
-        for k, slots in enumerate(self.slots):
-            if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
-                at = npos[:, None] + 1 + torch.arange(k, device=npos.device)  # (B, k)
-                hidden = torch.cat([self.last[k - 1][:, None], tail], 1)  # (B, k, H)
-                tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
-                drop_slots(slots, k)  # they read drafts: never part of the history
-            out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
-            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
-            ds.append(pick(k, qs[-1]))
-        steps, pad = len(qs), c.steps - len(qs)  # offsets past the last step: none proposed
-        q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
-        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
-                        nn.functional.pad(q, (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
-
-    def keep(self, rows):
-        for slots in self.slots:
-            select_slots(slots, rows)
-        self.last = [last[rows] for last in self.last]
-        super().keep(rows)
-
-    def fork(self, rows, drafting):
-        twin = copy.copy(self)
-        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
-        steps = min(drafting.steps, self.drafter.can.steps)  # a step this session never ran
-        twin.slots = [fork_slots(s, rows) for s in self.slots[:steps]]
-        twin.last = [last[rows] for last in self.last[:steps]]
-        return twin
-
-
-class MtpDrafter(Drafter):
-    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE, Mellum and the
-    other transformers 5.x models whose config has num_mtp_layers), run through transformers'
-    MtpModel layers. Drafting step k (1..steps) reads the embedding of the token k ahead of a
-    position and step k-1's output there (step 1: the target's final hidden state), each fed
-    the token the step before drafted. Step k runs MTP layer (k-1) mod L of the model's L, as
-    vLLM's deepseek_mtp model picks it (spec_step_idx % num_mtp_layers): steps = L runs each
-    layer once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve
-    a one-layer model for several tokens (vLLM num_speculative_tokens, SGLang
-    --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each step attends its
-    own history over the committed positions (step 1's is what transformers, vLLM and SGLang
-    cache; see docs/drafters.md for reused layers), cached: a session runs each committed
-    token through every step once (MtpSession), a cycle only the steps' drafted positions."""
-
-    can = Abilities("MTP", reads_target=True)
-
-    def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
-                 steps: int | None = None):
-        self.target, self.mtp, self.heads = target, mtp, mtp.num_mtp_layers
-        self.layer_types = [mtp_layer_type(mtp.config, k) for k in range(self.heads)]
-        steps = self.heads if steps is None else steps
-        if steps < 1:
-            raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
-        self.can = replace(self.can, steps=steps)
-        heads = f"{self.heads} head{'s' if self.heads > 1 else ''}"
-        self.name = name or (f"mtp ({heads})" if steps == self.heads
-                             else f"mtp ({heads}, {steps} steps)")
-        self.width = vocab_width(target)
-
-    @classmethod
-    def of(cls, target: nn.Module, steps: int | None = None) -> MtpDrafter:
-        """The MTP layers stored beside the target's weights (MtpModel.from_pretrained)."""
-        n = getattr(target.config.get_text_config(), "num_mtp_layers", None)
-        if not n:
-            raise UsageError(f"--draft mtp: {type(target).__name__} has no multi-token-"
-                             f"prediction layers (its config sets no num_mtp_layers); use a "
-                             f"model with MTP heads, such as DeepSeek-V3 or GLM-4.5")
-        from transformers.modeling_layers import MtpModel
-        device = next(target.get_decoder().layers[-1].parameters()).device
-        try:
-            with _quiet_loggers("transformers"):
-                mtp = MtpModel.from_pretrained(target, device_map={"": device})
-        except Exception as e:
-            raise UsageError(f"--draft mtp: could not load the MTP layers of "
-                             f"{target.config.name_or_path!r} ({type(e).__name__}: "
-                             f"{_one_line(e)[:200]})") from None
-        return cls(target, mtp.eval().requires_grad_(False), steps=steps)
-
-    def layer_of(self, step: int) -> int:
-        """The MTP layer (0-based) that drafting step `step` (0-based) runs."""
-        return step % self.heads
-
-    def drafted_by(self, gamma):
-        return [f"layer {self.layer_of(k) + 1}" if k < self.can.steps else "-"
-                for k in range(gamma)]
-
-    def forward_step(self, k: int, slots: Slots, ids: torch.Tensor, hidden: torch.Tensor,
-                     live: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Drafting step k (0-based) over new slots (B, t): ids the tokens at positions pos,
-        hidden what each reads with its token (the output one position before, of step k-1
-        or of the target). Their keys and values join `slots`, step k's own history; each
-        attends the live slots at its position or before (sliding layers: within the window)
-        -> outputs (B, t, H)."""
-        mtp, layer = self.mtp, self.layer_of(k)
-        kind, window = self.layer_types[layer]
-        seen = add_slots(slots, live, pos, window)  # (B, t, S)
-        emb = mtp.embed_tokens(ids).to(hidden.device)
-        rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
-        angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=pos, **rope)
-        out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
-                                attention_mask=additive_mask(seen, hidden.dtype),
-                                position_ids=pos, cache=slots.cache)
-        return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
-
-    def steps_over(self, slots: list[Slots], last: list[torch.Tensor], ids: torch.Tensor,
-                   hidden: torch.Tensor, live: torch.Tensor, pos: torch.Tensor
-                   ) -> list[torch.Tensor]:
-        """Every step over newly committed tokens ids (B, t) at positions pos (live: 1 where a
-        row has one), each step into its own slots[k]. Step 1 reads hidden, the target's final
-        states one position before; step k+1 reads step k's output there: this call's, or, at
-        a row's first new position, last[k], step k's output at the newest position before,
-        which this call moves on. Step k reads positions > k only (one at p reads the target's
-        state at p - 1 - k). -> each step's outputs (B, t, H)."""
-        outs = []
-        for k, cache in enumerate(slots):
-            on = live.bool() & (pos > k)  # (B, t)
-            outs.append(self.forward_step(k, cache, ids, hidden, on, pos))
-            done = torch.where(on[..., None], outs[-1], last[k][:, None])  # (B, t, H)
-            hidden = torch.cat([last[k][:, None], done[:, :-1]], 1)  # one position on
-            last[k] = done[:, -1]
-        return outs
-
-    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        """Outputs (..., H) -> q: the shared head's logits, processed (draft_probs: propose)."""
-        return q_head(lambda h: self.mtp._project_to_logits(h).to(h.device), sampling, vocab,
-                      propose)
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        if states is None:  # the target's head is not a plain map: get its states here
-            states = teacher_forced(self.target, rows, device, True)
-        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
-        ids = torch.tensor([list(r[1:]) + [0] * (width + 1 - len(r)) for r in rows],
-                           device=device)  # (B, T-1)
-        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
-                            device=device)
-        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
-        states = states[:, :width]  # (B, T-1, H) the last has no token after it
-        steps = self.can.steps
-        slots = [new_slots(len(rows), device) for _ in range(steps)]
-        last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(steps)]
-        outs = [[states[:, :0]] for _ in range(steps)]
-        for start in range(0, width, SCORE_STARTS):  # masks (B, 1, n, T), never (B, 1, T, T)
-            at = slice(start, start + SCORE_STARTS)
-            for k, out in enumerate(self.steps_over(slots, last, ids[:, at], states[:, at],
-                                                    live[:, at], pos[:, at])):
-                outs[k].append(out)
-        # step k+1 at slot j (as step_scores takes it) is its output at position j + 1 + k
-        return step_scores([torch.cat(o, 1)[:, k:] for k, o in enumerate(outs)], spans,
-                           self.head(sampling, vocab), device)
-
-    def start(self, prompts, view, drafting):
-        return MtpSession(self, prompts, view, drafting)
-
-    def networks(self):
-        return [self.mtp]
-
-    @classmethod
-    def from_name(cls, name, target, options):
-        return cls.of(target, options.mtp_steps) if name == "mtp" else None
-
-    def param_cost(self, target):
-        layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
-        head = target.get_output_embeddings().weight.numel()
-        return ((layer + head) / params_per_token(target),
-                "parameters per token: one MTP layer and the output head, against the target "
-                "(every MoE expert counted: prefer measure for MoE models)")
-
-
-class LastState(TreeSession):
-    """A session that keeps, per row, the target's final hidden state at the last committed
-    position before the pending token (None before the target has processed any): the
-    Gemma-4 assistant, Medusa heads."""
-
-    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
-        self.drafting = drafting
-        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """((B,) rows that have a state, their states (B, H), zeros where none; None when no
-        row has one)."""
-        device = self.drafting.device
-        ready = torch.tensor([h is not None for h in self.hidden], device=device)
-        if not ready.any():
-            return ready, None
-        size = next(h for h in self.hidden if h is not None).shape[-1]
-        return ready, torch.stack([h if h is not None else torch.zeros(size, device=device)
-                                   for h in self.hidden])
-
-    def advance(self, n_acc, committed, view):
-        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
-
-    def keep(self, rows):
-        self.hidden = [self.hidden[r] for r in rows.tolist()]
-
-    def propose(self, pending, npos, u):
-        return self.draft(pending, npos, lambda k, q: sample_from(q, u[:, k]))
-
-    def given(self, pending, npos, tokens):
-        return self.draft(pending, npos, lambda k, q: tokens[:, k])
-
-    def draft(self, pending: torch.Tensor, npos: torch.Tensor,
-              pick: Callable[[int, torch.Tensor], torch.Tensor]) -> Proposal:
-        """The drafts after pending at npos, step k's token pick(k, q): drawn, or given."""
-        raise NotImplementedError
-
-    def fork(self, rows, drafting):
-        twin = copy.copy(self)
-        twin.drafting, twin.hidden = drafting, [self.hidden[r] for r in rows.tolist()]
-        return twin
-
-
-class AssistantSession(LastState):
-    """The last state, and the target's cache, which the assistant reads."""
-
-    def __init__(self, drafter: AssistantDrafter, prompts: list[list[int]],
-                 view: TargetView | None, drafting: Drafting):
-        super().__init__(prompts, view, drafting)
-        self.drafter, self.slots = drafter, view.slots if view is not None else None
-
-    def draft(self, pending, npos, pick):
-        c, d = self.drafting, self.drafter
-        ready, hidden = self.stacked()
-        if self.slots is None or hidden is None:  # nothing processed yet: no proposal
-            return Proposal.none(len(pending), c)
-        hidden = hidden[:, None]  # (B, 1, H)
-        token, qs, ds = pending[:, None], [], []
-        finite = torch.ones_like(ready)
-        for i in range(c.steps):  # every step at the pending token's position
-            out, hidden = d.step(token, hidden, npos[:, None], self.slots)
-            logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits, c.sampling) * ready[:, None])
-            ds.append(pick(i, qs[-1]))
-            token = ds[-1][:, None]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps)
-
-    def advance(self, n_acc, committed, view):
-        super().advance(n_acc, committed, view)
-        self.slots = view.slots
-
-    def fork(self, rows, drafting):
-        twin = super().fork(rows, drafting)
-        twin.slots = self.slots and fork_slots(self.slots, rows)  # the target's, read only
-        return twin
-
-
-class AssistantDrafter(Drafter):
-    """A Gemma-4 assistant sidecar (Gemma4AssistantForCausalLM), drafting as transformers'
-    SinglePositionMultiTokenCandidateGenerator does: no cache of its own; each step reads the
-    target's embedding of the newest token joined to a hidden state (first the target's final
-    hidden state at the position before, then its own projected output), at one fixed
-    position, attending the keys and values of the target's cache (its last layer of each
-    attention type). Two differences, both for exactness: it attends only the target's
-    committed positions (transformers also lets it see keys of rejected drafts still in the
-    cache), and at T > 0 it samples from its processed distribution, which is the q the test
-    uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
-
-    can = Abilities("Gemma-4 assistant", reads_target=True)
-
-    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant",
-                 checkpoint: str | None = None):
-        if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
-            raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
-                             f"target, not {type(target).__name__}")
-        self.target, self.assistant, self.name = target, assistant, name
-        self.width, self.checkpoint = vocab_width(target), checkpoint
-        config = target.config.get_text_config(decoder=True)
-        modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
-        self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
-                                 if lt == t and m != "reuse") for t in set(config.layer_types)}
-        # the assistant's own window (its config is what transformers' mask reads)
-        self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
-
-    @classmethod
-    def from_model(cls, name, loaded, target, options):
-        """A Gemma4AssistantForCausalLM (or its unified form) loaded as --draft."""
-        if type(loaded.model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
-            return cls(target, loaded.model, name, loaded.path)
-        return None
-
-    def networks(self):
-        return [self.assistant]
-
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-             slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step for queries (B, t): the newest tokens, the hidden states they come
-        with, at positions pos; keys: the target's cache slots before each query's position.
-        -> (its output (B, t, H_a), for head(); the projected state for the next step)."""
-        a = self.assistant
-        x = torch.cat([self.target.get_input_embeddings()(tokens), hidden.to(slots.pos.device)],
-                      -1)
-        x = a.pre_projection(x)
-        seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
-        # Gemma4AssistantForCausalLM's sliding mask is |q - kv| <= W on the shared cache: the
-        # last W + 1 keys, positions q - W - 1 .. q - 1 (the target's own is k > q - W)
-        near = slots.pos[:, None, :] >= pos[:, :, None] - (self.window or 1 << 30) - 1
-        masks = {"full_attention": additive_mask(seen, x.dtype),
-                 "sliding_attention": additive_mask(seen & near, x.dtype)}
-        kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
-              for t, i in self.kv_layers.items()}
-        out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
-                      shared_kv_states=kv, use_cache=False,
-                      output_hidden_states=True).last_hidden_state  # (no query skipped)
-        return out, a.post_projection(out)
-
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
-        a = self.assistant
-        return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
-                else a.lm_head(out))
-
-    def head(self, sampling: SamplingParams, vocab: int
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
-        return q_head(self.logits, sampling, vocab)
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        with final_states(self.target) as seen:
-            slots, _ = prefill(self.target, rows, device, last_only=False)
-        ids, live, pos = left_pad(rows, device)
-        fed = torch.cat(seen, 1)  # (B, T, H): the prefill's chunks joined
-        before = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)
-        # position t predicts row[t + 1]; queries read the target's cache, never each other,
-        # so a chunk of them at a time keeps the masks (B, t, S), not (B, T, T)
-        out = torch.cat([self.step(ids[:, c], before[:, c], pos[:, c], slots)[0]
-                         for c in column_chunks(ids.shape[1])], 1)  # (B, T, H_a)
-        width, picked, made = ids.shape[1], [], []
-        for b, (s, e) in enumerate(spans):
-            at = width - len(rows[b])  # row b's first slot
-            picked.append(out[b, at + s:at + e].to(device))
-            made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
-        return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
-
-    def start(self, prompts, view, drafting):
-        return AssistantSession(self, prompts, view, drafting)
-
-    def param_cost(self, target):
-        return (params_per_token(self.assistant) / params_per_token(target),
-                "parameters per token, assistant/target")
-
-
-class Eagle3Net(nn.Module):
-    """EAGLE-3's draft network (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of
-    Large Language Models via Training-Time Test"), as its reference code and the engines run
-    it: `fc` fuses the target's hidden states at three layers (3 H_target -> H); one decoder
-    layer whose attention reads cat(input_layernorm(embedding), hidden_norm(h)) (2H wide), its
-    residual h (hidden_norm(h) when norm_before_residual); `norm`; `lm_head` over a draft
-    vocabulary of d tokens, draft id i standing for target id i + d2t[i]."""
-
-    def __init__(self, config: Any, target_hidden: int, draft_vocab: int,
-                 norm_before_residual: bool, embed: nn.Module):
-        from transformers.models.llama import modeling_llama as llama
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.norm_before_residual, self.embed = norm_before_residual, embed
-        self.fc = nn.Linear(3 * target_hidden, h, bias=False)
-        self.midlayer = nn.Module()
-        attn = llama.LlamaAttention(config, layer_idx=0)
-        bias, width = bool(getattr(config, "attention_bias", False)), attn.head_dim
-        attn.q_proj = nn.Linear(2 * h, config.num_attention_heads * width, bias=bias)
-        attn.k_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
-        attn.v_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
-        self.midlayer.self_attn, self.midlayer.mlp = attn, llama.LlamaMLP(config)
-        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            setattr(self.midlayer, name, llama.LlamaRMSNorm(h, eps=eps))
-        self.norm = llama.LlamaRMSNorm(h, eps=eps)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
-        self.rotary = llama.LlamaRotaryEmbedding(config)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-
-    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-              allowed: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The decoder layer for new slots (B, t): ids, the hidden states they come with (fc's
-        or the layer's own last output), positions; allowed (B, t, K) the keys each sees (the
-        cache's, then its own). Appends their keys and values to `cache`; returns the layer's
-        output before `norm` (B, t, H), which a next step reads."""
-        m = self.midlayer
-        emb = self.embed(ids).to(hidden)
-        residual = m.hidden_norm(hidden) if self.norm_before_residual else hidden
-        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], -1)  # (B, t, 2H)
-        attn, _ = m.self_attn(x, position_embeddings=self.rotary(x, pos),
-                              attention_mask=additive_mask(allowed, x.dtype), cache=cache)
-        x = residual + attn
-        return x + m.mlp(m.post_attention_layernorm(x))
-
-    def committed(self, ids: torch.Tensor, feats: torch.Tensor, slots: Slots,
-                  live: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1 over newly committed slots (B, t), added to `slots`: ids the tokens at
-        positions pos, feats the fused target features one position before each (B, t, H) ->
-        (outputs (B, t, H), which slots each new one sees (B, t, S))."""
-        seen = add_slots(slots, live, pos)
-        return self.layer(ids, feats, pos, seen, slots.cache), seen
-
-    def later(self, out: torch.Tensor, seen: torch.Tensor, at: torch.Tensor, cache: Any,
-              steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
-              ) -> list[torch.Tensor]:
-        """Steps 1..steps from cycle starts (B, S), after committed(): out their step-1
-        outputs (B, S, H), seen the cached slots each start sees (B, S, K), at their step-1
-        positions (B, S). Step k+1 reads feed(k, step k's outputs) (B, S) and step k's output,
-        one position further, and attends what its start sees and its start's earlier steps
-        (the cache EAGLE keeps). The cache is left as it came. -> each step's outputs."""
-        size = cache.get_seq_length()
-        outs = [out]
-        own = torch.eye(at.shape[1], dtype=torch.bool, device=at.device)
-        for k in range(1, steps):
-            allowed = torch.cat([seen] + [own.expand(len(at), -1, -1)] * k, -1)
-            outs.append(self.layer(feed(k - 1, outs[-1]), outs[-1], at + k, allowed, cache))
-        if cache.get_seq_length() > size:
-            cache.crop(size - cache.get_seq_length())  # (negative: how many to drop)
-        return outs
-
-    def logits(self, out: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Outputs (..., H) -> logits over the first `vocab` target ids, -inf off the draft
-        vocabulary (those tokens are never proposed)."""
-        small = self.lm_head(self.norm(out))  # (..., d)
-        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
-        ids = torch.arange(len(self.d2t), device=small.device) + self.d2t
-        full[..., ids[ids < vocab]] = small[..., ids < vocab]
-        return full
-
-
-class Eagle3Session(CommittedStates, TreeSession):
-    """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
-    drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
-    (slots) and its output at the pending token's position (last), where each cycle's steps
-    start (Eagle3Net.later adds and drops their keys)."""
-
-    def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
-                 view: TargetView | None, drafting: Drafting):
-        self.drafter, fc = drafter, drafter.net.fc.weight
-        self.slots = new_slots(len(prompts), drafting.device)
-        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=drafting.device)
-        super().__init__(prompts, view, drafting)
-
-    def states_of(self, view):
-        return torch.cat([view.layers[i] for i in self.drafter.can.target_layers], -1)
-
-    def absorb(self, ids, states, live, pos):
-        net = self.drafter.net
-        out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
-        self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
-
-    def propose(self, pending, npos, u):
-        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
-
-    def given(self, pending, npos, tokens):
-        return self.draft(npos, lambda k, q: tokens[:, k])
-
-    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
-              ) -> Proposal:
-        """The steps from the pending token's position, step k's token pick(k, q): drawn, or
-        given."""
-        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
-        if not any(self.held):
-            return Proposal.none(len(npos), c)
-        at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
-        seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
-
-        def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
-            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
-            ds.append(pick(k, qs[-1]))
-            return ds[-1][:, None]
-
-        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.steps, draw)
-        draw(c.steps - 1, outs[-1])
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
-                        torch.ones_like(ready), ready.long() * c.steps)
-
-    def keep(self, rows):
-        select_slots(self.slots, rows)
-        self.last = self.last[rows]
-        super().keep(rows)
-
-    def fork(self, rows, drafting):
-        twin = copy.copy(self)
-        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
-        twin.slots, twin.last = fork_slots(self.slots, rows), self.last[rows]
-        return twin
-
-
-class Eagle3Drafter(Drafter):
-    """An EAGLE-3 draft head (SpecForge, vLLM/speculators and the original EAGLE-3 checkpoints:
-    from_checkpoint), reading the target's hidden states at three layers. Teacher-forced,
-    step k is fed the target's own continuation; in the simulation step 1 reads the committed
-    positions' fused features and later steps the layer's own last output and draft (see
-    Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
-    accepted, and the report gives the share of p's mass the draft vocabulary covers."""
-
-    can = Abilities("EAGLE-3", reads_target=True)
-
-    def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
-                 steps: int = max(GAMMA_TABLE), checkpoint: str | None = None):
-        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
-        self.width = vocab_width(target)
-        self.can = replace(self.can, target_layers=tuple(layers), steps=steps)
-
-    def for_run(self, eos, gammas):
-        """As many steps as the run's largest block (the best-gamma table included)."""
-        return Eagle3Drafter(self.target, self.net, self.can.target_layers, self.name,
-                             max(gammas), self.checkpoint)
-
-    def support(self, vocab: int) -> torch.Tensor:
-        """(vocab,) the target ids the draft vocabulary holds."""
-        ids = torch.arange(len(self.net.d2t), device=self.net.d2t.device) + self.net.d2t
-        return torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
-            0, ids[ids < vocab], True)
-
-    def fused(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The target's hidden states at its layers (each (B, T, H_t)) -> fc's (B, T, H)."""
-        return self.net.fc(torch.cat([states[i] for i in self.can.target_layers], -1).to(
-            self.net.fc.weight))
-
-    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        return q_head(lambda out: self.net.logits(out, vocab), sampling, vocab, propose)
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        layers, steps = self.can.target_layers, self.can.steps
-        with layer_inputs(self.target, layers) as got:
-            teacher_forced(self.target, rows, device, True)
-        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
-        ahead = torch.tensor([list(r[1:]) + [0] * (width + steps - len(r) + 1)
-                              for r in rows], device=device)  # (B, T-1+steps): row[p]
-        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
-                            device=device)
-        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
-        feats = self.fused({i: torch.cat(got[i], 1)[:, :width]  # chunks joined
-                             for i in layers})  # (B, T-1, H)
-        slots, outs = new_slots(len(rows), device), [[] for _ in range(steps)]
-        for start in range(0, width, SCORE_STARTS):  # every position a cycle start
-            at = slice(start, min(start + SCORE_STARTS, width))
-            out, seen = self.net.committed(ahead[:, at], feats[:, at], slots, live[:, at],
-                                           pos[:, at])
-            for k, o in enumerate(self.net.later(  # step k+1 reads the continuation's token
-                    out, seen, pos[:, at], slots.cache, steps,
-                    lambda k, _: ahead[:, at.start + k + 1:at.stop + k + 1])):
-                outs[k].append(o)
-        return step_scores([torch.cat(o, 1) for o in outs], spans, self.head(sampling, vocab),
-                           device, self.support(vocab))
-
-    def start(self, prompts, view, drafting):
-        return Eagle3Session(self, prompts, view, drafting)
-
-    def param_cost(self, target):
-        net = sum(p.numel() for n, p in self.net.named_parameters() if not n.startswith("embed"))
-        return (net / params_per_token(target),
-                "parameters per token: the EAGLE-3 layer, fc and its draft-vocabulary head, "
-                "against the target")
-
-    def networks(self):
-        return [self.net]
-
-    @classmethod
-    def from_checkpoint(cls, folder, config, target):
-        """An EAGLE-3 head from its checkpoint: speculators' (config speculators_model_type
-        eagle3, the layer's settings in transformer_layer_config, weights layers.0.*,
-        norm_before_residual by default) or SpecForge's and the original EAGLE-3's (a
-        Llama-like config with an Eagle3 architecture and draft_vocab_size, weights
-        midlayer.*). Both: fc, norm, lm_head, d2t (draft id -> target id offset), t2d;
-        embed_tokens when present, else the target's. Refuses, in one line, a head that does
-        not fit the target."""
-        speculators = config.get("speculators_model_type") == "eagle3"
-        if not speculators and "Eagle3" not in " ".join(config.get("architectures") or []):
-            return None
-        from transformers import LlamaConfig
-        layer = dict(config.get("transformer_layer_config") or config) if speculators \
-            else config
-        cfg = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures",)})
-        cfg._attn_implementation = "sdpa"
-        w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
-             for k, v in read_weights(folder).items() if not k.startswith("verifier")}
-        w = {("d2t" if k == "draft_id_to_target_id" else k): v for k, v in w.items()}
-        n_layers = target.config.get_text_config(decoder=True).num_hidden_layers
-        layers = (config.get("eagle_aux_hidden_state_layer_ids")
-                  or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                  or [2, n_layers // 2, n_layers - 3])
-        draft_vocab = cls.check_checkpoint(w, config, cfg, target, layers, folder)
-        embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
-            else target.get_input_embeddings()
-        net = Eagle3Net(cfg, target.config.get_text_config(decoder=True).hidden_size,
-                        draft_vocab, bool(config.get("norm_before_residual", speculators)),
-                        embed)
-        if "embed_tokens.weight" in w:
-            embed.weight.data.copy_(w.pop("embed_tokens.weight"))
-        w.pop("t2d", None)
-        w.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        missing, unexpected = net.load_state_dict(w, strict=False)
-        missing = [k for k in missing if not k.startswith(("embed.", "rotary."))]
-        if missing or unexpected:
-            raise UsageError(f"{folder}: not an EAGLE-3 checkpoint specdec can read (missing "
-                             f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
-        return cls(target, on_target(net, target), layers, folder, checkpoint=folder)
-
-    @staticmethod
-    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any,
-                         target: nn.Module, layers: Sequence[int], name: str) -> int:
-        """One clear line for an EAGLE-3 head that does not fit the target; else its draft
-        vocabulary's size."""
-        tcfg = target.config.get_text_config(decoder=True)
-        t_hidden, n_layers, vocab = tcfg.hidden_size, tcfg.num_hidden_layers, vocab_width(target)
-        draft_vocab = int(config.get("draft_vocab_size") or w.get("lm_head.weight",
-                                                                  torch.empty(0)).shape[0])
-        if "fc.weight" not in w:
-            raise UsageError(f"{name}: an EAGLE-3 head without fc.weight; is it an EAGLE-1/2 "
-                             f"head?")
-        if w["fc.weight"].shape != (cfg.hidden_size, 3 * t_hidden):
-            raise UsageError(f"{name}: its fc reads {w['fc.weight'].shape[1]} features, but "
-                             f"three layers of this target give 3 x {t_hidden}: a head for "
-                             f"another target")
-        if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
-            raise UsageError(f"{name}: aux hidden-state layers {list(layers)} do not fit a "
-                             f"target of {n_layers} layers")
-        if "d2t" not in w and draft_vocab != vocab:
-            raise UsageError(f"{name}: a draft vocabulary of {draft_vocab} ids without the d2t "
-                             f"mapping to the target's {vocab}")
-        if "d2t" in w and (len(w["d2t"]) != draft_vocab or int((
-                torch.arange(len(w["d2t"])) + w["d2t"].cpu()).max()) >= vocab):
-            raise UsageError(f"{name}: its d2t maps draft ids past the target's vocabulary of "
-                             f"{vocab}: a head for another target")
-        return draft_vocab
-
-
-class MedusaNet(nn.Module):
-    """Medusa-1 heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
-    with Multiple Decoding Heads"): head k is residual blocks x + SiLU(W x + b) on the target's
-    last hidden state, then an output head; it predicts the token k + 2 ahead of that state's
-    position (the target's own head predicts the next one). Made from its tensors under
-    medusa_name's names: blocks.K.L.weight|bias; lm_heads.K.weight, each head's own or one all
-    share (vLLM's original_lm_head), or none, when every head ends in the target's own
-    (`shared`: FasterDecoding's Medusa-2 head-only files); token_map, when the rows are a
-    truncated vocabulary of target ids (vLLM's)."""
-
-    def __init__(self, w: dict[str, torch.Tensor], shared: nn.Module):
-        super().__init__()
-        blocks = {tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")}
-        heads, layers = 1 + max(k for k, _ in blocks), 1 + max(j for _, j in blocks)
-        hidden = w["blocks.0.0.weight"].shape[1]
-        self.blocks = nn.ModuleList(
-            nn.ModuleList(nn.Linear(hidden, hidden, bias="blocks.0.0.bias" in w)
-                          for _ in range(layers)) for _ in range(heads))
-        own = [w[k] for k in sorted(w) if k.startswith("lm_heads.")]
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, len(v), bias=False) for v in own)
-        self.outer = [shared]  # the target's head: a plain list, so never moved or counted
-        rows = len(own[0]) if own else shared.weight.shape[0]
-        self.register_buffer("token_map", w.get("token_map", torch.arange(rows)).long(),
-                             persistent=False)  # row i: target id token_map[i]
-        self.load_state_dict({k: v for k, v in w.items() if k != "token_map"})
-
-    def out(self, k: int) -> nn.Module:
-        """Head k's output head: its own, the one all share, or the target's."""
-        return self.lm_heads[k % len(self.lm_heads)] if len(self.lm_heads) else self.outer[0]
-
-    def block(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        for linear in self.blocks[k]:
-            hidden = hidden + nn.functional.silu(linear(hidden))
-        return hidden
-
-    def logits(self, k: int, out: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Head k's logits over the first `vocab` target ids from its block's output (..., H),
-        -inf at ids off its token map (never proposed)."""
-        small = self.out(k)(out).to(out.device)  # (..., d)
-        if len(self.token_map) == small.shape[-1] and torch.equal(
-                self.token_map, torch.arange(len(self.token_map), device=small.device)):
-            return small[..., :vocab]
-        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
-        ids = self.token_map
-        full[..., ids[ids < vocab]] = small[..., ids < vocab]
-        return full
-
-
-class MedusaSession(LastState):
-    """The last state, which every head reads."""
-
-    def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
-                 view: TargetView | None, drafting: Drafting):
-        super().__init__(prompts, view, drafting)
-        self.drafter = drafter
-
-    def draft(self, pending, npos, pick):  # (heads never read the drafts)
-        c, d = self.drafting, self.drafter
-        ready, hidden = self.stacked()
-        if hidden is None:
-            return Proposal.none(len(pending), c)
-        hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
-        steps, qs, ds = min(c.steps, d.can.steps), [], []
-        for k in range(steps):
-            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
-                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
-            ds.append(pick(k, qs[-1]))
-        pad = c.steps - steps  # offsets past the last head: nothing proposed
-        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
-                        nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
-
-
-MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
-
-
-def medusa_name(key: str, vllm: bool) -> str | None:
-    """A Medusa checkpoint's tensor name -> MedusaNet's (blocks.K.L.weight|bias, lm_heads.K.weight,
-    lm_head.weight: one head all share, out.K.L.weight: FasterDecoding's output head at index
-    L of head K, token_map), or None for the base model's own tensors. FasterDecoding writes
-    K.L.linear.* and K.<L>.weight (head-only files, medusa_head.state_dict()), prefixed
-    medusa_head. in full models; vLLM blocks.K.layers.L.*, lm_heads.K.*, maybe prefixed
-    medusa_heads."""
-    k = re.sub(r"^(model\.)?medusa_heads?\.", "", key)
-    for pattern, name in ((r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.\3"),
-                          (r"(\d+)\.(\d+)\.weight", r"out.\1.\2.weight"),
-                          (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.\3"),
-                          (r"lm_heads\.\d+\.weight|token_map", r"\g<0>")):
-        if re.fullmatch(pattern, k):
-            return re.sub(pattern, name, k)
-    return "lm_head.weight" if vllm and k == "lm_head.weight" else None
-
-
-class MedusaDrafter(Drafter):
-    """Medusa-1 heads (every layout FasterDecoding and vLLM publish: from_checkpoint),
-    measured as the chain engines run them: top-1 (or a sample, under Leviathan's rule) of
-    each head, head k drafting offset k. The heads read only the target's state, never the
-    drafted tokens. Trees of candidates are out of scope."""
-
-    can = Abilities("Medusa", reads_target=True)
-
-    def __init__(self, target: nn.Module, net: MedusaNet, name: str,
-                 checkpoint: str | None = None):
-        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
-        self.width, self.can = vocab_width(target), replace(self.can, steps=len(net.blocks))
-
-    def drafted_by(self, gamma):
-        return [f"head {k + 1}" if k < self.can.steps else "-" for k in range(gamma)]
-
-    def support(self, vocab: int) -> torch.Tensor | None:
-        """(vocab,) the target ids its token map holds (None: every id)."""
-        ids = self.net.token_map
-        held = torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
-            0, ids[ids < vocab], True)
-        return None if held.all() else held
-
-    def head(self, k: int, sampling: SamplingParams, vocab: int, propose: bool = False
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        return q_head(lambda out: self.net.logits(k, out, vocab), sampling, vocab, propose)
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        if states is None:  # the target's head is not a plain map: get its states here
-            states = teacher_forced(self.target, rows, device, True)
-        width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
-        outs = [self.net.block(k, states[:, :width].to(self.net.blocks[0][0].weight))
-                for k in range(self.can.steps)]  # reads to draft row[j + 2 + k]
-        return step_scores(outs, spans, [self.head(k, sampling, vocab)
-                                         for k in range(self.can.steps)], device,
-                           self.support(vocab))
-
-    def start(self, prompts, view, drafting):
-        return MedusaSession(self, prompts, view, drafting)
-
-    def param_cost(self, target):
-        head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
-            self.net.out(0).weight.numel()
-        return head / params_per_token(target), "parameters per token: one Medusa head"
-
-    def networks(self):
-        return [self.net]
-
-    @classmethod
-    def from_checkpoint(cls, folder, config, target):
-        """Medusa-1 heads in every layout teams publish them:
-          * FasterDecoding's head-only files (medusa_lm_head.pt or .safetensors, keys
-            K.L.linear.* and K.<L>.weight; since its Medusa-2 code no K.<L>: every head then
-            ends in the target's own lm_head), config medusa_num_heads (which its loader
-            overrides: the heads are counted in the weights);
-          * FasterDecoding's full models: medusa_head.* beside the base model's tensors (only
-            the heads are read);
-          * vLLM's Medusa format (model_type medusa or MedusaModel: blocks.K.layers.L.*,
-            lm_heads.K.*; original_lm_head: one lm_head shared by every head; token_map: a
-            truncated vocabulary, its q zero elsewhere)."""
-        archs = " ".join(config.get("architectures") or [])
-        vllm = config.get("model_type") == "medusa" or "MedusaModel" in archs
-        if not (vllm or "medusa_num_heads" in config or "Medusa" in archs):
-            return None
-        files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
-        w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
-            k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
-        heads = cls.check_checkpoint(w, config, target, folder)
-        own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
-        if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
-            own = {0: w.get("lm_head.weight", own.get(0))}
-        if own and sorted(own) not in ([0], list(range(heads))):
-            raise UsageError(f"{folder}: its output heads {sorted(own)} do not match its "
-                             f"{heads} Medusa heads")
-        state = {k: v for k, v in w.items() if k.startswith("blocks.") or k == "token_map"}
-        state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
-        return cls(target, on_target(MedusaNet(state, target.get_output_embeddings()), target),
-                   folder, folder)
-
-    @staticmethod
-    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any],
-                         target: nn.Module, name: str) -> int:
-        """One clear line for Medusa tensors that do not fit the target; else the number of
-        heads."""
-        blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
-        heads, layers = len({k for k, _ in blocks}), len({j for _, j in blocks})
-        if not heads or blocks != [(k, j) for k in range(heads) for j in range(layers)]:
-            raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no residual "
-                             f"blocks K.L in its weights)")
-        hidden = target.config.get_text_config(decoder=True).hidden_size
-        outs = [v for k, v in w.items() if k.startswith(("out.", "lm_heads.", "lm_head."))]
-        width = w["blocks.0.0.weight"].shape[1]
-        if width != hidden or any(v.shape[1] != hidden for v in outs):
-            raise UsageError(f"{name}: Medusa heads of width {width} do not fit this target "
-                             f"(hidden size {hidden})")
-        rows = outs[0].shape[0] if outs else vocab_width(target)
-        if rows != vocab_width(target) and len(w.get("token_map", ())) != rows:
-            raise UsageError(f"{name}: Medusa heads over {rows} tokens without a token_map do "
-                             f"not fit this target's vocabulary of {vocab_width(target)}")
-        return heads
-
-
-# Parallel drafters draft a whole block in one pass: mask tokens stand in for the drafts not
-# yet made, and no drafted token is read back (PARD, DFlash). So a cycle costs one draft pass
-# whatever gamma is (one_pass), and a block depends only on the context it starts from: the
-# teacher-forced route scores offset j of the block exactly, with no chain of its own drafts.
-
-
-def block_masks(model: nn.Module, allowed: torch.Tensor, key_pos: torch.Tensor,
-                query_pos: torch.Tensor) -> Any:
-    """What `model` takes as attention_mask for queries at query_pos (B, t) that see the keys
-    at key_pos (B, S) where allowed (B, t, S) says: a pattern no causal mask makes (the mask
-    tokens of several blocks in one forward, each seeing its own context and block only);
-    sliding-window layers also only within their window, counted as attention_mask counts."""
-    window, mixed = sliding_layout(model)
-    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-    full = additive_mask(allowed, dtype)
-    if window is None:
-        return full
-    near = additive_mask(allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window), dtype)
-    return {"full_attention": full, "sliding_attention": near} if mixed else near
-
-
-class PardSession(Session):
-    """A PARD draft's cache of the committed tokens it has read (Slots), and per row the
-    accepted drafts it has not read yet. A cycle is one forward over those, the pending token
-    and gamma - 1 mask tokens at the positions after it (AMD-AGI/PARD pard_infer, vLLM's
-    parallel drafting): the pending token's output drafts offset 1, mask j's offset j + 1, and
-    no draft is read back; the masks' slots are dropped after the pass."""
-
-    def __init__(self, drafter: PardDrafter, prompts: list[list[int]], drafting: Drafting):
-        self.drafter, self.drafting = drafter, drafting
-        self.device = model_device(drafter.model) or drafting.device
-        self.slots, _ = prefill(drafter.model, [r[:-1] for r in prompts], self.device)
-        self.unread: list[list[int]] = [[] for _ in prompts]  # accepted, not yet fed
-
-    def propose(self, pending, npos, u):
-        c, d, dev = self.drafting, self.drafter, self.device
-        pending, npos = pending.to(dev), npos.to(dev)
-        ids, live, _ = left_pad(self.unread, dev)  # (B, n): fed before the pending token
-        n, rows = ids.shape[1], len(pending)
-        x = torch.cat([ids, pending[:, None], torch.full((rows, c.steps - 1), d.mask,
-                                                         device=dev)], 1)  # (B, n + G)
-        pos = (npos[:, None] - n + torch.arange(n + c.steps, device=dev)).clamp_min(0)
-        live = torch.cat([live, torch.ones(rows, c.steps, dtype=torch.long, device=dev)], 1)
-        logits = extend(d.model, self.slots, x, pos, live)[:, n:, :c.vocab]  # (B, G, V)
-        drop_slots(self.slots, c.steps - 1)  # the masks' slots: never part of the history
-        self.unread = [[] for _ in self.unread]
-        q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
-        back = c.device  # the target's: where the acceptance test runs
-        return Proposal(sample_from(q, u.to(dev)).to(back), q.to(back),
-                        torch.isfinite(logits).flatten(1).all(1).to(back))
-
-    def advance(self, n_acc, committed, view):
-        self.unread = [new[:-1] for new in committed]  # the target's token is pending
-
-    def keep(self, rows):
-        select_slots(self.slots, rows.to(self.device))
-        self.unread = [self.unread[r] for r in rows.tolist()]
-
-
-class PardDrafter(OwnDraftModel, Drafter):
-    """PARD (An et al. 2025, "PARD: Accelerating LLM Inference with Low-Cost PARallel Draft
-    Model Adaptation"; AMD-AGI/PARD): a causal LM trained so that mask tokens after a context
-    predict the tokens further ahead. One forward over the context, then gamma - 1 copies of
-    its mask token (config pard_token) at the next positions, causal attention: the last real
-    token's output drafts offset 1, mask j's drafts offset j + 1. An ordinary causal LM runs
-    the same way with any token as its mask (--pard-mask): an untrained lower bound.
-
-    Teacher-forced, every scored position t is a block's start: the row through the draft
-    once, then, for a chunk of starts at a time, their masks in one forward, mask j of start t
-    at position t + j seeing the row's tokens up to t and its own start's masks before it
-    (the pattern PARD trains with). Offset j's alpha is thus exactly what a cycle from t
-    proposes, as many offsets as the run's largest block."""
-
-    can = Abilities("PARD", trees=False, one_pass=True)
-
-    def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE),
-                 checkpoint: str | None = None):
-        rows = model.get_input_embeddings().weight.shape[0]
-        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < rows:
-            raise UsageError(f"{name}: the PARD mask token {mask!r} is not in the draft's "
-                             f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
-                             f"of its tokenizer (--pard-mask)")
-        self.name, self.model, self.mask, self.checkpoint = name, model, mask, checkpoint
-        self.can = replace(self.can, steps=steps)
-        self.width = vocab_width(model)
-        self.route: bool | None = None  # head_route, found on the first rows scored
-
-    def for_run(self, eos, gammas):
-        """As many offsets as the run's largest block (the best-gamma table included)."""
-        return PardDrafter(self.name, self.model, self.mask, max(gammas), self.checkpoint)
-
-    @torch.no_grad()
-    def score(self, rows, spans, states, sampling, vocab, device):
-        model, k = self.model, self.can.steps - 1  # k: mask tokens after each start
-        device = model_device(model) or device
-        if self.route is None:
-            self.route = head_route(model, _probe(rows, device))
-        module, key = (model.base_model, "last_hidden_state") if self.route else (model, "logits")
-        ids, live, pos = right_pad(rows, device)  # (B, T)
-        slots, width = new_slots(len(rows), device), ids.shape[1]
-        real = torch.cat([getattr(feed(model, slots, ids[:, c], pos[:, c], live[:, c], module),
-                                  key) for c in column_chunks(width)], 1)  # (B, T, ...)
-        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        masked = [real[:, :0, None].expand(-1, -1, k, -1)]  # (B, starts, k, ...) by chunk
-        for a in range(lo, hi, SCORE_STARTS) if k else ():
-            t = torch.arange(a, min(a + SCORE_STARTS, hi), device=device)  # the starts
-            j = torch.arange(1, k + 1, device=device).repeat(len(t))  # (n k,) mask j of start
-            start = t.repeat_interleave(k)
-            own = (start[:, None] == start[None, :]) & (j[None, :] <= j[:, None])
-            seen = live[:, None, :].bool() & (pos[:, None, :] <= start[None, :, None])
-            allowed = torch.cat([seen, own.expand(len(rows), -1, -1)], -1)  # (B, n k, T + n k)
-            # mask j of start t sits at t + j; one at the row's last position or past it drafts
-            # a token the row lacks (never scored, nor the later ones it alone feeds): clamped,
-            # such positions stay inside the model's window
-            qpos = (start + j).clamp_max(width - 1).expand(len(rows), -1)
-            out = module(input_ids=torch.full_like(qpos, self.mask), position_ids=qpos,
-                         attention_mask=block_masks(model, allowed, torch.cat([pos, qpos], 1),
-                                                    qpos),
-                         use_cache=True, **{_cache_keyword(type(module)): slots.cache})
-            slots.cache.crop(-qpos.shape[1])  # the masks go: the next starts see the row
-            masked.append(getattr(out, key).unflatten(1, (len(t), k)))
-        masked_t = torch.cat(masked, 1)  # (B, hi - lo, k, ...)
-        head, scores = model_head(model, self.route, sampling, vocab), []
-        for step in range(self.can.steps):  # offset step + 1 at start t drafts row[t+1+step]
-            picked = torch.cat([real[b, s:e] if step == 0 else
-                                masked_t[b, s - lo:max(e - step, s) - lo, step - 1]
-                                for b, (s, e) in enumerate(spans)]).to(device)
-            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
-                                                    device=device), head))
-        return scores
-
-    def start(self, prompts, view, drafting):
-        return PardSession(self, prompts, drafting)
-
-    @classmethod
-    def from_model(cls, name, loaded, target, options):
-        """A causal LM of the target's vocabulary whose config names a PARD mask token
-        (pard_token, as AMD-AGI/PARD's training writes it: its PARD-Llama, -Qwen and -DeepSeek
-        checkpoints), or any such model when --pard-mask gives one (options.pard_mask: an id,
-        or a token of the target's tokenizer; it overrides a checkpoint's own). A PARD-2 draft
-        runs in its target-independent mode (pard2_infer's --p2), tokens only: its
-        target-dependent mode, which adds the target's states through target_proj, is not
-        measured, and its name says so."""
-        config = getattr(loaded.model, "config", None)
-        mask = getattr(config, "pard_token", None)
-        if (mask is None and options.pard_mask is None) or \
-                vocabulary_method(loaded, target, options) is not None:
-            return None
-        if options.pard_mask is not None:
-            mask = pard_mask_token(options.pard_mask, options.tokenizer)
-            name = f"{name} [PARD, mask {mask}]"
-        elif getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
-                or getattr(config, "spd_type", None) == "pard2":
-            name = f"{name} [PARD-2, target-independent mode]"
-        return cls(name, loaded.model, mask[0] if isinstance(mask, (list, tuple)) else mask,
-                   checkpoint=loaded.path)
-
-
-class DFlashNet(nn.Module):
-    """DFlash's draft network (z-lab, "DFlash: Block Diffusion for Flash Speculative
-    Decoding", arXiv 2602.06036), as z-lab's dflash/model.py, vLLM's qwen3_dflash and
-    transformers' Muse-Glimmer assistant run it: the target's hidden states at some layers,
-    joined, `fc` to the draft's width and `hidden_norm`, are the context; every draft layer
-    (Qwen3-style: q/k norms, RoPE) turns the context into keys and values with its own k and v
-    projections, beside those of the block. The block (the newest committed token and mask
-    tokens, embedded by the target) attends all its context and itself both ways; `norm`
-    ends it, and the target's own output head makes its logits."""
-
-    def __init__(self, config: Any, features: int):
-        from transformers.models.qwen3 import modeling_qwen3 as qwen3
-        super().__init__()
-        h, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.dim = getattr(config, "head_dim", None) or h // self.heads
-        self.fc = nn.Linear(features, h, bias=False)
-        self.hidden_norm, self.norm = qwen3.Qwen3RMSNorm(h, eps), qwen3.Qwen3RMSNorm(h, eps)
-        self.layers = nn.ModuleList()
-        for _ in range(config.num_hidden_layers):
-            attn, layer = nn.Module(), nn.Module()
-            for name, rows in (("q_proj", self.heads), ("k_proj", self.kv_heads),
-                               ("v_proj", self.kv_heads)):
-                setattr(attn, name, nn.Linear(h, rows * self.dim, bias=bias))
-            attn.o_proj = nn.Linear(self.heads * self.dim, h, bias=bias)
-            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(self.dim, eps), \
-                qwen3.Qwen3RMSNorm(self.dim, eps)
-            layer.self_attn, layer.mlp = attn, qwen3.Qwen3MLP(config)
-            layer.input_layernorm = qwen3.Qwen3RMSNorm(h, eps)
-            layer.post_attention_layernorm = qwen3.Qwen3RMSNorm(h, eps)
-            self.layers.append(layer)
-        self.rotary = qwen3.Qwen3RotaryEmbedding(config)
-
-    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x (B, heads, t, d) at positions pos (B, t)."""
-        cos, sin = (a[:, None] for a in self.rotary(x, pos))  # (B, 1, t, d)
-        d = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., d:], x[..., :d]], -1) * sin
-
-    def keys_values(self, layer: nn.Module, x: torch.Tensor, pos: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys (RoPE'd) and values (B, kv_heads, t, d) of inputs x (B, t, H)."""
-        a = layer.self_attn
-        k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.dim))).transpose(1, 2)
-        v = a.v_proj(x).unflatten(-1, (self.kv_heads, self.dim)).transpose(1, 2)
-        return self.rope(k, pos), v
-
-    def context(self, feats: torch.Tensor, pos: torch.Tensor
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The target's joined hidden states feats (B, t, F) at positions pos (B, t) -> each
-        layer's context keys and values: they depend on the context alone, so a session
-        computes them once per committed position."""
-        ctx = self.hidden_norm(self.fc(feats.to(self.fc.weight)))
-        return [self.keys_values(layer, ctx, pos) for layer in self.layers]
-
-    def block(self, x: torch.Tensor, pos: torch.Tensor,
-              context: Sequence[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor
-              ) -> torch.Tensor:
-        """Blocks' embeddings x (B, n, H) at positions pos (B, n) through every layer, each
-        query seeing the context's S keys and the n block keys where allowed (B, n, S + n)
-        says -> the normed outputs (B, n, H)."""
-        mask = additive_mask(allowed, x.dtype)  # (B, 1, n, S + n)
-        for layer, (ck, cv) in zip(self.layers, context):
-            a, h = layer.self_attn, layer.input_layernorm(x)
-            q = a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.dim))).transpose(1, 2)
-            k, v = self.keys_values(layer, h, pos)
-            group = self.heads // self.kv_heads
-            k = torch.cat([ck, k], 2).repeat_interleave(group, 1)  # (B, heads, S + n, d)
-            v = torch.cat([cv, v], 2).repeat_interleave(group, 1)
-            out = nn.functional.scaled_dot_product_attention(self.rope(q, pos), k, v, mask,
-                                                             scale=self.dim ** -0.5)
-            x = x + a.o_proj(out.transpose(1, 2).flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
-
-
-class DFlashSession(CommittedStates):
-    """Each DFlash layer's context keys and values at the committed positions (the target's
-    states there; the pending token's are not known yet), grown by every pass the session is
-    shown (as vLLM's precompute_and_store_context_kv): a cycle runs only the block, the
-    pending token and block_size - 1 masks at the positions from it, one pass."""
-
-    def __init__(self, drafter: DFlashDrafter, prompts: list[list[int]],
-                 view: TargetView | None, drafting: Drafting):
-        if drafting.steps > drafter.can.max_gamma:
-            raise UsageError(f"--gamma {drafting.steps}: {drafter.name} drafts at most "
-                             f"{drafter.can.max_gamma} tokens a pass (its block of "
-                             f"{drafter.can.max_gamma + 1})")
-        self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
-        empty = torch.zeros(rows, 0, dtype=torch.long, device=drafting.device)
-        self.live, self.pos = empty, empty.clone()  # (B, S) of the context
-        self.kv = drafter.net.context(fc.new_zeros(rows, 0, fc.shape[1]), empty)  # none yet
-        super().__init__(prompts, view, drafting)
-
-    def states_of(self, view):
-        return self.drafter.features(view.layers, view.hidden)
-
-    def absorb(self, ids, states, live, pos):
-        kv = self.drafter.net.context(states, pos - 1)  # the states' own positions
-        self.kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
-                   for (k0, v0), (k, v) in zip(self.kv, kv)]
-        self.live = torch.cat([self.live, live], 1)
-        self.pos = torch.cat([self.pos, pos - 1], 1)
-
-    def propose(self, pending, npos, u):
-        c, d = self.drafting, self.drafter
-        size = d.can.max_gamma + 1
-        ids = torch.cat([pending[:, None], torch.full((len(pending), size - 1), d.mask,
-                                                      device=pending.device)], 1)  # (B, size)
-        pos = npos[:, None] + torch.arange(size, device=npos.device)
-        allowed = torch.cat([self.live[:, None, :].bool().expand(-1, size, -1),
-                             torch.ones(len(ids), size, size, dtype=torch.bool,
-                                        device=ids.device)], -1)  # context, then both ways
-        out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
-        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.steps],
-                                                      lambda r: f"row {r}")  # (B, G, V)
-        return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
-                                                         device=ids.device))
-
-    def keep(self, rows):
-        self.kv = [(k[rows], v[rows]) for k, v in self.kv]
-        self.live, self.pos = self.live[rows], self.pos[rows]
-        super().keep(rows)
-
-
-DFLASH_BLOCK_QUERIES = 256  # block tokens a teacher-forced DFlash forward runs: 256 / size starts
-
-
-class DFlashDrafter(Drafter):
-    """A DFlash block-diffusion draft (z-lab/dflash: from_checkpoint): per cycle one pass of
-    DFlashNet over the pending token and block_size - 1 mask tokens, from the target's states
-    at the committed positions, drafts offsets 1..block_size - 1 (gamma of them are
-    proposed; the whole block runs, as z-lab's code, SGLang and transformers run it).
-    Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
-    the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
-
-    can = Abilities("DFlash", reads_target=True, trees=False, one_pass=True)
-
-    def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
-                 mask: int, name: str, checkpoint: str | None = None):
-        self.target, self.net, self.ids, self.mask, self.name = target, net, list(ids), mask, name
-        self.checkpoint = checkpoint
-        self.n_layers = len(decoder_layers(target))
-        self.width = vocab_width(target)
-        self.can = replace(self.can, steps=size - 1, max_gamma=size - 1, target_layers=tuple(
-            sorted({i + 1 for i in self.ids if i + 1 < self.n_layers})))
-
-    def features(self, inputs: dict[int, torch.Tensor], final: torch.Tensor | None
-                 ) -> torch.Tensor:
-        """The target's states DFlash reads, joined (B, t, F): the output of each layer of
-        target_layer_ids (the input of the next; of the last, the final states, as an
-        output_hidden_states tuple holds them)."""
-        return torch.cat([inputs[i + 1] if i + 1 < self.n_layers else final for i in self.ids],
-                         -1)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The block's tokens, embedded by the target (DFlash has no embedding of its own)."""
-        return self.target.get_input_embeddings()(ids).to(self.net.fc.weight)
-
-    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
-             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        """Outputs (..., H) -> q through the target's output head (DFlash borrows it)."""
-        out = self.target.get_output_embeddings()
-        return q_head(lambda h: out(h.to(out.weight)).to(h.device), sampling, vocab, propose)
-
-    @torch.no_grad()
-    def score(self, rows, spans, states, sampling, vocab, device):
-        last = self.n_layers - 1 in self.ids
-        with final_states(self.target, last) as seen, \
-                layer_inputs(self.target, self.can.target_layers) as got:
-            teacher_forced(self.target, rows, device, True)
-        feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
-                              torch.cat(seen, 1) if last else None)  # (B, T, F)
-        _, live, pos = right_pad(rows, device)
-        context, size = self.net.context(feats, pos), self.can.steps + 1
-        ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
-                           device=device)
-        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        outs = []  # (B, n, size - 1, H) per chunk of starts
-        per = max(1, DFLASH_BLOCK_QUERIES // size)
-        for a in range(lo, hi, per):
-            t = torch.arange(a, min(a + per, hi), device=device)  # the starts
-            start = t.repeat_interleave(size)  # (n size,)
-            at = start + torch.arange(size, device=device).repeat(len(t))
-            x = torch.where(at == start, ids[:, start], self.mask)  # (B, n size)
-            seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
-            own = (start[:, None] == start[None, :]).expand(len(rows), -1, -1)
-            out = self.net.block(self.embed(x), at.expand(len(rows), -1), context,
-                                 torch.cat([seen_ctx, own], -1))
-            outs.append(out.unflatten(1, (len(t), size))[:, :, 1:])
-        blocks = torch.cat(outs, 1)  # (B, hi - lo, size - 1, H)
-        head, scores = self.head(sampling, vocab), []
-        for k in range(self.can.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
-            picked = torch.cat([blocks[b, s - lo:max(e - k, s) - lo, k]
-                                for b, (s, e) in enumerate(spans)]).to(device)
-            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
-                                                    device=device), head))
-        return scores
-
-    def start(self, prompts, view, drafting):
-        return DFlashSession(self, prompts, view, drafting)
-
-    def param_cost(self, target):
-        net = sum(p.numel() for p in self.net.parameters())
-        head = target.get_output_embeddings().weight.numel()
-        return ((net + head) / params_per_token(target),
-                "parameters per token: the DFlash layers, fc and the target's output head, "
-                "against the target")
-
-    def networks(self):
-        return [self.net]
-
-    @classmethod
-    def from_model(cls, name, loaded, target, options):
-        """A DFlash checkpoint loaded as a causal LM (a hub id): refused, in one line."""
-        config = getattr(loaded.model, "config", None)
-        if getattr(config, "dflash_config", None) is None and "DFlash" not in " ".join(
-                getattr(config, "architectures", None) or []):
-            return None
-        raise UsageError(f"{name}: a DFlash draft is read from its folder, not loaded as a "
-                         f"causal LM; download it (huggingface-cli download {name} --local-dir "
-                         f"DIR) and give --draft DIR")
-
-    @classmethod
-    def from_checkpoint(cls, folder, config, target):
-        """A DFlash draft from its checkpoint: z-lab's (architectures DFlashDraftModel, a
-        Qwen3 config with block_size, num_target_layers and dflash_config {mask_token_id,
-        target_layer_ids}; weights layers.*, fc, hidden_norm, norm) or transformers' (model
-        type muse_glimmer_assistant: block_size, mask_token_id, target_layer_ids at the top;
-        encoder.fc, encoder.output_norm_enc). specdec builds the network itself from the
-        config and the weights: no code of the checkpoint's (its auto_map) runs. Refuses, in
-        one line, a draft that does not fit the target or that specdec cannot build."""
-        archs = " ".join(config.get("architectures") or [])
-        if not ("DFlash" in archs or "dflash_config" in config
-                or config.get("model_type") == "muse_glimmer_assistant"):
-            return None
-        keys = {**config, **(config.get("dflash_config") or {})}  # dflash_config's first
-        n_draft = int(config.get("num_hidden_layers", 1))
-        n_target = len(decoder_layers(target))
-        ids = keys.get("target_layer_ids") or (
-            [n_target // 2] if n_draft == 1 else  # z-lab's build_target_layer_ids
-            [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)])
-        cfg, w = cls.check_checkpoint(folder, keys, ids, target)
-        net = DFlashNet(cfg, w["fc.weight"].shape[1])
-        missing, unexpected = net.load_state_dict(w, strict=False)
-        if [k for k in missing if not k.startswith("rotary.")] or unexpected:
-            raise UsageError(f"{folder}: not a DFlash checkpoint specdec can build (missing "
-                             f"{missing[:2]}, unexpected {list(unexpected)[:2]}): its own code "
-                             f"({config.get('auto_map') or archs}) would be needed, which "
-                             f"specdec does not run")
-        return cls(target, on_target(net, target), ids, int(keys["block_size"]),
-                   int(keys["mask_token_id"]), folder, folder)
-
-    @staticmethod
-    def check_checkpoint(folder: str, keys: dict[str, Any], ids: Sequence[int],
-                         target: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
-        """One clear line for a DFlash draft that does not fit the target or that specdec
-        cannot build; else its layers' config (a Qwen3Config) and its weights, named as
-        DFlashNet names them."""
-        tcfg = target.config.get_text_config(decoder=True)
-        n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
-        for key in ("block_size", "mask_token_id"):
-            if not isinstance(keys.get(key), int):
-                raise UsageError(f"{folder}: a DFlash config without {key}")
-        if keys["block_size"] < 2:
-            raise UsageError(f"{folder}: a DFlash block_size of {keys['block_size']} drafts "
-                             f"nothing (the block holds the pending token and the masks)")
-        rows = target.get_input_embeddings().weight.shape[0]
-        if not 0 <= keys["mask_token_id"] < rows:
-            raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
-                             f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
-                             f"block reads: a draft for another target")
-        told = keys.get("num_target_layers")
-        if not all(0 <= i < n_target for i in ids) or told not in (None, n_target):
-            raise UsageError(f"{folder}: reads target layers {list(ids)} of a target of "
-                             f"{told or 'more'} layers, but this target has {n_target}: a "
-                             f"draft for another target")
-        kinds = set(keys.get("layer_types") or ["full_attention"])
-        if keys.get("use_sliding_window"):
-            kinds.add("sliding_attention")
-        if kinds != {"full_attention"}:
-            raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
-                             f"whose attention within a block engines run with code of their "
-                             f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
-                             f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
-                             f"LLaMA-3.1 ones) and cannot run this one")
-        from transformers import Qwen3Config
-        cfg = Qwen3Config(**{k: v for k, v in keys.items() if k not in (
-            "architectures", "auto_map", "dflash_config", "model_type", "layer_types",
-            "target_layer_ids", "transformers_version", "dtype", "torch_dtype")})
-        if cfg.hidden_size != hidden:
-            raise UsageError(f"{folder}: a DFlash draft {cfg.hidden_size} wide reads the "
-                             f"embedding and head of a target {hidden} wide: a draft for "
-                             f"another target")
-        names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-        w = {}
-        for k, v in read_weights(folder).items():
-            k = k.removeprefix("model.")
-            for old, new in names.items():
-                k = new + k[len(old):] if k.startswith(old) else k
-            w[k] = v
-        if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
-            raise UsageError(f"{folder}: its fc reads "
-                             f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
-                             f"features, but {len(ids)} layers of this target give "
-                             f"{len(ids)} x {hidden}: a draft for another target")
-        return cfg, w
-
-
-# Drafts with another tokenizer (Timor et al. 2025, "Accelerating LLM Inference with Lossless
-# Speculative Decoding Algorithms for Heterogeneous Vocabularies"): a draft model whose
-# tokenizer is not the target's reads the text in its own tokens and is run one of two ways,
-# both lossless. TLI (token-level intersection: transformers' UniversalSpeculativeDecoding-
-# Generator, vLLM's use_heterogeneous_vocab): it proposes only tokens whose text both
-# vocabularies hold, from its q renormalised over them. SLEM (string-level exact match:
-# transformers' AssistedCandidateGeneratorDifferentTokenizers at T = 0): its greedy text is
-# re-tokenised into the target's tokens, and the target keeps the prefix it would have written.
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_chars() -> dict[str, int]:
-    """The printable stand-in GPT-2 gave each byte, as byte-level vocabularies spell their
-    tokens ('Ġ' for a space) -> the byte."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
-
-
-def token_texts(tok: Any) -> list[Any]:
-    """What each id of a tokenizer stands for, comparable across tokenizers: the bytes of its
-    text (a byte-level vocabulary's characters read back as bytes; SentencePiece's '▁' as a
-    space and its <0xNN> as byte NN), or ("special", name) for a special token; None for an
-    id no token has. (transformers compares vocabulary strings after swapping the two space
-    marks, vLLM after reading a leading mark as a space; on byte-level pairs all agree.)"""
-    vocab = tok.get_vocab()
-    texts: list[Any] = [None] * (max(vocab.values(), default=-1) + 1)
-    special = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
-    backend = getattr(tok, "backend_tokenizer", None)
-    decoder = json.loads(backend.to_str()).get("decoder") or {} if backend else {}
-    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    byte_level, chars = any(s.get("type") == "ByteLevel" for s in steps), _byte_chars()
-    for piece, i in vocab.items():
-        byte = BYTE_PIECE.fullmatch(piece)
-        if piece in special:
-            texts[i] = ("special", piece)
-        elif byte_level and all(c in chars for c in piece):
-            texts[i] = bytes(chars[c] for c in piece)
-        else:
-            texts[i] = (bytes([int(byte.group(1), 16)]) if byte
-                        else piece.replace("▁", " ").encode())
-    return texts
-
-
-DECODE_PROBE = "the quick brown fox jumps over the lazy dog"  # any real tokenizer gives it back
-
-
-def check_decodes(tok: Any, which: str) -> None:
-    """Refuse a tokenizer that is missing or whose decode does not give a plain text back: a
-    draft in another vocabulary reads and writes text through both tokenizers."""
-    if tok is None:
-        raise UsageError(f"the {which} has no tokenizer: a draft in another vocabulary needs "
-                         f"the target's and its own (save them beside the models)")
-    try:
-        back = tok.decode(tok(DECODE_PROBE, add_special_tokens=False)["input_ids"],
-                          skip_special_tokens=True)
-    except Exception as e:  # a tokenizer without a decoder of any kind
-        back = f"an error ({type(e).__name__}: {_one_line(e)[:80]})"
-    if back.strip() != DECODE_PROBE:
-        raise UsageError(f"the {which}'s tokenizer cannot decode: {DECODE_PROBE!r} comes back "
-                         f"as {back!r}, and a draft in another vocabulary is read and written "
-                         f"through both tokenizers; give tokenizers that decode")
-
-
-class SharedVocab:
-    """The tokens of a target's and a draft's tokenizers whose texts (token_texts) are the
-    same, and how the draft reads text the target wrote. A text held by several ids of one
-    vocabulary counts for the lowest of them. With one tokenizer on both sides (the same
-    vocabulary) every id of the prefix both models have is itself: nothing is translated."""
-
-    def __init__(self, target_tok: Any, draft_tok: Any, target_width: int, draft_width: int):
-        self.target_tok, self.draft_tok = target_tok, draft_tok
-        self.same = target_tok.get_vocab() == draft_tok.get_vocab()
-        if self.same:
-            pairs = [(i, i) for i in range(min(target_width, draft_width))]
-        else:
-            lowest: list[dict[Any, int]] = [{}, {}]
-            for seen, tok, width in zip(lowest, (target_tok, draft_tok),
-                                        (target_width, draft_width)):
-                for i, text in enumerate(token_texts(tok)[:width]):
-                    if text is not None:
-                        seen.setdefault(text, i)
-            pairs = sorted((lowest[0][k], i) for k, i in lowest[1].items() if k in lowest[0])
-        t = torch.tensor([a for a, _ in pairs], dtype=torch.long)  # (I,) target ids
-        d = torch.tensor([b for _, b in pairs], dtype=torch.long)  # (I,) the same texts' ids
-        self.target_ids, self.draft_ids = t, d
-        self.in_target = torch.zeros(target_width, dtype=torch.bool).index_fill_(0, t, True)
-        self.in_draft = torch.zeros(draft_width, dtype=torch.bool).index_fill_(0, d, True)
-        self.draft_to_target = torch.full((draft_width,), -1, dtype=torch.long)  # -1: unshared
-        self.draft_to_target[d] = t
-        self.to_draft = dict(zip(t.tolist(), d.tolist()))
-        self.read_as: dict[int, list[int]] = {}  # the draft's reading of unshared target ids
-        # what a text starts with when its first token reads as nothing: the draft's BOS
-        self.start = next((i for i in (draft_tok.bos_token_id, draft_tok.eos_token_id)
-                           if isinstance(i, int) and i < draft_width), 0)
-
-    def read(self, token: int) -> list[int]:
-        """A target token as the draft reads it: its own token where the text is shared, else
-        the token's text re-tokenised by the draft's tokenizer (nothing for a special token it
-        does not have)."""
-        if token in self.to_draft:
-            return [self.to_draft[token]]
-        if token not in self.read_as:
-            text = self.target_tok.decode([token], skip_special_tokens=True)
-            self.read_as[token] = list(self.draft_tok(text, add_special_tokens=False)[
-                "input_ids"]) if text else []
-        return self.read_as[token]
-
-    def reading(self, row: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The draft's ids for a row of target ids, token by token (read), and ends[t]: how
-        many of them read row[:t + 1]. A row whose first token reads as nothing starts with
-        the draft's BOS: the draft never reads an empty text."""
-        ids: list[int] = []
-        ends = []
-        for i, token in enumerate(row):
-            ids += self.read(token) or ([self.start] if i == 0 else [])
-            ends.append(len(ids))
-        return ids, ends
-
-    def on_target(self, q: torch.Tensor, vocab: int) -> torch.Tensor:
-        """q over the draft's ids (..., V_d), zero off the shared ones -> over the target's
-        (..., vocab)."""
-        out = q.new_zeros(*q.shape[:-1], vocab)
-        out[..., self.target_ids.to(q.device)] = q[..., self.draft_ids.to(q.device)]
-        return out
-
-    def describe(self, method: str) -> dict[str, Any]:
-        """The report's record of the translation (RunInfo.cross_vocab, less p's mass)."""
-        return {"method": method, "shared_tokens": len(self.target_ids),
-                "target_tokens": len(self.target_tok), "draft_tokens": len(self.draft_tok),
-                "same_tokenizer": self.same}
-
-
-class ReadingSession(Session):
-    """A draft model following each row in its own tokens: `held[b]`, the ids whose keys and
-    values its cache holds live (slots at positions 0..len-1), and sync, which brings the
-    cache to the ids it must have read before a proposal."""
-
-    def __init__(self, model: nn.Module, readings: list[list[int]], drafting: Drafting):
-        self.model, self.drafting = model, drafting
-        self.device = model_device(model) or drafting.device
-        self.held = [list(r[:-1]) for r in readings]  # the last id is fed by the first sync
-        self.slots, _ = prefill(model, self.held, self.device)
-
-    def sync(self, wanted: list[list[int]]) -> torch.Tensor:
-        """Each row's cache to wanted[b]: the longest prefix it holds stays (it is the same
-        text in the same tokens), the slots after it die, columns dead in every row are
-        cropped, and the ids it lacks are fed, right-aligned after dead slots -> the logits at
-        each row's last id (B, 1, V_d)."""
-        s, news, firsts = self.slots, [], []
-        for b, (held, want) in enumerate(zip(self.held, wanted)):
-            assert want, f"row {b} reads as no token"
-            k = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
-                     min(len(held), len(want)))
-            k = min(k, len(want) - 1)  # the last id is fed again: its logits are wanted
-            if k < len(held):
-                s.live[b] = s.live[b] * (s.pos[b] < k).long()
-            news.append(want[k:])
-            firsts.append(k)
-            self.held[b] = list(want)
-        drop_slots(s, int((s.live.sum(0) == 0).flip(0).long().cumprod(0).sum()))
-        width = max(len(n) for n in news)
-        pad = [width - len(n) for n in news]
-        ids = torch.tensor([[0] * p + n for p, n in zip(pad, news)], device=self.device)
-        live = torch.tensor([[0] * p + [1] * len(n) for p, n in zip(pad, news)],
-                            device=self.device)
-        pos = torch.tensor([[max(k - p + j, 0) for j in range(width)]
-                            for k, p in zip(firsts, pad)], device=self.device)
-        return extend(self.model, s, ids, pos, live, last_only=True)
-
-    def positions(self) -> torch.Tensor:
-        """(B,) where each row's next drafted id goes."""
-        return torch.tensor([len(h) for h in self.held], device=self.device)
-
-    def keep(self, rows):
-        select_slots(self.slots, rows.to(self.device))
-        self.held = [self.held[r] for r in rows.tolist()]
-
-
-class TliSession(ReadingSession):
-    """TLI's draft: each row's reading of its committed text (`text`: SharedVocab.reading, then
-    each cycle's accepted drafts as the draft wrote them and the target's token read), and
-    gamma shared tokens of its own a cycle, each drawn from q renormalised over them."""
-
-    def __init__(self, drafter: TliDrafter, prompts: list[list[int]], drafting: Drafting):
-        self.drafter = drafter
-        self.text = [drafter.vocab.reading(p)[0] for p in prompts]
-        super().__init__(drafter.model, self.text, drafting)
-        self.drafted: torch.Tensor | None = None  # (B, G) the last block, the draft's own ids
-
-    def propose(self, pending, npos, u):
-        c, d = self.drafting, self.drafter
-        logits = self.sync(self.text)
-        at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
-        qs, ds = [], []
-        finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
-        for i in range(c.steps):
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            q = draft_probs(d.masked(logits[:, -1, :cut]), c.sampling)  # (B, V_d), 0 off I
-            ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
-            qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
-            if i < c.steps - 1:
-                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
-                                last_only=True)
-        self.drafted = torch.stack(ds, 1)  # (B, G)
-        tokens = d.vocab.draft_to_target.to(self.device)[self.drafted]  # (B, G) target ids
-        back = c.device
-        return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back))
-
-    def advance(self, n_acc, committed, view):
-        # (no block before it: a timed step's session, measure_costs, commits one token first)
-        drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
-        for b, new in enumerate(committed):
-            self.held[b] += drafted[b][:self.drafting.steps - 1]  # fed while drafting; sync
-            self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
-        self.drafted = None  # keeps what was accepted
-
-    def keep(self, rows):
-        super().keep(rows)
-        self.text = [self.text[r] for r in rows.tolist()]
-
-
-class OtherVocabDrafter(OwnDraftModel, Drafter):
-    """What the two ways of running a draft model with a tokenizer of its own share (TLI and
-    SLEM below): both tokenizers checked to decode, the shared vocabulary, the cost of the
-    draft model, and recognising a loaded model of its method (vocabulary_method)."""
-
-    method = ""  # "TLI" or "SLEM"
-
-    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
-                 draft_tokenizer: Any):
-        check_decodes(target_tokenizer, "target")
-        check_decodes(draft_tokenizer, f"draft {name}")
-        self.name, self.model = name, model
-        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
-                                 vocab_width(model))
-        # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
-        self.width = vocab_width(model) if self.vocab.same else None
-
-    def translation(self):
-        return self.vocab.describe(self.method)
-
-    @classmethod
-    def from_model(cls, name, loaded, target, options):
-        if vocabulary_method(loaded, target, options) != cls.method.lower():
-            return None
-        found = cls(f"{name} ({cls.method})", loaded.model, target, options.tokenizer,
-                    loaded.tokenizer)
-        found.checkpoint = loaded.path  # (its kind's constructors take no path)
-        return found
-
-
-class TliDrafter(OtherVocabDrafter):
-    """A draft model with a tokenizer of its own, drafting by token-level intersection (TLI).
-    It reads the text in its own tokens (SharedVocab.reading: its own token for each target
-    token whose text both vocabularies hold, that token's text re-tokenised by its tokenizer
-    otherwise; the prompt too), proposes only shared tokens, from its processed q over them
-    (top-k and top-p among them), and the target accepts by the usual rule: lossless at every
-    temperature. Teacher-forced alpha_t = sum over the shared tokens of min(p_t, q~_t); p's mass
-    off them can never be accepted (its share: draft_vocab_coverage)."""
-
-    method, can = "TLI", Abilities("TLI", trees=False)
-
-    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
-                 draft_tokenizer: Any):
-        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
-        if not len(self.vocab.target_ids):
-            raise UsageError(f"{name}: its tokenizer and the target's share no token: it could "
-                             f"propose nothing")
-        self.route: bool | None = None  # head_route, found on the first rows scored
-
-    def cut(self, vocab: int) -> int | None:
-        """The draft's logit columns it proposes from: all (None), or, with one tokenizer on
-        both sides, the prefix both models have (vocab), as a draft model is cut today."""
-        return vocab if self.vocab.same else None
-
-    def masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's logits (..., V_d), -inf off the shared vocabulary."""
-        shared = self.vocab.in_draft[:logits.shape[-1]].to(logits.device)
-        return logits.masked_fill(~shared, float("-inf"))
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        device = model_device(self.model) or device
-        read = [self.vocab.reading(r) for r in rows]
-        drows = [ids for ids, _ in read]
-        if self.route is None:
-            self.route = head_route(self.model, _probe(drows, device))
-        # scored position t of a row predicts row[t + 1]: the draft has read row[:t + 1]
-        at = [[ends[t] - 1 for t in range(s, e)] for (_, ends), (s, e) in zip(read, spans)]
-        first = 0 if self.route else min((a[0] for a in at if a), default=0)
-        out = teacher_forced(self.model, drows, device, self.route, first)  # (B, T_d - first, .)
-        picked = torch.cat([out[b, (torch.tensor(a, dtype=torch.long, device=out.device)
-                                    - first).clamp_min(0)]
-                            for b, a in enumerate(at)]).to(device)  # (N, ...)
-        made = torch.tensor([t >= 0 for a in at for t in a], device=device)
-        inner = q_head(lambda x: self.masked(head_logits(self.model, x, self.route)[
-            ..., :self.cut(vocab)]), sampling, vocab_width(self.model))
-        return [Scores(picked, made, lambda x, where: self.vocab.on_target(inner(x, where), vocab),
-                       self.vocab.in_target)]
-
-    def start(self, prompts, view, drafting):
-        return TliSession(self, prompts, drafting)
-
-
-SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
-# target_lookbehind)
-
-
-SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
-
-
-def longest_run(old: Sequence[int], new: Sequence[int]) -> tuple[int, int] | None:
-    """Where a re-tokenised window `new` continues the ids `old` it overlaps, as transformers
-    aligns them (_get_tokens_diag): the longest run new[i:i + n] == old[j:j + n], the first by
-    i then j among the longest -> (i + n: where new goes on; len(old) - (j + n): the ids of
-    old after the run, which new replaces); None when no id is in both."""
-    best = None
-    for i in range(len(new)):
-        for j in range(len(old)):
-            if new[i] != old[j] or (i and j and new[i - 1] == old[j - 1]):
-                continue  # not the start of a run
-            n = 1
-            while i + n < len(new) and j + n < len(old) and new[i + n] == old[j + n]:
-                n += 1
-            if best is None or n > best[2]:
-                best = (i, j, n)
-    return None if best is None else (best[0] + best[2], len(old) - best[1] - best[2])
-
-
-class SlemSession(ReadingSession):
-    """SLEM's draft, as transformers runs it (AssistedCandidateGeneratorDifferentTokenizers):
-    per row the target's committed ids (`text`), the draft's ids after its last block
-    (`last`) and the length of text then (`seen`). Each cycle: the draft's input is the last
-    block's ids with a re-tokenised look-behind window of the text aligned onto it (the whole
-    text re-tokenised at first), the draft writes `steps` tokens greedily, a look-behind
-    window of its ids is decoded and re-tokenised by the target's tokenizer, aligned onto the
-    text, and what follows is proposed. With one tokenizer nothing is translated: the draft's
-    ids are proposed as they are."""
-
-    def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], drafting: Drafting):
-        self.drafter = drafter
-        self.steps = drafting.steps  # the draft's own tokens a cycle
-        self.text = [list(p) for p in prompts]
-        self.last: list[list[int] | None] = [None] * len(prompts)
-        self.seen = [0] * len(prompts)
-        with _quiet_loggers("transformers"):
-            readings = [drafter.draft_input(t, None, 0) for t in self.text]
-        super().__init__(drafter.model, readings, drafting)
-
-    def propose(self, pending, npos, u):
-        c, d, k = self.drafting, self.drafter, self.steps
-        with _quiet_loggers("transformers"):  # (decode's notes on its own arguments)
-            inputs = [d.draft_input(t, last, seen)
-                      for t, last, seen in zip(self.text, self.last, self.seen)]
-        logits = self.sync(inputs)
-        at, ds = self.positions(), []
-        finite = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
-        greedy = replace(c.sampling, proposal="argmax")  # the draft writes its argmax
-        cut = c.vocab if d.vocab.same else None  # (one tokenizer: as a draft model is cut)
-        for i in range(k):
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            ds.append(draft_probs(logits[:, -1, :cut], greedy).argmax(-1))  # (B,)
-            if i < k - 1:
-                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
-                                last_only=True)
-        drafts = torch.stack(ds, 1).tolist()  # the cycle's one host sync
-        for held, new in zip(self.held, drafts):
-            held += new[:k - 1]
-        with _quiet_loggers("transformers"):
-            proposed = [d.proposal(t, a, new)
-                        for t, a, new in zip(self.text, inputs, drafts)]
-        for b, (a, new) in enumerate(zip(inputs, drafts)):
-            self.last[b], self.seen[b] = a + d.written(new), len(self.text[b])
-        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:d.block(k)]
-                    for p in proposed]  # ids the target has, a cycle's most
-        width = max(1, max(len(p) for p in proposed))
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposed], device=c.device)
-        count = torch.tensor([len(p) for p in proposed], device=c.device)
-        q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(width, device=c.device) < count[:, None])[..., None]  # (B, W, V)
-        return Proposal(tokens, q, finite.to(c.device), None if d.vocab.same else count)
-
-    def advance(self, n_acc, committed, view):
-        for text, new in zip(self.text, committed):
-            text += new
-
-    def keep(self, rows):
-        super().keep(rows)
-        keep = rows.tolist()
-        self.text, self.last = [self.text[r] for r in keep], [self.last[r] for r in keep]
-        self.seen = [self.seen[r] for r in keep]
-
-
-class SlemDrafter(OtherVocabDrafter):
-    """A draft model with a tokenizer of its own, drafting by string-level exact match (SLEM),
-    as transformers' universal assisted generation runs it at temperature 0 (its candidate
-    generator for assistant_tokenizer; SlemSession): gamma tokens of its own a cycle, greedily,
-    whose text the target's tokenizer re-tokenises; the target keeps the longest prefix equal
-    to its own choices (its argmax at T = 0, its sample at T > 0: q is one-hot on the
-    proposal, accepted with p(x)), lossless. Tokens per cycle count target tokens, a cycle
-    proposing as many as the text re-tokenises to (at most SLEM_WIDTH * gamma); its cost is
-    gamma draft steps and a verify pass. There is no teacher-forced form: whether a drafted
-    token is kept depends on how a whole block of the draft's text re-tokenises and aligns
-    with the target's tokens, which no single position's p and q determine (simulated_only)."""
-
-    method = "SLEM"
-    can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
-
-    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
-                 draft_tokenizer: Any):
-        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
-        self.factor = 1 if self.vocab.same else SLEM_WIDTH
-        self.eos = frozenset(eos_ids(model, draft_tokenizer))  # the draft's text ends there
-
-    def block(self, gamma):
-        return gamma * self.factor
-
-    def convert(self, ids: Sequence[int], to_draft: bool) -> list[int]:
-        """Ids decoded by one tokenizer, the text encoded by the other, as transformers does
-        (convert_source_tokens_to_target_tokens: special tokens skipped in the text, added by
-        the encoding); the identity with one tokenizer."""
-        if self.vocab.same:
-            return list(ids)
-        src, dst = ((self.vocab.target_tok, self.vocab.draft_tok) if to_draft else
-                    (self.vocab.draft_tok, self.vocab.target_tok))
-        text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
-        return list(dst(text, add_special_tokens=True)["input_ids"])
-
-    def draft_input(self, text: list[int], last: list[int] | None, seen: int) -> list[int]:
-        """The draft's ids for the target's committed `text` (transformers'
-        _prepare_assistant_input_ids): at first, or while the text is short, all of it
-        re-tokenised; then the last block's ids (`last`, its drafts included), with the
-        re-tokenised window from SLEM_LOOKBEHIND ids before `seen` aligned onto their end
-        (longest_run): the ids after the run are replaced by the window's, the rest appended."""
-        if last is None or seen <= SLEM_LOOKBEHIND or self.vocab.same:
-            return self.convert(text, True) or [self.vocab.start]  # (never an empty text)
-        new = self.convert(text[seen - SLEM_LOOKBEHIND:], True)
-        run = longest_run(last[-len(new):], new)  # ([-0:]: all of it, as transformers slices)
-        if run is None:
-            return last + new
-        go_on, after = run
-        fix = new[go_on:go_on + after]
-        out = last[:len(last) - after] + fix if after and fix else list(last)
-        return out + new[go_on + after:]
-
-    def written(self, drafts: list[int]) -> list[int]:
-        """A block of drafts up to and including the first of the draft's own EOS ids."""
-        return drafts[:next((i + 1 for i, t in enumerate(drafts) if t in self.eos),
-                            len(drafts))]
-
-    def proposal(self, text: list[int], inputs: list[int], drafts: list[int]) -> list[int]:
-        """The target ids a block proposes (transformers' _process_assistant_outputs): the
-        draft's ids from SLEM_LOOKBEHIND before its input's end, through its drafts,
-        re-tokenised, aligned onto the end of the text (longest_run), what follows the run
-        and the text's ids after it; all of them when nothing aligns."""
-        if self.vocab.same:
-            return list(drafts)
-        out = inputs + self.written(drafts)
-        window = self.convert(out[len(inputs) - SLEM_LOOKBEHIND:], False)
-        run = longest_run(text[-len(window):], window)
-        return window if run is None else window[sum(run):]
-
-    def score(self, rows, spans, states, sampling, vocab, device):
-        n = sum(e - s for s, e in spans)  # proposes nowhere: p's mass on the shared tokens only
-        return [Scores(torch.zeros(n, 1, device=device), torch.zeros(n, dtype=torch.bool,
-                                                                     device=device),
-                       lambda x, where: torch.zeros(len(x), vocab, device=x.device),
-                       self.vocab.in_target)]
-
-    def start(self, prompts, view, drafting):
-        return SlemSession(self, prompts, drafting)
-
-
-# The kinds of drafter, in the order find_drafter asks them: the names first, then the
-# checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
-# causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
-# __all__.
-DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
-                                       DFlashDrafter, AssistantDrafter, PardDrafter,
-                                       TliDrafter, SlemDrafter, ModelDrafter)
-
-
-def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
-    """The draft head a checkpoint folder holds, as the kind that recognises its config loads
-    it (EAGLE-3, Medusa); None: no kind's checkpoint."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    return next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
-                 if d), None)
-
-
-def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
-    """A loaded model as the first kind of DRAFTERS that takes it (ModelDrafter, last: any)."""
-    return next(d for kind in DRAFTERS for d in [kind.from_model(name, loaded, target, options)]
-                if d)
-
-
-def find_drafter(name: str, target: nn.Module, options: DraftOptions,
-                 load: Callable[[str], Loaded | nn.Module]) -> Drafter:
-    """The drafter `name` stands for, as the kinds of DRAFTERS recognise it: a name the target
-    alone makes (ngram, mtp), a draft head's checkpoint folder (EAGLE-3, Medusa), or else a
-    model that load(name) loads (a Gemma-4 assistant, any causal LM; a bare model is taken as
-    loaded from `name`, with the target's tokenizer)."""
-    found = next((d for kind in DRAFTERS for d in [kind.from_name(name, target, options)] if d),
-                 None) or head_drafter(name, target)
-    if found is not None:
-        return found
-    loaded = load(name)
-    return drafter_of(name, loaded if isinstance(loaded, Loaded) else Loaded(loaded, path=name),
-                      target, options)
 
 
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
@@ -4535,6 +2433,8 @@ class RunInfo:
     # (Drafter.serving): "kind" (draft model, early exit, n-gram, MTP, EAGLE-3, ...),
     # "checkpoint" (where it was read from; None: made in memory) and its kind's options
     cross_vocab: dict[str, Any] | None = None  # a draft with a tokenizer of its own: "method"
+
+
     # (TLI or SLEM), "shared_tokens" (the shared vocabulary's size), "target_tokens" and
     # "draft_tokens" (the vocabularies'), "same_tokenizer", "p_mass_shared" (p's mean mass on
     # the shared vocabulary), "draft_tokens_per_cycle" (gamma), "most_target_tokens_per_cycle"
@@ -4687,6 +2587,8 @@ class StaticTree:
     choices: list[list[int]]  # paths of ranks: Medusa's medusa_choices, vLLM's token tree
     expected_accept_length: float  # 1 + the sum over its nodes of their path's acceptance
     acceptance: list[list[float]]  # by depth (drafting step) and rank: the mean of p at q's
+
+
     # rank-r token, what a child of that rank is accepted with
 
 
@@ -5004,6 +2906,23 @@ def teacher_forced_fields(results: Sequence[PromptResult], settings: Settings, c
         **rules, **category_fields(looked, rate < 1, rule, gamma, steps)), table
 
 
+def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, Any]:
+    """Simulated's counts as the engines count them (RowStats.drafted), their accept rate and
+    tokens per cycle with bootstrap intervals over prompts; none where a row was not counted
+    (an earlier version's)."""
+    if any(r.drafted is None for r in rows):
+        return {}
+    drafted, took, steps = ([getattr(r, k) for r in rows]
+                            for k in ("drafted", "drafted_accepted", "verify_steps"))
+    ci = bootstrap_ci(took, steps, weights)
+    return {"drafted_tokens": sum(drafted), "drafted_accepted": sum(took),
+            "verify_steps": sum(steps),
+            "accept_rate": sum(took) / sum(drafted) if sum(drafted) else None,
+            "accept_rate_ci": bootstrap_ci(took, drafted, weights),
+            "logged_tokens_per_cycle": 1 + sum(took) / sum(steps) if sum(steps) else None,
+            "logged_tokens_per_cycle_ci": ci and (1 + ci[0], 1 + ci[1])}
+
+
 def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: int
                       ) -> Simulated:
     """The simulated section of a report, from the per-prompt simulation statistics. The
@@ -5036,23 +2955,6 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: in
         unproposed_by_draft_offset=unproposed,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
         accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
-
-
-def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, Any]:
-    """Simulated's counts as the engines count them (RowStats.drafted), their accept rate and
-    tokens per cycle with bootstrap intervals over prompts; none where a row was not counted
-    (an earlier version's)."""
-    if any(r.drafted is None for r in rows):
-        return {}
-    drafted, took, steps = ([getattr(r, k) for r in rows]
-                            for k in ("drafted", "drafted_accepted", "verify_steps"))
-    ci = bootstrap_ci(took, steps, weights)
-    return {"drafted_tokens": sum(drafted), "drafted_accepted": sum(took),
-            "verify_steps": sum(steps),
-            "accept_rate": sum(took) / sum(drafted) if sum(drafted) else None,
-            "accept_rate_ci": bootstrap_ci(took, drafted, weights),
-            "logged_tokens_per_cycle": 1 + sum(took) / sum(steps) if sum(steps) else None,
-            "logged_tokens_per_cycle_ci": ci and (1 + ci[0], 1 + ci[1])}
 
 
 def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
@@ -5428,6 +3330,65 @@ def format_report(r: AcceptanceReport) -> str:
     return "\n".join(lines)
 
 
+def format_summary(reports: Sequence[AcceptanceReport]) -> str:
+    """One row per (draft, temperature), best estimated speedup first."""
+    def speed(r: AcceptanceReport) -> float:
+        best = next((row for row in r.gamma_table or [] if row.gamma == r.best_gamma), None)
+        return -1.0 if best is None else best.est_speedup
+
+    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
+             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
+             f"{'best gamma':>10} {'speedup':>8}"]
+    for r in sorted(reports, key=speed, reverse=True):
+        ci = _interval(r.alpha_ci)
+        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
+        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
+                     f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
+                     f"{_num(r.best_gamma, 'd'):>10} "
+                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
+    return "\n".join(lines)
+
+
+def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
+    """--context-lengths: per (draft, system prompt, temperature), a row per context length:
+    prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
+    the engines'-rule alpha, tokens per cycle and speedup (teacher-forced, i.i.d.)."""
+    groups: dict[tuple, list[AcceptanceReport]] = {}
+    for r in reports:
+        groups.setdefault((r.draft, r.system_prompt, r.temperature), []).append(r)
+    sim = any(r.simulated is not None for r in reports)
+    lines = []
+    for (draft, system, t), rs in groups.items():
+        by_length = {r.run.context["length"]: r for r in rs}
+        longest = rs[0].run.context["longest"]
+        lines += [f"  acceptance by context length — {draft}, T={t:g}"
+                  + ("" if system is None else f", system prompt {system!r}")
+                  + " (95% CI over prompts)",
+                  f"    {'context':>8} {'prompts':>7} {'shorter':>7} {'alpha':>6} "
+                  f"{'95% CI':>15} {'engines':>7} {'tok/cyc':>7} {'speedup':>7}"
+                  + (f" {'sim alpha':>9} {'95% CI':>15} {'sim tok/cyc':>11}" if sim else "")]
+        for n in sorted(set(lengths)):
+            r = by_length.get(n)
+            if r is None:
+                why = (f"no document has {n:,} tokens (the longest has {longest:,})"
+                       if n > longest else "not measured (the run stopped first)")
+                lines.append(f"    {n:>8,} {0:>7} {'-':>7}   {why}")
+                continue
+            tf, s, c = r.teacher_forced, r.simulated, r.run.context
+            lines.append(
+                f"    {n:>8,} {len(c['documents']):>7} {c['shorter']:>7} "
+                f"{_num(tf.alpha, '.3f'):>6} {_interval(tf.alpha_ci):>15} "
+                f"{_num((tf.alpha_by_rule or {}).get('argmax'), '.3f'):>7} "
+                f"{_num(tf.tokens_per_cycle, '.2f'):>7} "
+                f"{_num(tf.est_speedup, '.2f') + 'x':>7}"
+                + ("" if not sim else
+                   f" {_num(s and s.alpha, '.3f'):>9} {_interval(s and s.alpha_ci):>15} "
+                   f"{_num(s and s.tokens_per_cycle, '.2f'):>11}"))
+    lines.append("    (engines = alpha under the engines' rule, argmax proposal accepted with "
+                 "p(x); tok/cyc and speedup: teacher-forced, at the run's gamma)")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # engine settings: the measured acceptance, replayed by a serving engine (--engine-config)
 #
@@ -5466,9 +3427,15 @@ PROPOSERS: dict[str, dict[str, Proposer]] = {
                "llamacpp": Proposer("draft-dflash")},
     "TLI": {"vllm": Proposer("draft_model", extra=(("use_heterogeneous_vocab", True),))},
 }
+
+
 STAND_INS = {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
              "llamacpp": Proposer("ngram-simple", False)}
+
+
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+
+
 SGLANG_RUNNING = 48  # the --max-running-requests SGLang sets under speculation unless given
 
 
@@ -5672,63 +3639,8 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
     return "\n".join(lines)
 
 
-def format_summary(reports: Sequence[AcceptanceReport]) -> str:
-    """One row per (draft, temperature), best estimated speedup first."""
-    def speed(r: AcceptanceReport) -> float:
-        best = next((row for row in r.gamma_table or [] if row.gamma == r.best_gamma), None)
-        return -1.0 if best is None else best.est_speedup
-
-    lines = ["  ranking (best estimated speedup first; alpha with 95% CI over prompts)",
-             f"    {'draft':<40} {'T':>4} {'alpha':>6} {'95% CI':>15} {'sim alpha':>9} "
-             f"{'best gamma':>10} {'speedup':>8}"]
-    for r in sorted(reports, key=speed, reverse=True):
-        ci = _interval(r.alpha_ci)
-        name = r.draft if len(r.draft) <= 40 else "…" + r.draft[-39:]
-        lines.append(f"    {name:<40} {r.temperature:>4g} {_num(r.alpha, '.3f'):>6} {ci:>15} "
-                     f"{_num(r.simulated and r.simulated.alpha, '.3f'):>9} "
-                     f"{_num(r.best_gamma, 'd'):>10} "
-                     f"{_num(speed(r) if r.best_gamma else None, '.2f') + 'x':>8}")
-    return "\n".join(lines)
-
-
-def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
-    """--context-lengths: per (draft, system prompt, temperature), a row per context length:
-    prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
-    the engines'-rule alpha, tokens per cycle and speedup (teacher-forced, i.i.d.)."""
-    groups: dict[tuple, list[AcceptanceReport]] = {}
-    for r in reports:
-        groups.setdefault((r.draft, r.system_prompt, r.temperature), []).append(r)
-    sim = any(r.simulated is not None for r in reports)
-    lines = []
-    for (draft, system, t), rs in groups.items():
-        by_length = {r.run.context["length"]: r for r in rs}
-        longest = rs[0].run.context["longest"]
-        lines += [f"  acceptance by context length — {draft}, T={t:g}"
-                  + ("" if system is None else f", system prompt {system!r}")
-                  + " (95% CI over prompts)",
-                  f"    {'context':>8} {'prompts':>7} {'shorter':>7} {'alpha':>6} "
-                  f"{'95% CI':>15} {'engines':>7} {'tok/cyc':>7} {'speedup':>7}"
-                  + (f" {'sim alpha':>9} {'95% CI':>15} {'sim tok/cyc':>11}" if sim else "")]
-        for n in sorted(set(lengths)):
-            r = by_length.get(n)
-            if r is None:
-                why = (f"no document has {n:,} tokens (the longest has {longest:,})"
-                       if n > longest else "not measured (the run stopped first)")
-                lines.append(f"    {n:>8,} {0:>7} {'-':>7}   {why}")
-                continue
-            tf, s, c = r.teacher_forced, r.simulated, r.run.context
-            lines.append(
-                f"    {n:>8,} {len(c['documents']):>7} {c['shorter']:>7} "
-                f"{_num(tf.alpha, '.3f'):>6} {_interval(tf.alpha_ci):>15} "
-                f"{_num((tf.alpha_by_rule or {}).get('argmax'), '.3f'):>7} "
-                f"{_num(tf.tokens_per_cycle, '.2f'):>7} "
-                f"{_num(tf.est_speedup, '.2f') + 'x':>7}"
-                + ("" if not sim else
-                   f" {_num(s and s.alpha, '.3f'):>9} {_interval(s and s.alpha_ci):>15} "
-                   f"{_num(s and s.tokens_per_cycle, '.2f'):>11}"))
-    lines.append("    (engines = alpha under the engines' rule, argmax proposal accepted with "
-                 "p(x); tok/cyc and speedup: teacher-forced, at the run's gamma)")
-    return "\n".join(lines)
+# ----------------------------------------------------------------------------------------------
+# the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
 
 
 def _sha256(what: Any) -> str:
@@ -5760,10 +3672,6 @@ def model_identity(model: nn.Module, files: str | None = None) -> str:
 def run_key(parts: dict[str, Any]) -> str:
     """The hash of a report's run_key_parts."""
     return _sha256(parts)
-
-
-# ----------------------------------------------------------------------------------------------
-# the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
 
 
 class Measurement:
@@ -6168,10 +4076,2169 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
 
 
 # ==============================================================================================
-# THE LINE. Above: the library (maths, caches, drafters, the two routes, statistics, the report,
-# one setting measured). Below: the run, which calls up into it: loading models and data,
-# files, plots, resuming, several processes and signals, the sweep of settings, the command
-# line. Nothing above knows of any of these.
+# PART II. THE DRAFTER KINDS: each one block (its network, its session, its drafter and the
+# checkpoint layouts it reads), all on the interface of Part I, then the registry that finds
+# them. Each declares what it can do (Abilities) and refuses, in its own check, what it cannot.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# what several kinds share: reading checkpoints, the target's states, a loaded model's vocabulary
+
+
+def left_pad_states(states: Sequence[torch.Tensor | None], width: int, size: int,
+                    device: torch.device) -> torch.Tensor:
+    """Per-row states (n_b, size) (None: none yet) -> (B, width, size), zeros on the left."""
+    return torch.stack([torch.cat([torch.zeros(width - len(h), size).to(h), h])
+                        if h is not None and len(h) else torch.zeros(width, size, device=device)
+                        for h in states])
+
+
+def step_scores(outs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
+                heads: Any, device: torch.device, support: torch.Tensor | None = None
+                ) -> list[Scores]:
+    """Scores of a drafter whose step k+1 at slot j (B, T, H: outs[k]) drafts row[j + 2 + k]:
+    at scored position t (which predicts row[t + 1]) that is its output at slot t - 1, for
+    positions t < end - k; position 0 has no slot before it and proposes nothing. heads: one
+    Scores.head, or one per step."""
+    scores = []
+    for k, out in enumerate(outs):
+        picked, made = [], []
+        for b, (s, e) in enumerate(spans):
+            h = out[b, max(s - 1, 0):max(e - k - 1, 0)]
+            if s == 0 and e - k > 0:
+                h = torch.cat([torch.zeros_like(out[b, :1]), h])
+            picked.append(h.to(device))
+            made.append(torch.arange(len(h), device=device) + s > 0)
+        head = heads[k] if isinstance(heads, (list, tuple)) else heads
+        scores.append(Scores(torch.cat(picked), torch.cat(made), head, support))
+    return scores
+
+
+def read_weights(folder: str, names: Sequence[str] | None = None,
+                 keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
+    """The tensors `keep` wants (by name) in a checkpoint folder's safetensors or PyTorch files
+    (or in the files `names`): read one by one where the format allows (safetensors), so the
+    heads of a full model never load the model."""
+    found = sorted(os.listdir(folder))
+    names = list(names) if names else ([n for n in found if n.endswith(".safetensors")] or
+                                       [n for n in found if n.endswith((".bin", ".pt", ".pth"))])
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                weights.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights.update({k: v for k, v in loaded.items() if keep(k)})
+    if not weights:
+        raise UsageError(f"{folder!r} holds no .safetensors or .bin weights specdec reads")
+    return weights
+
+
+def on_target(net: nn.Module, target: nn.Module) -> nn.Module:
+    """A draft head in eval mode, frozen, on the target's device and in its dtype."""
+    device = model_device(target) or torch.device("cpu")
+    net = net.to(device=device, dtype=next(target.parameters()).dtype)
+    return net.eval().requires_grad_(False)
+
+
+def check_tokenizers(tok_p: Any, tok_q: Any, n_shared: int) -> None:
+    """Refuse a pair whose tokenizers map a shared id to different tokens (a draft without a
+    tokenizer of its own, an assistant sidecar, uses the target's)."""
+    if tok_p is tok_q or tok_q is None:
+        return
+    n = min(n_shared, len(tok_p), len(tok_q))
+    ids = list(range(n))
+    a, b = tok_p.convert_ids_to_tokens(ids), tok_q.convert_ids_to_tokens(ids)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            raise UsageError(f"target and draft tokenizers disagree (id {i} is {x!r} for the "
+                             f"target, {y!r} for the draft): speculative decoding needs a "
+                             f"shared tokenizer; pick a draft from the target's family")
+
+
+def vocabulary_method(loaded: Loaded, target: nn.Module, options: DraftOptions) -> str | None:
+    """How a loaded draft model drafts (--cross-vocab, options.cross_vocab): None, in the
+    target's vocabulary, when its tokenizer agrees with the target's on their shared ids
+    (check_tokenizers; a draft without one of its own, an assistant sidecar, uses the target's)
+    and no method is forced; else "tli" (auto's choice) or "slem"."""
+    if options.cross_vocab != "auto":
+        return options.cross_vocab
+    try:
+        check_tokenizers(options.tokenizer, loaded.tokenizer,
+                         min(vocab_width(target), vocab_width(loaded.model)))
+    except UsageError:
+        return "tli"
+    return None
+
+
+def pard_mask_token(mask: str, tok: Any) -> int:
+    """--pard-mask's token id: an id, or a token of the target's tokenizer."""
+    token = int(mask) if mask.isdigit() else (tok.get_vocab() if tok is not None else {}).get(
+        mask)
+    if token is None:
+        raise UsageError(f"--pard-mask {mask!r}: no such token in the tokenizer's vocabulary; "
+                         f"give one it has (one of its special tokens) or an id")
+    return token
+
+
+class CommittedStates(Session):
+    """A session whose network reads each committed token with the target's state one
+    position before it (the MTP layers, EAGLE-3) and caches what it computed there: every pass
+    it is shown (start's prefill, each cycle's verify) runs the newly committed tokens through
+    it once (absorb), so a cycle costs the same at any context length, up to attention.
+    held[b]: the target states row b has had = its pending token's position, T (host)."""
+
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
+        self.drafting, self.held = drafting, [len(p) - 1 for p in prompts]
+        ids, live, pos = left_pad([p[1:] for p in prompts], drafting.device)  # x_1..x_T
+        if ids.shape[1]:  # the prefill's states h_0..h_{T-1}, left-padded alike
+            self.absorb(ids, self.states_of(view), live, pos + 1)
+
+    def states_of(self, view: TargetView) -> torch.Tensor:
+        """What the session reads of a target pass, at its positions (B, t, ...)."""
+        raise NotImplementedError
+
+    def absorb(self, ids: torch.Tensor, states: torch.Tensor, live: torch.Tensor,
+               pos: torch.Tensor) -> None:
+        """Run newly committed tokens ids (B, t) at positions pos (live: 1 where a row has
+        one, the padding on the left) into the cache; states (B, t, ...) are the target's one
+        position before each."""
+        raise NotImplementedError
+
+    def advance(self, n_acc, committed, view):
+        c = self.drafting
+        ids, live, pos = left_pad(committed, c.device)  # (B, W): x_{T+1}..x_{T+n_acc+1}
+        fed = self.states_of(view)  # (B, G+1, ...) at positions T..T+G
+        states = left_pad_states([fed[b, :len(new)] for b, new in enumerate(committed)],
+                                 ids.shape[1], fed.shape[-1], c.device)  # (B, W, ...)
+        held = torch.tensor(self.held, device=c.device)  # (B,) T
+        self.absorb(ids, states, live, held[:, None] + 1 + pos)
+        self.held = [h + len(new) for h, new in zip(self.held, committed)]
+
+    def ready(self) -> torch.Tensor:
+        """(B,) the rows with a target state to draft from (a one-token prompt has none)."""
+        return torch.tensor([h > 0 for h in self.held], device=self.drafting.device)
+
+    def keep(self, rows):
+        self.held = [self.held[r] for r in rows.tolist()]
+
+
+class LastState(TreeSession):
+    """A session that keeps, per row, the target's final hidden state at the last committed
+    position before the pending token (None before the target has processed any): the
+    Gemma-4 assistant, Medusa heads."""
+
+    def __init__(self, prompts: list[list[int]], view: TargetView | None, drafting: Drafting):
+        self.drafting = drafting
+        self.hidden = [view.hidden[b, -1] if len(p) > 1 else None for b, p in enumerate(prompts)]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """((B,) rows that have a state, their states (B, H), zeros where none; None when no
+        row has one)."""
+        device = self.drafting.device
+        ready = torch.tensor([h is not None for h in self.hidden], device=device)
+        if not ready.any():
+            return ready, None
+        size = next(h for h in self.hidden if h is not None).shape[-1]
+        return ready, torch.stack([h if h is not None else torch.zeros(size, device=device)
+                                   for h in self.hidden])
+
+    def advance(self, n_acc, committed, view):
+        self.hidden = [view.hidden[b, len(new) - 1] for b, new in enumerate(committed)]
+
+    def keep(self, rows):
+        self.hidden = [self.hidden[r] for r in rows.tolist()]
+
+    def propose(self, pending, npos, u):
+        return self.draft(pending, npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(pending, npos, lambda k, q: tokens[:, k])
+
+    def draft(self, pending: torch.Tensor, npos: torch.Tensor,
+              pick: Callable[[int, torch.Tensor], torch.Tensor]) -> Proposal:
+        """The drafts after pending at npos, step k's token pick(k, q): drawn, or given."""
+        raise NotImplementedError
+
+    def fork(self, rows, drafting):
+        twin = copy.copy(self)
+        twin.drafting, twin.hidden = drafting, [self.hidden[r] for r in rows.tolist()]
+        return twin
+
+
+# ----------------------------------------------------------------------------------------------
+# n-gram lookup (prompt lookup): no network, drafts copied from earlier text
+
+
+def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_tokens: int,
+                 eos: set[int] | frozenset[int], end: int | None = None) -> list[int]:
+    """Prompt lookup, as transformers' PromptLookupCandidateGenerator does it, in seq[:end]:
+    for n in `sizes` (longest first), the earliest earlier occurrence of the last n tokens;
+    propose what followed it, up to n_tokens and not past `end`, cut before an EOS (nothing, if
+    the EOS comes first). first[ngram] = where that n-gram first occurs (index_ngrams)."""
+    end = len(seq) if end is None else end
+    for n in sizes:
+        if n > end - 1:
+            continue
+        i = first.get(tuple(seq[end - n:end]))
+        if i is not None and i + n < end:  # earlier than the suffix itself: something follows
+            copied = list(seq[i + n:min(i + n + n_tokens, end)])
+            return copied[:next((k for k, t in enumerate(copied) if t in eos), len(copied))]
+    return []
+
+
+def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, start: int,
+                 stop: int | None = None) -> None:
+    """Record where each n-gram (n in sizes) ending at positions start..stop-1 first occurs."""
+    for end in range(max(start, 0), len(seq) if stop is None else stop):
+        for n in sizes:
+            if end + 1 >= n:
+                first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
+
+
+class NgramSession(Session):
+    """Each row's committed tokens and its n-gram index."""
+
+    def __init__(self, drafter: NgramDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter, self.drafting = drafter, drafting
+        self.seqs = [list(seq) for seq in prompts]
+        self.firsts: list[dict[tuple, int]] = [{} for _ in prompts]
+        for seq, first in zip(self.seqs, self.firsts):
+            index_ngrams(seq, first, drafter.sizes, 0)
+
+    def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
+        c, d = self.drafting, self.drafter
+        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos)
+                 for seq, first in zip(self.seqs, self.firsts)]
+        tokens = torch.tensor([f + [0] * (c.steps - len(f)) for f in found], dtype=torch.long)
+        count = torch.tensor([len(f) for f in found])
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(c.steps) < count[:, None])[..., None]  # (B, G, V)
+        return Proposal(tokens.to(c.device), q.to(c.device),
+                        torch.ones(len(found), dtype=torch.bool, device=c.device),
+                        count.to(c.device))
+
+    def advance(self, n_acc, committed, view):
+        for seq, first, new in zip(self.seqs, self.firsts, committed):
+            seq += new
+            index_ngrams(seq, first, self.drafter.sizes, len(seq) - len(new))
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.seqs, self.firsts = [self.seqs[r] for r in keep], [self.firsts[r] for r in keep]
+
+
+class NgramDrafter(Drafter):
+    """Model-free drafts copied from earlier text (prompt lookup; vLLM's `ngram`, llama.cpp's
+    lookup decoding): q is one-hot on the copied token, so alpha_t = p_t(proposal) under
+    either proposal rule; a position with no match proposes nothing, and a cycle there is one
+    plain target step."""
+
+    can = Abilities("n-gram", trees=False, distribution=False)
+
+    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
+        if not 1 <= min_n <= max_n:
+            raise UsageError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max, got "
+                             f"{min_n} and {max_n}")
+        self.sizes, self.min_n = range(max_n, min_n - 1, -1), min_n
+        self.eos = frozenset() if eos is None else frozenset(eos)  # never copied into a draft
+        self.eos_given = eos is not None  # else the run's EOS ids are used (for_run)
+        self.name, self.width = f"ngram (n={min_n}..{max_n})", None
+
+    def for_run(self, eos, gammas):
+        return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
+
+    def serving(self):
+        return {**super().serving(), "ngram": [self.min_n, self.sizes[0]]}
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        found = []
+        for row, (s, e) in zip(rows, spans):
+            first: dict[tuple, int] = {}
+            index_ngrams(row, first, self.sizes, 0, s)
+            for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
+                index_ngrams(row, first, self.sizes, t, t + 1)
+                copied = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
+                found.append(copied[0] if copied else -1)
+        found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
+        return [Scores(found_t.clamp_min(0), found_t >= 0,
+                       lambda x, where: nn.functional.one_hot(x, vocab).float())]
+
+    def start(self, prompts, view, drafting):
+        return NgramSession(self, prompts, drafting)
+
+    def param_cost(self, target):
+        return 0.0, "no network: a lookup in the text costs nothing next to a target step"
+
+    @classmethod
+    def from_name(cls, name, target, options):
+        if name != "ngram":
+            return None
+        return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer))
+
+
+# ----------------------------------------------------------------------------------------------
+# MTP: the target's own multi-token-prediction layers
+
+
+def mtp_layer_type(config: Any, k: int) -> tuple[str, int | None]:
+    """MTP layer k's attention, as transformers' MtpModel masks it: (kind, sliding window in
+    positions, None for full attention). A key is seen from a query q positions later when
+    0 <= q < window (its sliding_window_overlay: kv > q - window), as vLLM's flash-attention
+    window (window - 1, 0) does too. Other kinds (chunked, linear) are refused."""
+    kinds = getattr(config, "layer_types", None)
+    kind = kinds[k] if kinds else "full_attention"
+    layer = config.per_layer_config[k] if getattr(config, "is_heterogeneous", False) else config
+    if kind == "full_attention":
+        return kind, None
+    if kind == "sliding_attention":
+        return kind, int(layer.sliding_window)
+    raise UsageError(f"--draft mtp: MTP layer {k + 1} has {kind} attention; specdec runs MTP "
+                     f"layers with full or sliding-window attention only")
+
+
+class MtpSession(CommittedStates, TreeSession):
+    """The MTP layers over the committed tokens and the target's final hidden states: each
+    drafting step k has a cache of its own history (slots[k], Slots whose positions are those
+    of the tokens it read) and its output at the pending token's position T (last[k]). A cycle
+    runs step 1 nowhere (its draft comes from last[0]) and step k+1 over its k slots that read
+    drafts (positions T+1..T+k, reading d_1..d_k), which it then drops."""
+
+    def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
+                 drafting: Drafting):
+        self.drafter, rows = drafter, len(prompts)
+        steps = min(drafting.steps, drafter.can.steps)
+        self.slots = [new_slots(rows, drafting.device) for _ in range(steps)]
+        weight = next(drafter.mtp.parameters())
+        self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
+                                 device=drafting.device) for _ in range(steps)]
+        super().__init__(prompts, view, drafting)
+
+    def states_of(self, view):
+        return view.hidden
+
+    def absorb(self, ids, states, live, pos):
+        self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
+
+    def propose(self, pending, npos, u):
+        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(npos, lambda k, q: tokens[:, k])
+
+    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> Proposal:
+        """Each step's q at the pending token's position and after, step k's token pick(k, q):
+        drawn, or given."""
+        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
+            return Proposal.none(len(npos), c)
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+        tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
+        for k, slots in enumerate(self.slots):
+            if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
+                at = npos[:, None] + 1 + torch.arange(k, device=npos.device)  # (B, k)
+                hidden = torch.cat([self.last[k - 1][:, None], tail], 1)  # (B, k, H)
+                tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
+                drop_slots(slots, k)  # they read drafts: never part of the history
+            out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
+            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
+            ds.append(pick(k, qs[-1]))
+        steps, pad = len(qs), c.steps - len(qs)  # offsets past the last step: none proposed
+        q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(q, (0, 0, 0, pad)),
+                        torch.ones_like(ready), ready.long() * steps)
+
+    def keep(self, rows):
+        for slots in self.slots:
+            select_slots(slots, rows)
+        self.last = [last[rows] for last in self.last]
+        super().keep(rows)
+
+    def fork(self, rows, drafting):
+        twin = copy.copy(self)
+        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
+        steps = min(drafting.steps, self.drafter.can.steps)  # a step this session never ran
+        twin.slots = [fork_slots(s, rows) for s in self.slots[:steps]]
+        twin.last = [last[rows] for last in self.last[:steps]]
+        return twin
+
+
+class MtpDrafter(Drafter):
+    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.x MoE, Mellum and the
+    other transformers 5.x models whose config has num_mtp_layers), run through transformers'
+    MtpModel layers. Drafting step k (1..steps) reads the embedding of the token k ahead of a
+    position and step k-1's output there (step 1: the target's final hidden state), each fed
+    the token the step before drafted. Step k runs MTP layer (k-1) mod L of the model's L, as
+    vLLM's deepseek_mtp model picks it (spec_step_idx % num_mtp_layers): steps = L runs each
+    layer once (transformers' generate(use_mtp=True)); more steps reuse them, as engines serve
+    a one-layer model for several tokens (vLLM num_speculative_tokens, SGLang
+    --speculative-num-steps). A cycle proposes min(gamma, steps) tokens. Each step attends its
+    own history over the committed positions (step 1's is what transformers, vLLM and SGLang
+    cache; see docs/drafters.md for reused layers), cached: a session runs each committed
+    token through every step once (MtpSession), a cycle only the steps' drafted positions."""
+
+    can = Abilities("MTP", reads_target=True)
+
+    def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
+                 steps: int | None = None):
+        self.target, self.mtp, self.heads = target, mtp, mtp.num_mtp_layers
+        self.layer_types = [mtp_layer_type(mtp.config, k) for k in range(self.heads)]
+        steps = self.heads if steps is None else steps
+        if steps < 1:
+            raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
+        self.can = replace(self.can, steps=steps)
+        heads = f"{self.heads} head{'s' if self.heads > 1 else ''}"
+        self.name = name or (f"mtp ({heads})" if steps == self.heads
+                             else f"mtp ({heads}, {steps} steps)")
+        self.width = vocab_width(target)
+
+    @classmethod
+    def of(cls, target: nn.Module, steps: int | None = None) -> MtpDrafter:
+        """The MTP layers stored beside the target's weights (MtpModel.from_pretrained)."""
+        n = getattr(target.config.get_text_config(), "num_mtp_layers", None)
+        if not n:
+            raise UsageError(f"--draft mtp: {type(target).__name__} has no multi-token-"
+                             f"prediction layers (its config sets no num_mtp_layers); use a "
+                             f"model with MTP heads, such as DeepSeek-V3 or GLM-4.5")
+        from transformers.modeling_layers import MtpModel
+        device = next(target.get_decoder().layers[-1].parameters()).device
+        try:
+            with _quiet_loggers("transformers"):
+                mtp = MtpModel.from_pretrained(target, device_map={"": device})
+        except Exception as e:
+            raise UsageError(f"--draft mtp: could not load the MTP layers of "
+                             f"{target.config.name_or_path!r} ({type(e).__name__}: "
+                             f"{_one_line(e)[:200]})") from None
+        return cls(target, mtp.eval().requires_grad_(False), steps=steps)
+
+    def layer_of(self, step: int) -> int:
+        """The MTP layer (0-based) that drafting step `step` (0-based) runs."""
+        return step % self.heads
+
+    def drafted_by(self, gamma):
+        return [f"layer {self.layer_of(k) + 1}" if k < self.can.steps else "-"
+                for k in range(gamma)]
+
+    def forward_step(self, k: int, slots: Slots, ids: torch.Tensor, hidden: torch.Tensor,
+                     live: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Drafting step k (0-based) over new slots (B, t): ids the tokens at positions pos,
+        hidden what each reads with its token (the output one position before, of step k-1
+        or of the target). Their keys and values join `slots`, step k's own history; each
+        attends the live slots at its position or before (sliding layers: within the window)
+        -> outputs (B, t, H)."""
+        mtp, layer = self.mtp, self.layer_of(k)
+        kind, window = self.layer_types[layer]
+        seen = add_slots(slots, live, pos, window)  # (B, t, S)
+        emb = mtp.embed_tokens(ids).to(hidden.device)
+        rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
+        angles = None if mtp.rotary_emb is None else mtp.rotary_emb(emb, position_ids=pos, **rope)
+        out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
+                                attention_mask=additive_mask(seen, hidden.dtype),
+                                position_ids=pos, cache=slots.cache)
+        return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
+
+    def steps_over(self, slots: list[Slots], last: list[torch.Tensor], ids: torch.Tensor,
+                   hidden: torch.Tensor, live: torch.Tensor, pos: torch.Tensor
+                   ) -> list[torch.Tensor]:
+        """Every step over newly committed tokens ids (B, t) at positions pos (live: 1 where a
+        row has one), each step into its own slots[k]. Step 1 reads hidden, the target's final
+        states one position before; step k+1 reads step k's output there: this call's, or, at
+        a row's first new position, last[k], step k's output at the newest position before,
+        which this call moves on. Step k reads positions > k only (one at p reads the target's
+        state at p - 1 - k). -> each step's outputs (B, t, H)."""
+        outs = []
+        for k, cache in enumerate(slots):
+            on = live.bool() & (pos > k)  # (B, t)
+            outs.append(self.forward_step(k, cache, ids, hidden, on, pos))
+            done = torch.where(on[..., None], outs[-1], last[k][:, None])  # (B, t, H)
+            hidden = torch.cat([last[k][:, None], done[:, :-1]], 1)  # one position on
+            last[k] = done[:, -1]
+        return outs
+
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Outputs (..., H) -> q: the shared head's logits, processed (draft_probs: propose)."""
+        return q_head(lambda h: self.mtp._project_to_logits(h).to(h.device), sampling, vocab,
+                      propose)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        if states is None:  # the target's head is not a plain map: get its states here
+            states = teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
+        ids = torch.tensor([list(r[1:]) + [0] * (width + 1 - len(r)) for r in rows],
+                           device=device)  # (B, T-1)
+        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
+                            device=device)
+        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
+        states = states[:, :width]  # (B, T-1, H) the last has no token after it
+        steps = self.can.steps
+        slots = [new_slots(len(rows), device) for _ in range(steps)]
+        last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(steps)]
+        outs = [[states[:, :0]] for _ in range(steps)]
+        for start in range(0, width, SCORE_STARTS):  # masks (B, 1, n, T), never (B, 1, T, T)
+            at = slice(start, start + SCORE_STARTS)
+            for k, out in enumerate(self.steps_over(slots, last, ids[:, at], states[:, at],
+                                                    live[:, at], pos[:, at])):
+                outs[k].append(out)
+        # step k+1 at slot j (as step_scores takes it) is its output at position j + 1 + k
+        return step_scores([torch.cat(o, 1)[:, k:] for k, o in enumerate(outs)], spans,
+                           self.head(sampling, vocab), device)
+
+    def start(self, prompts, view, drafting):
+        return MtpSession(self, prompts, view, drafting)
+
+    def networks(self):
+        return [self.mtp]
+
+    @classmethod
+    def from_name(cls, name, target, options):
+        return cls.of(target, options.mtp_steps) if name == "mtp" else None
+
+    def param_cost(self, target):
+        layer = sum(p.numel() for p in self.mtp.layers[0].parameters())
+        head = target.get_output_embeddings().weight.numel()
+        return ((layer + head) / params_per_token(target),
+                "parameters per token: one MTP layer and the output head, against the target "
+                "(every MoE expert counted: prefer measure for MoE models)")
+
+
+# ----------------------------------------------------------------------------------------------
+# the Gemma-4 assistant: a sidecar that reads the target's cache
+
+
+class AssistantSession(LastState):
+    """The last state, and the target's cache, which the assistant reads."""
+
+    def __init__(self, drafter: AssistantDrafter, prompts: list[list[int]],
+                 view: TargetView | None, drafting: Drafting):
+        super().__init__(prompts, view, drafting)
+        self.drafter, self.slots = drafter, view.slots if view is not None else None
+
+    def draft(self, pending, npos, pick):
+        c, d = self.drafting, self.drafter
+        ready, hidden = self.stacked()
+        if self.slots is None or hidden is None:  # nothing processed yet: no proposal
+            return Proposal.none(len(pending), c)
+        hidden = hidden[:, None]  # (B, 1, H)
+        token, qs, ds = pending[:, None], [], []
+        finite = torch.ones_like(ready)
+        for i in range(c.steps):  # every step at the pending token's position
+            out, hidden = d.step(token, hidden, npos[:, None], self.slots)
+            logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            qs.append(draft_probs(logits, c.sampling) * ready[:, None])
+            ds.append(pick(i, qs[-1]))
+            token = ds[-1][:, None]
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps)
+
+    def advance(self, n_acc, committed, view):
+        super().advance(n_acc, committed, view)
+        self.slots = view.slots
+
+    def fork(self, rows, drafting):
+        twin = super().fork(rows, drafting)
+        twin.slots = self.slots and fork_slots(self.slots, rows)  # the target's, read only
+        return twin
+
+
+class AssistantDrafter(Drafter):
+    """A Gemma-4 assistant sidecar (Gemma4AssistantForCausalLM), drafting as transformers'
+    SinglePositionMultiTokenCandidateGenerator does: no cache of its own; each step reads the
+    target's embedding of the newest token joined to a hidden state (first the target's final
+    hidden state at the position before, then its own projected output), at one fixed
+    position, attending the keys and values of the target's cache (its last layer of each
+    attention type). Two differences, both for exactness: it attends only the target's
+    committed positions (transformers also lets it see keys of rejected drafts still in the
+    cache), and at T > 0 it samples from its processed distribution, which is the q the test
+    uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
+
+    can = Abilities("Gemma-4 assistant", reads_target=True)
+
+    def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant",
+                 checkpoint: str | None = None):
+        if not type(target).__name__.startswith(("Gemma4", "Gemma3n")):
+            raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
+                             f"target, not {type(target).__name__}")
+        self.target, self.assistant, self.name = target, assistant, name
+        self.width, self.checkpoint = vocab_width(target), checkpoint
+        config = target.config.get_text_config(decoder=True)
+        modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
+        self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
+                                 if lt == t and m != "reuse") for t in set(config.layer_types)}
+        # the assistant's own window (its config is what transformers' mask reads)
+        self.window = getattr(assistant.config.get_text_config(), "sliding_window", None)
+
+    @classmethod
+    def from_model(cls, name, loaded, target, options):
+        """A Gemma4AssistantForCausalLM (or its unified form) loaded as --draft."""
+        if type(loaded.model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant")):
+            return cls(target, loaded.model, name, loaded.path)
+        return None
+
+    def networks(self):
+        return [self.assistant]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step for queries (B, t): the newest tokens, the hidden states they come
+        with, at positions pos; keys: the target's cache slots before each query's position.
+        -> (its output (B, t, H_a), for head(); the projected state for the next step)."""
+        a = self.assistant
+        x = torch.cat([self.target.get_input_embeddings()(tokens), hidden.to(slots.pos.device)],
+                      -1)
+        x = a.pre_projection(x)
+        seen = slots.live[:, None, :].bool() & (slots.pos[:, None, :] < pos[:, :, None])
+        # Gemma4AssistantForCausalLM's sliding mask is |q - kv| <= W on the shared cache: the
+        # last W + 1 keys, positions q - W - 1 .. q - 1 (the target's own is k > q - W)
+        near = slots.pos[:, None, :] >= pos[:, :, None] - (self.window or 1 << 30) - 1
+        masks = {"full_attention": additive_mask(seen, x.dtype),
+                 "sliding_attention": additive_mask(seen & near, x.dtype)}
+        kv = {t: (slots.cache.layers[i].keys, slots.cache.layers[i].values)
+              for t, i in self.kv_layers.items()}
+        out = a.model(inputs_embeds=x, attention_mask=masks, position_ids=pos,
+                      shared_kv_states=kv, use_cache=False,
+                      output_hidden_states=True).last_hidden_state  # (no query skipped)
+        return out, a.post_projection(out)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits from the assistant's outputs (its ordered-embedding head if it has one)."""
+        a = self.assistant
+        return (a.masked_embedding(out, a.lm_head.weight) if a.config.use_ordered_embeddings
+                else a.lm_head(out))
+
+    def head(self, sampling: SamplingParams, vocab: int
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Scores.head: outputs (n, H_a) -> processed q (n, V)."""
+        return q_head(self.logits, sampling, vocab)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        with final_states(self.target) as seen:
+            slots, _ = prefill(self.target, rows, device, last_only=False)
+        ids, live, pos = left_pad(rows, device)
+        fed = torch.cat(seen, 1)  # (B, T, H): the prefill's chunks joined
+        before = torch.cat([torch.zeros_like(fed[:, :1]), fed[:, :-1]], 1)
+        # position t predicts row[t + 1]; queries read the target's cache, never each other,
+        # so a chunk of them at a time keeps the masks (B, t, S), not (B, T, T)
+        out = torch.cat([self.step(ids[:, c], before[:, c], pos[:, c], slots)[0]
+                         for c in column_chunks(ids.shape[1])], 1)  # (B, T, H_a)
+        width, picked, made = ids.shape[1], [], []
+        for b, (s, e) in enumerate(spans):
+            at = width - len(rows[b])  # row b's first slot
+            picked.append(out[b, at + s:at + e].to(device))
+            made.append(torch.arange(s, e, device=device) > 0)  # a hidden state before it
+        return [Scores(torch.cat(picked), torch.cat(made), self.head(sampling, vocab))]
+
+    def start(self, prompts, view, drafting):
+        return AssistantSession(self, prompts, view, drafting)
+
+    def param_cost(self, target):
+        return (params_per_token(self.assistant) / params_per_token(target),
+                "parameters per token, assistant/target")
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3 heads: one layer over the target's states at three layers
+
+
+class Eagle3Net(nn.Module):
+    """EAGLE-3's draft network (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of
+    Large Language Models via Training-Time Test"), as its reference code and the engines run
+    it: `fc` fuses the target's hidden states at three layers (3 H_target -> H); one decoder
+    layer whose attention reads cat(input_layernorm(embedding), hidden_norm(h)) (2H wide), its
+    residual h (hidden_norm(h) when norm_before_residual); `norm`; `lm_head` over a draft
+    vocabulary of d tokens, draft id i standing for target id i + d2t[i]."""
+
+    def __init__(self, config: Any, target_hidden: int, draft_vocab: int,
+                 norm_before_residual: bool, embed: nn.Module):
+        from transformers.models.llama import modeling_llama as llama
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual, self.embed = norm_before_residual, embed
+        self.fc = nn.Linear(3 * target_hidden, h, bias=False)
+        self.midlayer = nn.Module()
+        attn = llama.LlamaAttention(config, layer_idx=0)
+        bias, width = bool(getattr(config, "attention_bias", False)), attn.head_dim
+        attn.q_proj = nn.Linear(2 * h, config.num_attention_heads * width, bias=bias)
+        attn.k_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
+        attn.v_proj = nn.Linear(2 * h, config.num_key_value_heads * width, bias=bias)
+        self.midlayer.self_attn, self.midlayer.mlp = attn, llama.LlamaMLP(config)
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            setattr(self.midlayer, name, llama.LlamaRMSNorm(h, eps=eps))
+        self.norm = llama.LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.rotary = llama.LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+
+    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+              allowed: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The decoder layer for new slots (B, t): ids, the hidden states they come with (fc's
+        or the layer's own last output), positions; allowed (B, t, K) the keys each sees (the
+        cache's, then its own). Appends their keys and values to `cache`; returns the layer's
+        output before `norm` (B, t, H), which a next step reads."""
+        m = self.midlayer
+        emb = self.embed(ids).to(hidden)
+        residual = m.hidden_norm(hidden) if self.norm_before_residual else hidden
+        x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], -1)  # (B, t, 2H)
+        attn, _ = m.self_attn(x, position_embeddings=self.rotary(x, pos),
+                              attention_mask=additive_mask(allowed, x.dtype), cache=cache)
+        x = residual + attn
+        return x + m.mlp(m.post_attention_layernorm(x))
+
+    def committed(self, ids: torch.Tensor, feats: torch.Tensor, slots: Slots,
+                  live: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 over newly committed slots (B, t), added to `slots`: ids the tokens at
+        positions pos, feats the fused target features one position before each (B, t, H) ->
+        (outputs (B, t, H), which slots each new one sees (B, t, S))."""
+        seen = add_slots(slots, live, pos)
+        return self.layer(ids, feats, pos, seen, slots.cache), seen
+
+    def later(self, out: torch.Tensor, seen: torch.Tensor, at: torch.Tensor, cache: Any,
+              steps: int, feed: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> list[torch.Tensor]:
+        """Steps 1..steps from cycle starts (B, S), after committed(): out their step-1
+        outputs (B, S, H), seen the cached slots each start sees (B, S, K), at their step-1
+        positions (B, S). Step k+1 reads feed(k, step k's outputs) (B, S) and step k's output,
+        one position further, and attends what its start sees and its start's earlier steps
+        (the cache EAGLE keeps). The cache is left as it came. -> each step's outputs."""
+        size = cache.get_seq_length()
+        outs = [out]
+        own = torch.eye(at.shape[1], dtype=torch.bool, device=at.device)
+        for k in range(1, steps):
+            allowed = torch.cat([seen] + [own.expand(len(at), -1, -1)] * k, -1)
+            outs.append(self.layer(feed(k - 1, outs[-1]), outs[-1], at + k, allowed, cache))
+        if cache.get_seq_length() > size:
+            cache.crop(size - cache.get_seq_length())  # (negative: how many to drop)
+        return outs
+
+    def logits(self, out: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Outputs (..., H) -> logits over the first `vocab` target ids, -inf off the draft
+        vocabulary (those tokens are never proposed)."""
+        small = self.lm_head(self.norm(out))  # (..., d)
+        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
+        ids = torch.arange(len(self.d2t), device=small.device) + self.d2t
+        full[..., ids[ids < vocab]] = small[..., ids < vocab]
+        return full
+
+
+class Eagle3Session(CommittedStates, TreeSession):
+    """The EAGLE-3 layer over the committed tokens and the target's hidden states entering the
+    drafter's layers (joined: (B, t, 3 H_t)): its keys and values at the committed positions
+    (slots) and its output at the pending token's position (last), where each cycle's steps
+    start (Eagle3Net.later adds and drops their keys)."""
+
+    def __init__(self, drafter: Eagle3Drafter, prompts: list[list[int]],
+                 view: TargetView | None, drafting: Drafting):
+        self.drafter, fc = drafter, drafter.net.fc.weight
+        self.slots = new_slots(len(prompts), drafting.device)
+        self.last = torch.zeros(len(prompts), fc.shape[0], dtype=fc.dtype, device=drafting.device)
+        super().__init__(prompts, view, drafting)
+
+    def states_of(self, view):
+        return torch.cat([view.layers[i] for i in self.drafter.can.target_layers], -1)
+
+    def absorb(self, ids, states, live, pos):
+        net = self.drafter.net
+        out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
+        self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
+
+    def propose(self, pending, npos, u):
+        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(npos, lambda k, q: tokens[:, k])
+
+    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> Proposal:
+        """The steps from the pending token's position, step k's token pick(k, q): drawn, or
+        given."""
+        c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
+        if not any(self.held):
+            return Proposal.none(len(npos), c)
+        at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
+        seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
+        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+
+        def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
+            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
+            ds.append(pick(k, qs[-1]))
+            return ds[-1][:, None]
+
+        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.steps, draw)
+        draw(c.steps - 1, outs[-1])
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
+                        torch.ones_like(ready), ready.long() * c.steps)
+
+    def keep(self, rows):
+        select_slots(self.slots, rows)
+        self.last = self.last[rows]
+        super().keep(rows)
+
+    def fork(self, rows, drafting):
+        twin = copy.copy(self)
+        twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
+        twin.slots, twin.last = fork_slots(self.slots, rows), self.last[rows]
+        return twin
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 draft head (SpecForge, vLLM/speculators and the original EAGLE-3 checkpoints:
+    from_checkpoint), reading the target's hidden states at three layers. Teacher-forced,
+    step k is fed the target's own continuation; in the simulation step 1 reads the committed
+    positions' fused features and later steps the layer's own last output and draft (see
+    Eagle3Net.later). q is zero off the draft vocabulary: the target's mass there can never be
+    accepted, and the report gives the share of p's mass the draft vocabulary covers."""
+
+    can = Abilities("EAGLE-3", reads_target=True)
+
+    def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
+                 steps: int = max(GAMMA_TABLE), checkpoint: str | None = None):
+        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
+        self.width = vocab_width(target)
+        self.can = replace(self.can, target_layers=tuple(layers), steps=steps)
+
+    def for_run(self, eos, gammas):
+        """As many steps as the run's largest block (the best-gamma table included)."""
+        return Eagle3Drafter(self.target, self.net, self.can.target_layers, self.name,
+                             max(gammas), self.checkpoint)
+
+    def support(self, vocab: int) -> torch.Tensor:
+        """(vocab,) the target ids the draft vocabulary holds."""
+        ids = torch.arange(len(self.net.d2t), device=self.net.d2t.device) + self.net.d2t
+        return torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
+            0, ids[ids < vocab], True)
+
+    def fused(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states at its layers (each (B, T, H_t)) -> fc's (B, T, H)."""
+        return self.net.fc(torch.cat([states[i] for i in self.can.target_layers], -1).to(
+            self.net.fc.weight))
+
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        return q_head(lambda out: self.net.logits(out, vocab), sampling, vocab, propose)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        layers, steps = self.can.target_layers, self.can.steps
+        with layer_inputs(self.target, layers) as got:
+            teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
+        ahead = torch.tensor([list(r[1:]) + [0] * (width + steps - len(r) + 1)
+                              for r in rows], device=device)  # (B, T-1+steps): row[p]
+        live = torch.tensor([[1] * (len(r) - 1) + [0] * (width + 1 - len(r)) for r in rows],
+                            device=device)
+        pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
+        feats = self.fused({i: torch.cat(got[i], 1)[:, :width]  # chunks joined
+                             for i in layers})  # (B, T-1, H)
+        slots, outs = new_slots(len(rows), device), [[] for _ in range(steps)]
+        for start in range(0, width, SCORE_STARTS):  # every position a cycle start
+            at = slice(start, min(start + SCORE_STARTS, width))
+            out, seen = self.net.committed(ahead[:, at], feats[:, at], slots, live[:, at],
+                                           pos[:, at])
+            for k, o in enumerate(self.net.later(  # step k+1 reads the continuation's token
+                    out, seen, pos[:, at], slots.cache, steps,
+                    lambda k, _: ahead[:, at.start + k + 1:at.stop + k + 1])):
+                outs[k].append(o)
+        return step_scores([torch.cat(o, 1) for o in outs], spans, self.head(sampling, vocab),
+                           device, self.support(vocab))
+
+    def start(self, prompts, view, drafting):
+        return Eagle3Session(self, prompts, view, drafting)
+
+    def param_cost(self, target):
+        net = sum(p.numel() for n, p in self.net.named_parameters() if not n.startswith("embed"))
+        return (net / params_per_token(target),
+                "parameters per token: the EAGLE-3 layer, fc and its draft-vocabulary head, "
+                "against the target")
+
+    def networks(self):
+        return [self.net]
+
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """An EAGLE-3 head from its checkpoint: speculators' (config speculators_model_type
+        eagle3, the layer's settings in transformer_layer_config, weights layers.0.*,
+        norm_before_residual by default) or SpecForge's and the original EAGLE-3's (a
+        Llama-like config with an Eagle3 architecture and draft_vocab_size, weights
+        midlayer.*). Both: fc, norm, lm_head, d2t (draft id -> target id offset), t2d;
+        embed_tokens when present, else the target's. Refuses, in one line, a head that does
+        not fit the target."""
+        speculators = config.get("speculators_model_type") == "eagle3"
+        if not speculators and "Eagle3" not in " ".join(config.get("architectures") or []):
+            return None
+        from transformers import LlamaConfig
+        layer = dict(config.get("transformer_layer_config") or config) if speculators \
+            else config
+        cfg = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures",)})
+        cfg._attn_implementation = "sdpa"
+        w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
+             for k, v in read_weights(folder).items() if not k.startswith("verifier")}
+        w = {("d2t" if k == "draft_id_to_target_id" else k): v for k, v in w.items()}
+        n_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+        layers = (config.get("eagle_aux_hidden_state_layer_ids")
+                  or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                  or [2, n_layers // 2, n_layers - 3])
+        draft_vocab = cls.check_checkpoint(w, config, cfg, target, layers, folder)
+        embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
+            else target.get_input_embeddings()
+        net = Eagle3Net(cfg, target.config.get_text_config(decoder=True).hidden_size,
+                        draft_vocab, bool(config.get("norm_before_residual", speculators)),
+                        embed)
+        if "embed_tokens.weight" in w:
+            embed.weight.data.copy_(w.pop("embed_tokens.weight"))
+        w.pop("t2d", None)
+        w.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        missing, unexpected = net.load_state_dict(w, strict=False)
+        missing = [k for k in missing if not k.startswith(("embed.", "rotary."))]
+        if missing or unexpected:
+            raise UsageError(f"{folder}: not an EAGLE-3 checkpoint specdec can read (missing "
+                             f"{missing[:3]}, unexpected {list(unexpected)[:3]})")
+        return cls(target, on_target(net, target), layers, folder, checkpoint=folder)
+
+    @staticmethod
+    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any], cfg: Any,
+                         target: nn.Module, layers: Sequence[int], name: str) -> int:
+        """One clear line for an EAGLE-3 head that does not fit the target; else its draft
+        vocabulary's size."""
+        tcfg = target.config.get_text_config(decoder=True)
+        t_hidden, n_layers, vocab = tcfg.hidden_size, tcfg.num_hidden_layers, vocab_width(target)
+        draft_vocab = int(config.get("draft_vocab_size") or w.get("lm_head.weight",
+                                                                  torch.empty(0)).shape[0])
+        if "fc.weight" not in w:
+            raise UsageError(f"{name}: an EAGLE-3 head without fc.weight; is it an EAGLE-1/2 "
+                             f"head?")
+        if w["fc.weight"].shape != (cfg.hidden_size, 3 * t_hidden):
+            raise UsageError(f"{name}: its fc reads {w['fc.weight'].shape[1]} features, but "
+                             f"three layers of this target give 3 x {t_hidden}: a head for "
+                             f"another target")
+        if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
+            raise UsageError(f"{name}: aux hidden-state layers {list(layers)} do not fit a "
+                             f"target of {n_layers} layers")
+        if "d2t" not in w and draft_vocab != vocab:
+            raise UsageError(f"{name}: a draft vocabulary of {draft_vocab} ids without the d2t "
+                             f"mapping to the target's {vocab}")
+        if "d2t" in w and (len(w["d2t"]) != draft_vocab or int((
+                torch.arange(len(w["d2t"])) + w["d2t"].cpu()).max()) >= vocab):
+            raise UsageError(f"{name}: its d2t maps draft ids past the target's vocabulary of "
+                             f"{vocab}: a head for another target")
+        return draft_vocab
+
+
+# ----------------------------------------------------------------------------------------------
+# Medusa heads: one head per offset over the target's last state
+
+
+class MedusaNet(nn.Module):
+    """Medusa-1 heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
+    with Multiple Decoding Heads"): head k is residual blocks x + SiLU(W x + b) on the target's
+    last hidden state, then an output head; it predicts the token k + 2 ahead of that state's
+    position (the target's own head predicts the next one). Made from its tensors under
+    medusa_name's names: blocks.K.L.weight|bias; lm_heads.K.weight, each head's own or one all
+    share (vLLM's original_lm_head), or none, when every head ends in the target's own
+    (`shared`: FasterDecoding's Medusa-2 head-only files); token_map, when the rows are a
+    truncated vocabulary of target ids (vLLM's)."""
+
+    def __init__(self, w: dict[str, torch.Tensor], shared: nn.Module):
+        super().__init__()
+        blocks = {tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")}
+        heads, layers = 1 + max(k for k, _ in blocks), 1 + max(j for _, j in blocks)
+        hidden = w["blocks.0.0.weight"].shape[1]
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(nn.Linear(hidden, hidden, bias="blocks.0.0.bias" in w)
+                          for _ in range(layers)) for _ in range(heads))
+        own = [w[k] for k in sorted(w) if k.startswith("lm_heads.")]
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, len(v), bias=False) for v in own)
+        self.outer = [shared]  # the target's head: a plain list, so never moved or counted
+        rows = len(own[0]) if own else shared.weight.shape[0]
+        self.register_buffer("token_map", w.get("token_map", torch.arange(rows)).long(),
+                             persistent=False)  # row i: target id token_map[i]
+        self.load_state_dict({k: v for k, v in w.items() if k != "token_map"})
+
+    def out(self, k: int) -> nn.Module:
+        """Head k's output head: its own, the one all share, or the target's."""
+        return self.lm_heads[k % len(self.lm_heads)] if len(self.lm_heads) else self.outer[0]
+
+    def block(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        for linear in self.blocks[k]:
+            hidden = hidden + nn.functional.silu(linear(hidden))
+        return hidden
+
+    def logits(self, k: int, out: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Head k's logits over the first `vocab` target ids from its block's output (..., H),
+        -inf at ids off its token map (never proposed)."""
+        small = self.out(k)(out).to(out.device)  # (..., d)
+        if len(self.token_map) == small.shape[-1] and torch.equal(
+                self.token_map, torch.arange(len(self.token_map), device=small.device)):
+            return small[..., :vocab]
+        full = small.new_full((*small.shape[:-1], vocab), float("-inf"))
+        ids = self.token_map
+        full[..., ids[ids < vocab]] = small[..., ids < vocab]
+        return full
+
+
+class MedusaSession(LastState):
+    """The last state, which every head reads."""
+
+    def __init__(self, drafter: MedusaDrafter, prompts: list[list[int]],
+                 view: TargetView | None, drafting: Drafting):
+        super().__init__(prompts, view, drafting)
+        self.drafter = drafter
+
+    def draft(self, pending, npos, pick):  # (heads never read the drafts)
+        c, d = self.drafting, self.drafter
+        ready, hidden = self.stacked()
+        if hidden is None:
+            return Proposal.none(len(pending), c)
+        hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
+        steps, qs, ds = min(c.steps, d.can.steps), [], []
+        for k in range(steps):
+            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
+                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
+            ds.append(pick(k, qs[-1]))
+        pad = c.steps - steps  # offsets past the last head: nothing proposed
+        return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
+                        nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
+                        torch.ones_like(ready), ready.long() * steps)
+
+
+MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
+
+
+def medusa_name(key: str, vllm: bool) -> str | None:
+    """A Medusa checkpoint's tensor name -> MedusaNet's (blocks.K.L.weight|bias, lm_heads.K.weight,
+    lm_head.weight: one head all share, out.K.L.weight: FasterDecoding's output head at index
+    L of head K, token_map), or None for the base model's own tensors. FasterDecoding writes
+    K.L.linear.* and K.<L>.weight (head-only files, medusa_head.state_dict()), prefixed
+    medusa_head. in full models; vLLM blocks.K.layers.L.*, lm_heads.K.*, maybe prefixed
+    medusa_heads."""
+    k = re.sub(r"^(model\.)?medusa_heads?\.", "", key)
+    for pattern, name in ((r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"(\d+)\.(\d+)\.weight", r"out.\1.\2.weight"),
+                          (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.\3"),
+                          (r"lm_heads\.\d+\.weight|token_map", r"\g<0>")):
+        if re.fullmatch(pattern, k):
+            return re.sub(pattern, name, k)
+    return "lm_head.weight" if vllm and k == "lm_head.weight" else None
+
+
+class MedusaDrafter(Drafter):
+    """Medusa-1 heads (every layout FasterDecoding and vLLM publish: from_checkpoint),
+    measured as the chain engines run them: top-1 (or a sample, under Leviathan's rule) of
+    each head, head k drafting offset k. The heads read only the target's state, never the
+    drafted tokens. Trees of candidates are out of scope."""
+
+    can = Abilities("Medusa", reads_target=True)
+
+    def __init__(self, target: nn.Module, net: MedusaNet, name: str,
+                 checkpoint: str | None = None):
+        self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
+        self.width, self.can = vocab_width(target), replace(self.can, steps=len(net.blocks))
+
+    def drafted_by(self, gamma):
+        return [f"head {k + 1}" if k < self.can.steps else "-" for k in range(gamma)]
+
+    def support(self, vocab: int) -> torch.Tensor | None:
+        """(vocab,) the target ids its token map holds (None: every id)."""
+        ids = self.net.token_map
+        held = torch.zeros(vocab, dtype=torch.bool, device=ids.device).index_fill(
+            0, ids[ids < vocab], True)
+        return None if held.all() else held
+
+    def head(self, k: int, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        return q_head(lambda out: self.net.logits(k, out, vocab), sampling, vocab, propose)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        if states is None:  # the target's head is not a plain map: get its states here
+            states = teacher_forced(self.target, rows, device, True)
+        width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
+        outs = [self.net.block(k, states[:, :width].to(self.net.blocks[0][0].weight))
+                for k in range(self.can.steps)]  # reads to draft row[j + 2 + k]
+        return step_scores(outs, spans, [self.head(k, sampling, vocab)
+                                         for k in range(self.can.steps)], device,
+                           self.support(vocab))
+
+    def start(self, prompts, view, drafting):
+        return MedusaSession(self, prompts, view, drafting)
+
+    def param_cost(self, target):
+        head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
+            self.net.out(0).weight.numel()
+        return head / params_per_token(target), "parameters per token: one Medusa head"
+
+    def networks(self):
+        return [self.net]
+
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """Medusa-1 heads in every layout teams publish them:
+          * FasterDecoding's head-only files (medusa_lm_head.pt or .safetensors, keys
+            K.L.linear.* and K.<L>.weight; since its Medusa-2 code no K.<L>: every head then
+            ends in the target's own lm_head), config medusa_num_heads (which its loader
+            overrides: the heads are counted in the weights);
+          * FasterDecoding's full models: medusa_head.* beside the base model's tensors (only
+            the heads are read);
+          * vLLM's Medusa format (model_type medusa or MedusaModel: blocks.K.layers.L.*,
+            lm_heads.K.*; original_lm_head: one lm_head shared by every head; token_map: a
+            truncated vocabulary, its q zero elsewhere)."""
+        archs = " ".join(config.get("architectures") or [])
+        vllm = config.get("model_type") == "medusa" or "MedusaModel" in archs
+        if not (vllm or "medusa_num_heads" in config or "Medusa" in archs):
+            return None
+        files = [f for f in MEDUSA_HEAD_FILES if os.path.isfile(os.path.join(folder, f))]
+        w = {n: v for k, v in read_weights(folder, files[:1] or None, lambda k: medusa_name(
+            k, vllm) is not None).items() for n in [medusa_name(k, vllm)]}
+        heads = cls.check_checkpoint(w, config, target, folder)
+        own = {int(k.split(".")[1]): v for k, v in w.items() if k.startswith(("out.", "lm_heads."))}
+        if config.get("original_lm_head") or "lm_head.weight" in w:  # vLLM: one head for all
+            own = {0: w.get("lm_head.weight", own.get(0))}
+        if own and sorted(own) not in ([0], list(range(heads))):
+            raise UsageError(f"{folder}: its output heads {sorted(own)} do not match its "
+                             f"{heads} Medusa heads")
+        state = {k: v for k, v in w.items() if k.startswith("blocks.") or k == "token_map"}
+        state.update({f"lm_heads.{k}.weight": v for k, v in own.items()})
+        return cls(target, on_target(MedusaNet(state, target.get_output_embeddings()), target),
+                   folder, folder)
+
+    @staticmethod
+    def check_checkpoint(w: dict[str, torch.Tensor], config: dict[str, Any],
+                         target: nn.Module, name: str) -> int:
+        """One clear line for Medusa tensors that do not fit the target; else the number of
+        heads."""
+        blocks = sorted({tuple(map(int, k.split(".")[1:3])) for k in w if k.startswith("blocks.")})
+        heads, layers = len({k for k, _ in blocks}), len({j for _, j in blocks})
+        if not heads or blocks != [(k, j) for k in range(heads) for j in range(layers)]:
+            raise UsageError(f"{name}: not a Medusa checkpoint specdec can read (no residual "
+                             f"blocks K.L in its weights)")
+        hidden = target.config.get_text_config(decoder=True).hidden_size
+        outs = [v for k, v in w.items() if k.startswith(("out.", "lm_heads.", "lm_head."))]
+        width = w["blocks.0.0.weight"].shape[1]
+        if width != hidden or any(v.shape[1] != hidden for v in outs):
+            raise UsageError(f"{name}: Medusa heads of width {width} do not fit this target "
+                             f"(hidden size {hidden})")
+        rows = outs[0].shape[0] if outs else vocab_width(target)
+        if rows != vocab_width(target) and len(w.get("token_map", ())) != rows:
+            raise UsageError(f"{name}: Medusa heads over {rows} tokens without a token_map do "
+                             f"not fit this target's vocabulary of {vocab_width(target)}")
+        return heads
+
+
+# ----------------------------------------------------------------------------------------------
+# PARD: a draft model that drafts its whole block in one pass
+
+
+# Parallel drafters draft a whole block in one pass: mask tokens stand in for the drafts not
+# yet made, and no drafted token is read back (PARD, DFlash). So a cycle costs one draft pass
+# whatever gamma is (one_pass), and a block depends only on the context it starts from: the
+# teacher-forced route scores offset j of the block exactly, with no chain of its own drafts.
+
+
+def block_masks(model: nn.Module, allowed: torch.Tensor, key_pos: torch.Tensor,
+                query_pos: torch.Tensor) -> Any:
+    """What `model` takes as attention_mask for queries at query_pos (B, t) that see the keys
+    at key_pos (B, S) where allowed (B, t, S) says: a pattern no causal mask makes (the mask
+    tokens of several blocks in one forward, each seeing its own context and block only);
+    sliding-window layers also only within their window, counted as attention_mask counts."""
+    window, mixed = sliding_layout(model)
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    full = additive_mask(allowed, dtype)
+    if window is None:
+        return full
+    near = additive_mask(allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window), dtype)
+    return {"full_attention": full, "sliding_attention": near} if mixed else near
+
+
+class PardSession(Session):
+    """A PARD draft's cache of the committed tokens it has read (Slots), and per row the
+    accepted drafts it has not read yet. A cycle is one forward over those, the pending token
+    and gamma - 1 mask tokens at the positions after it (AMD-AGI/PARD pard_infer, vLLM's
+    parallel drafting): the pending token's output drafts offset 1, mask j's offset j + 1, and
+    no draft is read back; the masks' slots are dropped after the pass."""
+
+    def __init__(self, drafter: PardDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter, self.drafting = drafter, drafting
+        self.device = model_device(drafter.model) or drafting.device
+        self.slots, _ = prefill(drafter.model, [r[:-1] for r in prompts], self.device)
+        self.unread: list[list[int]] = [[] for _ in prompts]  # accepted, not yet fed
+
+    def propose(self, pending, npos, u):
+        c, d, dev = self.drafting, self.drafter, self.device
+        pending, npos = pending.to(dev), npos.to(dev)
+        ids, live, _ = left_pad(self.unread, dev)  # (B, n): fed before the pending token
+        n, rows = ids.shape[1], len(pending)
+        x = torch.cat([ids, pending[:, None], torch.full((rows, c.steps - 1), d.mask,
+                                                         device=dev)], 1)  # (B, n + G)
+        pos = (npos[:, None] - n + torch.arange(n + c.steps, device=dev)).clamp_min(0)
+        live = torch.cat([live, torch.ones(rows, c.steps, dtype=torch.long, device=dev)], 1)
+        logits = extend(d.model, self.slots, x, pos, live)[:, n:, :c.vocab]  # (B, G, V)
+        drop_slots(self.slots, c.steps - 1)  # the masks' slots: never part of the history
+        self.unread = [[] for _ in self.unread]
+        q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
+        back = c.device  # the target's: where the acceptance test runs
+        return Proposal(sample_from(q, u.to(dev)).to(back), q.to(back),
+                        torch.isfinite(logits).flatten(1).all(1).to(back))
+
+    def advance(self, n_acc, committed, view):
+        self.unread = [new[:-1] for new in committed]  # the target's token is pending
+
+    def keep(self, rows):
+        select_slots(self.slots, rows.to(self.device))
+        self.unread = [self.unread[r] for r in rows.tolist()]
+
+
+class PardDrafter(OwnDraftModel, Drafter):
+    """PARD (An et al. 2025, "PARD: Accelerating LLM Inference with Low-Cost PARallel Draft
+    Model Adaptation"; AMD-AGI/PARD): a causal LM trained so that mask tokens after a context
+    predict the tokens further ahead. One forward over the context, then gamma - 1 copies of
+    its mask token (config pard_token) at the next positions, causal attention: the last real
+    token's output drafts offset 1, mask j's drafts offset j + 1. An ordinary causal LM runs
+    the same way with any token as its mask (--pard-mask): an untrained lower bound.
+
+    Teacher-forced, every scored position t is a block's start: the row through the draft
+    once, then, for a chunk of starts at a time, their masks in one forward, mask j of start t
+    at position t + j seeing the row's tokens up to t and its own start's masks before it
+    (the pattern PARD trains with). Offset j's alpha is thus exactly what a cycle from t
+    proposes, as many offsets as the run's largest block."""
+
+    can = Abilities("PARD", trees=False, one_pass=True)
+
+    def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE),
+                 checkpoint: str | None = None):
+        rows = model.get_input_embeddings().weight.shape[0]
+        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < rows:
+            raise UsageError(f"{name}: the PARD mask token {mask!r} is not in the draft's "
+                             f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
+                             f"of its tokenizer (--pard-mask)")
+        self.name, self.model, self.mask, self.checkpoint = name, model, mask, checkpoint
+        self.can = replace(self.can, steps=steps)
+        self.width = vocab_width(model)
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def for_run(self, eos, gammas):
+        """As many offsets as the run's largest block (the best-gamma table included)."""
+        return PardDrafter(self.name, self.model, self.mask, max(gammas), self.checkpoint)
+
+    @torch.no_grad()
+    def score(self, rows, spans, states, sampling, vocab, device):
+        model, k = self.model, self.can.steps - 1  # k: mask tokens after each start
+        device = model_device(model) or device
+        if self.route is None:
+            self.route = head_route(model, _probe(rows, device))
+        module, key = (model.base_model, "last_hidden_state") if self.route else (model, "logits")
+        ids, live, pos = right_pad(rows, device)  # (B, T)
+        slots, width = new_slots(len(rows), device), ids.shape[1]
+        real = torch.cat([getattr(feed(model, slots, ids[:, c], pos[:, c], live[:, c], module),
+                                  key) for c in column_chunks(width)], 1)  # (B, T, ...)
+        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        masked = [real[:, :0, None].expand(-1, -1, k, -1)]  # (B, starts, k, ...) by chunk
+        for a in range(lo, hi, SCORE_STARTS) if k else ():
+            t = torch.arange(a, min(a + SCORE_STARTS, hi), device=device)  # the starts
+            j = torch.arange(1, k + 1, device=device).repeat(len(t))  # (n k,) mask j of start
+            start = t.repeat_interleave(k)
+            own = (start[:, None] == start[None, :]) & (j[None, :] <= j[:, None])
+            seen = live[:, None, :].bool() & (pos[:, None, :] <= start[None, :, None])
+            allowed = torch.cat([seen, own.expand(len(rows), -1, -1)], -1)  # (B, n k, T + n k)
+            # mask j of start t sits at t + j; one at the row's last position or past it drafts
+            # a token the row lacks (never scored, nor the later ones it alone feeds): clamped,
+            # such positions stay inside the model's window
+            qpos = (start + j).clamp_max(width - 1).expand(len(rows), -1)
+            out = module(input_ids=torch.full_like(qpos, self.mask), position_ids=qpos,
+                         attention_mask=block_masks(model, allowed, torch.cat([pos, qpos], 1),
+                                                    qpos),
+                         use_cache=True, **{_cache_keyword(type(module)): slots.cache})
+            slots.cache.crop(-qpos.shape[1])  # the masks go: the next starts see the row
+            masked.append(getattr(out, key).unflatten(1, (len(t), k)))
+        masked_t = torch.cat(masked, 1)  # (B, hi - lo, k, ...)
+        head, scores = model_head(model, self.route, sampling, vocab), []
+        for step in range(self.can.steps):  # offset step + 1 at start t drafts row[t+1+step]
+            picked = torch.cat([real[b, s:e] if step == 0 else
+                                masked_t[b, s - lo:max(e - step, s) - lo, step - 1]
+                                for b, (s, e) in enumerate(spans)]).to(device)
+            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
+                                                    device=device), head))
+        return scores
+
+    def start(self, prompts, view, drafting):
+        return PardSession(self, prompts, drafting)
+
+    @classmethod
+    def from_model(cls, name, loaded, target, options):
+        """A causal LM of the target's vocabulary whose config names a PARD mask token
+        (pard_token, as AMD-AGI/PARD's training writes it: its PARD-Llama, -Qwen and -DeepSeek
+        checkpoints), or any such model when --pard-mask gives one (options.pard_mask: an id,
+        or a token of the target's tokenizer; it overrides a checkpoint's own). A PARD-2 draft
+        runs in its target-independent mode (pard2_infer's --p2), tokens only: its
+        target-dependent mode, which adds the target's states through target_proj, is not
+        measured, and its name says so."""
+        config = getattr(loaded.model, "config", None)
+        mask = getattr(config, "pard_token", None)
+        if (mask is None and options.pard_mask is None) or \
+                vocabulary_method(loaded, target, options) is not None:
+            return None
+        if options.pard_mask is not None:
+            mask = pard_mask_token(options.pard_mask, options.tokenizer)
+            name = f"{name} [PARD, mask {mask}]"
+        elif getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
+                or getattr(config, "spd_type", None) == "pard2":
+            name = f"{name} [PARD-2, target-independent mode]"
+        return cls(name, loaded.model, mask[0] if isinstance(mask, (list, tuple)) else mask,
+                   checkpoint=loaded.path)
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash: a block-diffusion draft over the target's states, one pass a block
+
+
+class DFlashNet(nn.Module):
+    """DFlash's draft network (z-lab, "DFlash: Block Diffusion for Flash Speculative
+    Decoding", arXiv 2602.06036), as z-lab's dflash/model.py, vLLM's qwen3_dflash and
+    transformers' Muse-Glimmer assistant run it: the target's hidden states at some layers,
+    joined, `fc` to the draft's width and `hidden_norm`, are the context; every draft layer
+    (Qwen3-style: q/k norms, RoPE) turns the context into keys and values with its own k and v
+    projections, beside those of the block. The block (the newest committed token and mask
+    tokens, embedded by the target) attends all its context and itself both ways; `norm`
+    ends it, and the target's own output head makes its logits."""
+
+    def __init__(self, config: Any, features: int):
+        from transformers.models.qwen3 import modeling_qwen3 as qwen3
+        super().__init__()
+        h, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim = getattr(config, "head_dim", None) or h // self.heads
+        self.fc = nn.Linear(features, h, bias=False)
+        self.hidden_norm, self.norm = qwen3.Qwen3RMSNorm(h, eps), qwen3.Qwen3RMSNorm(h, eps)
+        self.layers = nn.ModuleList()
+        for _ in range(config.num_hidden_layers):
+            attn, layer = nn.Module(), nn.Module()
+            for name, rows in (("q_proj", self.heads), ("k_proj", self.kv_heads),
+                               ("v_proj", self.kv_heads)):
+                setattr(attn, name, nn.Linear(h, rows * self.dim, bias=bias))
+            attn.o_proj = nn.Linear(self.heads * self.dim, h, bias=bias)
+            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(self.dim, eps), \
+                qwen3.Qwen3RMSNorm(self.dim, eps)
+            layer.self_attn, layer.mlp = attn, qwen3.Qwen3MLP(config)
+            layer.input_layernorm = qwen3.Qwen3RMSNorm(h, eps)
+            layer.post_attention_layernorm = qwen3.Qwen3RMSNorm(h, eps)
+            self.layers.append(layer)
+        self.rotary = qwen3.Qwen3RotaryEmbedding(config)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x (B, heads, t, d) at positions pos (B, t)."""
+        cos, sin = (a[:, None] for a in self.rotary(x, pos))  # (B, 1, t, d)
+        d = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., d:], x[..., :d]], -1) * sin
+
+    def keys_values(self, layer: nn.Module, x: torch.Tensor, pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys (RoPE'd) and values (B, kv_heads, t, d) of inputs x (B, t, H)."""
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.dim))).transpose(1, 2)
+        v = a.v_proj(x).unflatten(-1, (self.kv_heads, self.dim)).transpose(1, 2)
+        return self.rope(k, pos), v
+
+    def context(self, feats: torch.Tensor, pos: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The target's joined hidden states feats (B, t, F) at positions pos (B, t) -> each
+        layer's context keys and values: they depend on the context alone, so a session
+        computes them once per committed position."""
+        ctx = self.hidden_norm(self.fc(feats.to(self.fc.weight)))
+        return [self.keys_values(layer, ctx, pos) for layer in self.layers]
+
+    def block(self, x: torch.Tensor, pos: torch.Tensor,
+              context: Sequence[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor
+              ) -> torch.Tensor:
+        """Blocks' embeddings x (B, n, H) at positions pos (B, n) through every layer, each
+        query seeing the context's S keys and the n block keys where allowed (B, n, S + n)
+        says -> the normed outputs (B, n, H)."""
+        mask = additive_mask(allowed, x.dtype)  # (B, 1, n, S + n)
+        for layer, (ck, cv) in zip(self.layers, context):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.dim))).transpose(1, 2)
+            k, v = self.keys_values(layer, h, pos)
+            group = self.heads // self.kv_heads
+            k = torch.cat([ck, k], 2).repeat_interleave(group, 1)  # (B, heads, S + n, d)
+            v = torch.cat([cv, v], 2).repeat_interleave(group, 1)
+            out = nn.functional.scaled_dot_product_attention(self.rope(q, pos), k, v, mask,
+                                                             scale=self.dim ** -0.5)
+            x = x + a.o_proj(out.transpose(1, 2).flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class DFlashSession(CommittedStates):
+    """Each DFlash layer's context keys and values at the committed positions (the target's
+    states there; the pending token's are not known yet), grown by every pass the session is
+    shown (as vLLM's precompute_and_store_context_kv): a cycle runs only the block, the
+    pending token and block_size - 1 masks at the positions from it, one pass."""
+
+    def __init__(self, drafter: DFlashDrafter, prompts: list[list[int]],
+                 view: TargetView | None, drafting: Drafting):
+        if drafting.steps > drafter.can.max_gamma:
+            raise UsageError(f"--gamma {drafting.steps}: {drafter.name} drafts at most "
+                             f"{drafter.can.max_gamma} tokens a pass (its block of "
+                             f"{drafter.can.max_gamma + 1})")
+        self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
+        empty = torch.zeros(rows, 0, dtype=torch.long, device=drafting.device)
+        self.live, self.pos = empty, empty.clone()  # (B, S) of the context
+        self.kv = drafter.net.context(fc.new_zeros(rows, 0, fc.shape[1]), empty)  # none yet
+        super().__init__(prompts, view, drafting)
+
+    def states_of(self, view):
+        return self.drafter.features(view.layers, view.hidden)
+
+    def absorb(self, ids, states, live, pos):
+        kv = self.drafter.net.context(states, pos - 1)  # the states' own positions
+        self.kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                   for (k0, v0), (k, v) in zip(self.kv, kv)]
+        self.live = torch.cat([self.live, live], 1)
+        self.pos = torch.cat([self.pos, pos - 1], 1)
+
+    def propose(self, pending, npos, u):
+        c, d = self.drafting, self.drafter
+        size = d.can.max_gamma + 1
+        ids = torch.cat([pending[:, None], torch.full((len(pending), size - 1), d.mask,
+                                                      device=pending.device)], 1)  # (B, size)
+        pos = npos[:, None] + torch.arange(size, device=npos.device)
+        allowed = torch.cat([self.live[:, None, :].bool().expand(-1, size, -1),
+                             torch.ones(len(ids), size, size, dtype=torch.bool,
+                                        device=ids.device)], -1)  # context, then both ways
+        out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
+        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.steps],
+                                                      lambda r: f"row {r}")  # (B, G, V)
+        return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
+                                                         device=ids.device))
+
+    def keep(self, rows):
+        self.kv = [(k[rows], v[rows]) for k, v in self.kv]
+        self.live, self.pos = self.live[rows], self.pos[rows]
+        super().keep(rows)
+
+
+DFLASH_BLOCK_QUERIES = 256  # block tokens a teacher-forced DFlash forward runs: 256 / size starts
+
+
+class DFlashDrafter(Drafter):
+    """A DFlash block-diffusion draft (z-lab/dflash: from_checkpoint): per cycle one pass of
+    DFlashNet over the pending token and block_size - 1 mask tokens, from the target's states
+    at the committed positions, drafts offsets 1..block_size - 1 (gamma of them are
+    proposed; the whole block runs, as z-lab's code, SGLang and transformers run it).
+    Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
+    the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
+
+    can = Abilities("DFlash", reads_target=True, trees=False, one_pass=True)
+
+    def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
+                 mask: int, folder: str):
+        self.target, self.net, self.ids, self.mask = target, net, list(ids), mask
+        self.name = self.checkpoint = folder  # (read from its folder alone: from_checkpoint)
+        self.n_layers = len(decoder_layers(target))
+        self.width = vocab_width(target)
+        self.can = replace(self.can, steps=size - 1, max_gamma=size - 1, target_layers=tuple(
+            sorted({i + 1 for i in self.ids if i + 1 < self.n_layers})))
+
+    def features(self, inputs: dict[int, torch.Tensor], final: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """The target's states DFlash reads, joined (B, t, F): the output of each layer of
+        target_layer_ids (the input of the next; of the last, the final states, as an
+        output_hidden_states tuple holds them)."""
+        return torch.cat([inputs[i + 1] if i + 1 < self.n_layers else final for i in self.ids],
+                         -1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block's tokens, embedded by the target (DFlash has no embedding of its own)."""
+        return self.target.get_input_embeddings()(ids).to(self.net.fc.weight)
+
+    def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
+             ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
+        """Outputs (..., H) -> q through the target's output head (DFlash borrows it)."""
+        out = self.target.get_output_embeddings()
+        return q_head(lambda h: out(h.to(out.weight)).to(h.device), sampling, vocab, propose)
+
+    @torch.no_grad()
+    def score(self, rows, spans, states, sampling, vocab, device):
+        last = self.n_layers - 1 in self.ids
+        with final_states(self.target, last) as seen, \
+                layer_inputs(self.target, self.can.target_layers) as got:
+            teacher_forced(self.target, rows, device, True)
+        feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
+                              torch.cat(seen, 1) if last else None)  # (B, T, F)
+        _, live, pos = right_pad(rows, device)
+        context, size = self.net.context(feats, pos), self.can.steps + 1
+        ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
+                           device=device)
+        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        outs = []  # (B, n, size - 1, H) per chunk of starts
+        per = max(1, DFLASH_BLOCK_QUERIES // size)
+        for a in range(lo, hi, per):
+            t = torch.arange(a, min(a + per, hi), device=device)  # the starts
+            start = t.repeat_interleave(size)  # (n size,)
+            at = start + torch.arange(size, device=device).repeat(len(t))
+            x = torch.where(at == start, ids[:, start], self.mask)  # (B, n size)
+            seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
+            own = (start[:, None] == start[None, :]).expand(len(rows), -1, -1)
+            out = self.net.block(self.embed(x), at.expand(len(rows), -1), context,
+                                 torch.cat([seen_ctx, own], -1))
+            outs.append(out.unflatten(1, (len(t), size))[:, :, 1:])
+        blocks = torch.cat(outs, 1)  # (B, hi - lo, size - 1, H)
+        head, scores = self.head(sampling, vocab), []
+        for k in range(self.can.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
+            picked = torch.cat([blocks[b, s - lo:max(e - k, s) - lo, k]
+                                for b, (s, e) in enumerate(spans)]).to(device)
+            scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
+                                                    device=device), head))
+        return scores
+
+    def start(self, prompts, view, drafting):
+        return DFlashSession(self, prompts, view, drafting)
+
+    def param_cost(self, target):
+        net = sum(p.numel() for p in self.net.parameters())
+        head = target.get_output_embeddings().weight.numel()
+        return ((net + head) / params_per_token(target),
+                "parameters per token: the DFlash layers, fc and the target's output head, "
+                "against the target")
+
+    def networks(self):
+        return [self.net]
+
+    @classmethod
+    def from_model(cls, name, loaded, target, options):
+        """A DFlash checkpoint loaded as a causal LM (a hub id): refused, in one line."""
+        config = getattr(loaded.model, "config", None)
+        if getattr(config, "dflash_config", None) is None and "DFlash" not in " ".join(
+                getattr(config, "architectures", None) or []):
+            return None
+        raise UsageError(f"{name}: a DFlash draft is read from its folder, not loaded as a "
+                         f"causal LM; download it (huggingface-cli download {name} --local-dir "
+                         f"DIR) and give --draft DIR")
+
+    @classmethod
+    def from_checkpoint(cls, folder, config, target):
+        """A DFlash draft from its checkpoint: z-lab's (architectures DFlashDraftModel, a
+        Qwen3 config with block_size, num_target_layers and dflash_config {mask_token_id,
+        target_layer_ids}; weights layers.*, fc, hidden_norm, norm) or transformers' (model
+        type muse_glimmer_assistant: block_size, mask_token_id, target_layer_ids at the top;
+        encoder.fc, encoder.output_norm_enc). specdec builds the network itself from the
+        config and the weights: no code of the checkpoint's (its auto_map) runs. Refuses, in
+        one line, a draft that does not fit the target or that specdec cannot build."""
+        archs = " ".join(config.get("architectures") or [])
+        if not ("DFlash" in archs or "dflash_config" in config
+                or config.get("model_type") == "muse_glimmer_assistant"):
+            return None
+        keys = {**config, **(config.get("dflash_config") or {})}  # dflash_config's first
+        n_draft = int(config.get("num_hidden_layers", 1))
+        n_target = len(decoder_layers(target))
+        ids = keys.get("target_layer_ids") or (
+            [n_target // 2] if n_draft == 1 else  # z-lab's build_target_layer_ids
+            [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)])
+        cfg, w = cls.check_checkpoint(folder, keys, ids, target)
+        net = DFlashNet(cfg, w["fc.weight"].shape[1])
+        missing, unexpected = net.load_state_dict(w, strict=False)
+        if [k for k in missing if not k.startswith("rotary.")] or unexpected:
+            raise UsageError(f"{folder}: not a DFlash checkpoint specdec can build (missing "
+                             f"{missing[:2]}, unexpected {list(unexpected)[:2]}): its own code "
+                             f"({config.get('auto_map') or archs}) would be needed, which "
+                             f"specdec does not run")
+        return cls(target, on_target(net, target), ids, int(keys["block_size"]),
+                   int(keys["mask_token_id"]), folder)
+
+    @staticmethod
+    def check_checkpoint(folder: str, keys: dict[str, Any], ids: Sequence[int],
+                         target: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
+        """One clear line for a DFlash draft that does not fit the target or that specdec
+        cannot build; else its layers' config (a Qwen3Config) and its weights, named as
+        DFlashNet names them."""
+        tcfg = target.config.get_text_config(decoder=True)
+        n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
+        for key in ("block_size", "mask_token_id"):
+            if not isinstance(keys.get(key), int):
+                raise UsageError(f"{folder}: a DFlash config without {key}")
+        if keys["block_size"] < 2:
+            raise UsageError(f"{folder}: a DFlash block_size of {keys['block_size']} drafts "
+                             f"nothing (the block holds the pending token and the masks)")
+        rows = target.get_input_embeddings().weight.shape[0]
+        if not 0 <= keys["mask_token_id"] < rows:
+            raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
+                             f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
+                             f"block reads: a draft for another target")
+        told = keys.get("num_target_layers")
+        if not all(0 <= i < n_target for i in ids) or told not in (None, n_target):
+            raise UsageError(f"{folder}: reads target layers {list(ids)} of a target of "
+                             f"{told or 'more'} layers, but this target has {n_target}: a "
+                             f"draft for another target")
+        kinds = set(keys.get("layer_types") or ["full_attention"])
+        if keys.get("use_sliding_window"):
+            kinds.add("sliding_attention")
+        if kinds != {"full_attention"}:
+            raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
+                             f"whose attention within a block engines run with code of their "
+                             f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
+                             f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
+                             f"LLaMA-3.1 ones) and cannot run this one")
+        from transformers import Qwen3Config
+        cfg = Qwen3Config(**{k: v for k, v in keys.items() if k not in (
+            "architectures", "auto_map", "dflash_config", "model_type", "layer_types",
+            "target_layer_ids", "transformers_version", "dtype", "torch_dtype")})
+        if cfg.hidden_size != hidden:
+            raise UsageError(f"{folder}: a DFlash draft {cfg.hidden_size} wide reads the "
+                             f"embedding and head of a target {hidden} wide: a draft for "
+                             f"another target")
+        names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+        w = {}
+        for k, v in read_weights(folder).items():
+            k = k.removeprefix("model.")
+            for old, new in names.items():
+                k = new + k[len(old):] if k.startswith(old) else k
+            w[k] = v
+        if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
+            raise UsageError(f"{folder}: its fc reads "
+                             f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
+                             f"features, but {len(ids)} layers of this target give "
+                             f"{len(ids)} x {hidden}: a draft for another target")
+        return cfg, w
+
+
+# ----------------------------------------------------------------------------------------------
+# drafts with another tokenizer: TLI and SLEM
+
+
+# Drafts with another tokenizer (Timor et al. 2025, "Accelerating LLM Inference with Lossless
+# Speculative Decoding Algorithms for Heterogeneous Vocabularies"): a draft model whose
+# tokenizer is not the target's reads the text in its own tokens and is run one of two ways,
+# both lossless. TLI (token-level intersection: transformers' UniversalSpeculativeDecoding-
+# Generator, vLLM's use_heterogeneous_vocab): it proposes only tokens whose text both
+# vocabularies hold, from its q renormalised over them. SLEM (string-level exact match:
+# transformers' AssistedCandidateGeneratorDifferentTokenizers at T = 0): its greedy text is
+# re-tokenised into the target's tokens, and the target keeps the prefix it would have written.
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_chars() -> dict[str, int]:
+    """The printable stand-in GPT-2 gave each byte, as byte-level vocabularies spell their
+    tokens ('Ġ' for a space) -> the byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+def token_texts(tok: Any) -> list[Any]:
+    """What each id of a tokenizer stands for, comparable across tokenizers: the bytes of its
+    text (a byte-level vocabulary's characters read back as bytes; SentencePiece's '▁' as a
+    space and its <0xNN> as byte NN), or ("special", name) for a special token; None for an
+    id no token has. (transformers compares vocabulary strings after swapping the two space
+    marks, vLLM after reading a leading mark as a space; on byte-level pairs all agree.)"""
+    vocab = tok.get_vocab()
+    texts: list[Any] = [None] * (max(vocab.values(), default=-1) + 1)
+    special = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
+    backend = getattr(tok, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") or {} if backend else {}
+    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    byte_level, chars = any(s.get("type") == "ByteLevel" for s in steps), _byte_chars()
+    for piece, i in vocab.items():
+        byte = BYTE_PIECE.fullmatch(piece)
+        if piece in special:
+            texts[i] = ("special", piece)
+        elif byte_level and all(c in chars for c in piece):
+            texts[i] = bytes(chars[c] for c in piece)
+        else:
+            texts[i] = (bytes([int(byte.group(1), 16)]) if byte
+                        else piece.replace("▁", " ").encode())
+    return texts
+
+
+DECODE_PROBE = "the quick brown fox jumps over the lazy dog"  # any real tokenizer gives it back
+
+
+def check_decodes(tok: Any, which: str) -> None:
+    """Refuse a tokenizer that is missing or whose decode does not give a plain text back: a
+    draft in another vocabulary reads and writes text through both tokenizers."""
+    if tok is None:
+        raise UsageError(f"the {which} has no tokenizer: a draft in another vocabulary needs "
+                         f"the target's and its own (save them beside the models)")
+    try:
+        back = tok.decode(tok(DECODE_PROBE, add_special_tokens=False)["input_ids"],
+                          skip_special_tokens=True)
+    except Exception as e:  # a tokenizer without a decoder of any kind
+        back = f"an error ({type(e).__name__}: {_one_line(e)[:80]})"
+    if back.strip() != DECODE_PROBE:
+        raise UsageError(f"the {which}'s tokenizer cannot decode: {DECODE_PROBE!r} comes back "
+                         f"as {back!r}, and a draft in another vocabulary is read and written "
+                         f"through both tokenizers; give tokenizers that decode")
+
+
+class SharedVocab:
+    """The tokens of a target's and a draft's tokenizers whose texts (token_texts) are the
+    same, and how the draft reads text the target wrote. A text held by several ids of one
+    vocabulary counts for the lowest of them. With one tokenizer on both sides (the same
+    vocabulary) every id of the prefix both models have is itself: nothing is translated."""
+
+    def __init__(self, target_tok: Any, draft_tok: Any, target_width: int, draft_width: int):
+        self.target_tok, self.draft_tok = target_tok, draft_tok
+        self.same = target_tok.get_vocab() == draft_tok.get_vocab()
+        if self.same:
+            pairs = [(i, i) for i in range(min(target_width, draft_width))]
+        else:
+            lowest: list[dict[Any, int]] = [{}, {}]
+            for seen, tok, width in zip(lowest, (target_tok, draft_tok),
+                                        (target_width, draft_width)):
+                for i, text in enumerate(token_texts(tok)[:width]):
+                    if text is not None:
+                        seen.setdefault(text, i)
+            pairs = sorted((lowest[0][k], i) for k, i in lowest[1].items() if k in lowest[0])
+        t = torch.tensor([a for a, _ in pairs], dtype=torch.long)  # (I,) target ids
+        d = torch.tensor([b for _, b in pairs], dtype=torch.long)  # (I,) the same texts' ids
+        self.target_ids, self.draft_ids = t, d
+        self.in_target = torch.zeros(target_width, dtype=torch.bool).index_fill_(0, t, True)
+        self.in_draft = torch.zeros(draft_width, dtype=torch.bool).index_fill_(0, d, True)
+        self.draft_to_target = torch.full((draft_width,), -1, dtype=torch.long)  # -1: unshared
+        self.draft_to_target[d] = t
+        self.to_draft = dict(zip(t.tolist(), d.tolist()))
+        self.read_as: dict[int, list[int]] = {}  # the draft's reading of unshared target ids
+        # what a text starts with when its first token reads as nothing: the draft's BOS
+        self.start = next((i for i in (draft_tok.bos_token_id, draft_tok.eos_token_id)
+                           if isinstance(i, int) and i < draft_width), 0)
+
+    def read(self, token: int) -> list[int]:
+        """A target token as the draft reads it: its own token where the text is shared, else
+        the token's text re-tokenised by the draft's tokenizer (nothing for a special token it
+        does not have)."""
+        if token in self.to_draft:
+            return [self.to_draft[token]]
+        if token not in self.read_as:
+            text = self.target_tok.decode([token], skip_special_tokens=True)
+            self.read_as[token] = list(self.draft_tok(text, add_special_tokens=False)[
+                "input_ids"]) if text else []
+        return self.read_as[token]
+
+    def reading(self, row: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The draft's ids for a row of target ids, token by token (read), and ends[t]: how
+        many of them read row[:t + 1]. A row whose first token reads as nothing starts with
+        the draft's BOS: the draft never reads an empty text."""
+        ids: list[int] = []
+        ends = []
+        for i, token in enumerate(row):
+            ids += self.read(token) or ([self.start] if i == 0 else [])
+            ends.append(len(ids))
+        return ids, ends
+
+    def on_target(self, q: torch.Tensor, vocab: int) -> torch.Tensor:
+        """q over the draft's ids (..., V_d), zero off the shared ones -> over the target's
+        (..., vocab)."""
+        out = q.new_zeros(*q.shape[:-1], vocab)
+        out[..., self.target_ids.to(q.device)] = q[..., self.draft_ids.to(q.device)]
+        return out
+
+    def describe(self, method: str) -> dict[str, Any]:
+        """The report's record of the translation (RunInfo.cross_vocab, less p's mass)."""
+        return {"method": method, "shared_tokens": len(self.target_ids),
+                "target_tokens": len(self.target_tok), "draft_tokens": len(self.draft_tok),
+                "same_tokenizer": self.same}
+
+
+class ReadingSession(Session):
+    """A draft model following each row in its own tokens: `held[b]`, the ids whose keys and
+    values its cache holds live (slots at positions 0..len-1), and sync, which brings the
+    cache to the ids it must have read before a proposal."""
+
+    def __init__(self, model: nn.Module, readings: list[list[int]], drafting: Drafting):
+        self.model, self.drafting = model, drafting
+        self.device = model_device(model) or drafting.device
+        self.held = [list(r[:-1]) for r in readings]  # the last id is fed by the first sync
+        self.slots, _ = prefill(model, self.held, self.device)
+
+    def sync(self, wanted: list[list[int]]) -> torch.Tensor:
+        """Each row's cache to wanted[b]: the longest prefix it holds stays (it is the same
+        text in the same tokens), the slots after it die, columns dead in every row are
+        cropped, and the ids it lacks are fed, right-aligned after dead slots -> the logits at
+        each row's last id (B, 1, V_d)."""
+        s, news, firsts = self.slots, [], []
+        for b, (held, want) in enumerate(zip(self.held, wanted)):
+            assert want, f"row {b} reads as no token"
+            k = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
+                     min(len(held), len(want)))
+            k = min(k, len(want) - 1)  # the last id is fed again: its logits are wanted
+            if k < len(held):
+                s.live[b] = s.live[b] * (s.pos[b] < k).long()
+            news.append(want[k:])
+            firsts.append(k)
+            self.held[b] = list(want)
+        drop_slots(s, int((s.live.sum(0) == 0).flip(0).long().cumprod(0).sum()))
+        width = max(len(n) for n in news)
+        pad = [width - len(n) for n in news]
+        ids = torch.tensor([[0] * p + n for p, n in zip(pad, news)], device=self.device)
+        live = torch.tensor([[0] * p + [1] * len(n) for p, n in zip(pad, news)],
+                            device=self.device)
+        pos = torch.tensor([[max(k - p + j, 0) for j in range(width)]
+                            for k, p in zip(firsts, pad)], device=self.device)
+        return extend(self.model, s, ids, pos, live, last_only=True)
+
+    def positions(self) -> torch.Tensor:
+        """(B,) where each row's next drafted id goes."""
+        return torch.tensor([len(h) for h in self.held], device=self.device)
+
+    def keep(self, rows):
+        select_slots(self.slots, rows.to(self.device))
+        self.held = [self.held[r] for r in rows.tolist()]
+
+
+class TliSession(ReadingSession):
+    """TLI's draft: each row's reading of its committed text (`text`: SharedVocab.reading, then
+    each cycle's accepted drafts as the draft wrote them and the target's token read), and
+    gamma shared tokens of its own a cycle, each drawn from q renormalised over them."""
+
+    def __init__(self, drafter: TliDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter = drafter
+        self.text = [drafter.vocab.reading(p)[0] for p in prompts]
+        super().__init__(drafter.model, self.text, drafting)
+        self.drafted: torch.Tensor | None = None  # (B, G) the last block, the draft's own ids
+
+    def propose(self, pending, npos, u):
+        c, d = self.drafting, self.drafter
+        logits = self.sync(self.text)
+        at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
+        qs, ds = [], []
+        finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
+        for i in range(c.steps):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            q = draft_probs(d.masked(logits[:, -1, :cut]), c.sampling)  # (B, V_d), 0 off I
+            ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
+            qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
+            if i < c.steps - 1:
+                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
+                                last_only=True)
+        self.drafted = torch.stack(ds, 1)  # (B, G)
+        tokens = d.vocab.draft_to_target.to(self.device)[self.drafted]  # (B, G) target ids
+        back = c.device
+        return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back))
+
+    def advance(self, n_acc, committed, view):
+        # (no block before it: a timed step's session, measure_costs, commits one token first)
+        drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
+        for b, new in enumerate(committed):
+            self.held[b] += drafted[b][:self.drafting.steps - 1]  # fed while drafting; sync
+            self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
+        self.drafted = None  # keeps what was accepted
+
+    def keep(self, rows):
+        super().keep(rows)
+        self.text = [self.text[r] for r in rows.tolist()]
+
+
+class OtherVocabDrafter(OwnDraftModel, Drafter):
+    """What the two ways of running a draft model with a tokenizer of its own share (TLI and
+    SLEM below): both tokenizers checked to decode, the shared vocabulary, the cost of the
+    draft model, and recognising a loaded model of its method (vocabulary_method)."""
+
+    method = ""  # "TLI" or "SLEM"
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        check_decodes(target_tokenizer, "target")
+        check_decodes(draft_tokenizer, f"draft {name}")
+        self.name, self.model = name, model
+        self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
+                                 vocab_width(model))
+        # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
+        self.width = vocab_width(model) if self.vocab.same else None
+
+    def translation(self):
+        return self.vocab.describe(self.method)
+
+    @classmethod
+    def from_model(cls, name, loaded, target, options):
+        if vocabulary_method(loaded, target, options) != cls.method.lower():
+            return None
+        found = cls(f"{name} ({cls.method})", loaded.model, target, options.tokenizer,
+                    loaded.tokenizer)
+        found.checkpoint = loaded.path  # (its kind's constructors take no path)
+        return found
+
+
+class TliDrafter(OtherVocabDrafter):
+    """A draft model with a tokenizer of its own, drafting by token-level intersection (TLI).
+    It reads the text in its own tokens (SharedVocab.reading: its own token for each target
+    token whose text both vocabularies hold, that token's text re-tokenised by its tokenizer
+    otherwise; the prompt too), proposes only shared tokens, from its processed q over them
+    (top-k and top-p among them), and the target accepts by the usual rule: lossless at every
+    temperature. Teacher-forced alpha_t = sum over the shared tokens of min(p_t, q~_t); p's mass
+    off them can never be accepted (its share: draft_vocab_coverage)."""
+
+    method, can = "TLI", Abilities("TLI", trees=False)
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
+        if not len(self.vocab.target_ids):
+            raise UsageError(f"{name}: its tokenizer and the target's share no token: it could "
+                             f"propose nothing")
+        self.route: bool | None = None  # head_route, found on the first rows scored
+
+    def cut(self, vocab: int) -> int | None:
+        """The draft's logit columns it proposes from: all (None), or, with one tokenizer on
+        both sides, the prefix both models have (vocab), as a draft model is cut today."""
+        return vocab if self.vocab.same else None
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits (..., V_d), -inf off the shared vocabulary."""
+        shared = self.vocab.in_draft[:logits.shape[-1]].to(logits.device)
+        return logits.masked_fill(~shared, float("-inf"))
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        device = model_device(self.model) or device
+        read = [self.vocab.reading(r) for r in rows]
+        drows = [ids for ids, _ in read]
+        if self.route is None:
+            self.route = head_route(self.model, _probe(drows, device))
+        # scored position t of a row predicts row[t + 1]: the draft has read row[:t + 1]
+        at = [[ends[t] - 1 for t in range(s, e)] for (_, ends), (s, e) in zip(read, spans)]
+        first = 0 if self.route else min((a[0] for a in at if a), default=0)
+        out = teacher_forced(self.model, drows, device, self.route, first)  # (B, T_d - first, .)
+        picked = torch.cat([out[b, (torch.tensor(a, dtype=torch.long, device=out.device)
+                                    - first).clamp_min(0)]
+                            for b, a in enumerate(at)]).to(device)  # (N, ...)
+        made = torch.tensor([t >= 0 for a in at for t in a], device=device)
+        inner = q_head(lambda x: self.masked(head_logits(self.model, x, self.route)[
+            ..., :self.cut(vocab)]), sampling, vocab_width(self.model))
+        return [Scores(picked, made, lambda x, where: self.vocab.on_target(inner(x, where), vocab),
+                       self.vocab.in_target)]
+
+    def start(self, prompts, view, drafting):
+        return TliSession(self, prompts, drafting)
+
+
+SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
+# target_lookbehind)
+
+
+SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
+
+
+def longest_run(old: Sequence[int], new: Sequence[int]) -> tuple[int, int] | None:
+    """Where a re-tokenised window `new` continues the ids `old` it overlaps, as transformers
+    aligns them (_get_tokens_diag): the longest run new[i:i + n] == old[j:j + n], the first by
+    i then j among the longest -> (i + n: where new goes on; len(old) - (j + n): the ids of
+    old after the run, which new replaces); None when no id is in both."""
+    best = None
+    for i in range(len(new)):
+        for j in range(len(old)):
+            if new[i] != old[j] or (i and j and new[i - 1] == old[j - 1]):
+                continue  # not the start of a run
+            n = 1
+            while i + n < len(new) and j + n < len(old) and new[i + n] == old[j + n]:
+                n += 1
+            if best is None or n > best[2]:
+                best = (i, j, n)
+    return None if best is None else (best[0] + best[2], len(old) - best[1] - best[2])
+
+
+class SlemSession(ReadingSession):
+    """SLEM's draft, as transformers runs it (AssistedCandidateGeneratorDifferentTokenizers):
+    per row the target's committed ids (`text`), the draft's ids after its last block
+    (`last`) and the length of text then (`seen`). Each cycle: the draft's input is the last
+    block's ids with a re-tokenised look-behind window of the text aligned onto it (the whole
+    text re-tokenised at first), the draft writes `steps` tokens greedily, a look-behind
+    window of its ids is decoded and re-tokenised by the target's tokenizer, aligned onto the
+    text, and what follows is proposed. With one tokenizer nothing is translated: the draft's
+    ids are proposed as they are."""
+
+    def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter = drafter
+        self.steps = drafting.steps  # the draft's own tokens a cycle
+        self.text = [list(p) for p in prompts]
+        self.last: list[list[int] | None] = [None] * len(prompts)
+        self.seen = [0] * len(prompts)
+        with _quiet_loggers("transformers"):
+            readings = [drafter.draft_input(t, None, 0) for t in self.text]
+        super().__init__(drafter.model, readings, drafting)
+
+    def propose(self, pending, npos, u):
+        c, d, k = self.drafting, self.drafter, self.steps
+        with _quiet_loggers("transformers"):  # (decode's notes on its own arguments)
+            inputs = [d.draft_input(t, last, seen)
+                      for t, last, seen in zip(self.text, self.last, self.seen)]
+        logits = self.sync(inputs)
+        at, ds = self.positions(), []
+        finite = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
+        greedy = replace(c.sampling, proposal="argmax")  # the draft writes its argmax
+        cut = c.vocab if d.vocab.same else None  # (one tokenizer: as a draft model is cut)
+        for i in range(k):
+            finite &= torch.isfinite(logits).flatten(1).all(1)
+            ds.append(draft_probs(logits[:, -1, :cut], greedy).argmax(-1))  # (B,)
+            if i < k - 1:
+                logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
+                                last_only=True)
+        drafts = torch.stack(ds, 1).tolist()  # the cycle's one host sync
+        for held, new in zip(self.held, drafts):
+            held += new[:k - 1]
+        with _quiet_loggers("transformers"):
+            proposed = [d.proposal(t, a, new)
+                        for t, a, new in zip(self.text, inputs, drafts)]
+        for b, (a, new) in enumerate(zip(inputs, drafts)):
+            self.last[b], self.seen[b] = a + d.written(new), len(self.text[b])
+        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:d.block(k)]
+                    for p in proposed]  # ids the target has, a cycle's most
+        width = max(1, max(len(p) for p in proposed))
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposed], device=c.device)
+        count = torch.tensor([len(p) for p in proposed], device=c.device)
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(width, device=c.device) < count[:, None])[..., None]  # (B, W, V)
+        return Proposal(tokens, q, finite.to(c.device), None if d.vocab.same else count)
+
+    def advance(self, n_acc, committed, view):
+        for text, new in zip(self.text, committed):
+            text += new
+
+    def keep(self, rows):
+        super().keep(rows)
+        keep = rows.tolist()
+        self.text, self.last = [self.text[r] for r in keep], [self.last[r] for r in keep]
+        self.seen = [self.seen[r] for r in keep]
+
+
+class SlemDrafter(OtherVocabDrafter):
+    """A draft model with a tokenizer of its own, drafting by string-level exact match (SLEM),
+    as transformers' universal assisted generation runs it at temperature 0 (its candidate
+    generator for assistant_tokenizer; SlemSession): gamma tokens of its own a cycle, greedily,
+    whose text the target's tokenizer re-tokenises; the target keeps the longest prefix equal
+    to its own choices (its argmax at T = 0, its sample at T > 0: q is one-hot on the
+    proposal, accepted with p(x)), lossless. Tokens per cycle count target tokens, a cycle
+    proposing as many as the text re-tokenises to (at most SLEM_WIDTH * gamma); its cost is
+    gamma draft steps and a verify pass. There is no teacher-forced form: whether a drafted
+    token is kept depends on how a whole block of the draft's text re-tokenises and aligns
+    with the target's tokens, which no single position's p and q determine (simulated_only)."""
+
+    method = "SLEM"
+    can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
+
+    def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
+                 draft_tokenizer: Any):
+        super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
+        self.factor = 1 if self.vocab.same else SLEM_WIDTH
+        self.eos = frozenset(eos_ids(model, draft_tokenizer))  # the draft's text ends there
+
+    def block(self, gamma):
+        return gamma * self.factor
+
+    def convert(self, ids: Sequence[int], to_draft: bool) -> list[int]:
+        """Ids decoded by one tokenizer, the text encoded by the other, as transformers does
+        (convert_source_tokens_to_target_tokens: special tokens skipped in the text, added by
+        the encoding); the identity with one tokenizer."""
+        if self.vocab.same:
+            return list(ids)
+        src, dst = ((self.vocab.target_tok, self.vocab.draft_tok) if to_draft else
+                    (self.vocab.draft_tok, self.vocab.target_tok))
+        text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
+        return list(dst(text, add_special_tokens=True)["input_ids"])
+
+    def draft_input(self, text: list[int], last: list[int] | None, seen: int) -> list[int]:
+        """The draft's ids for the target's committed `text` (transformers'
+        _prepare_assistant_input_ids): at first, or while the text is short, all of it
+        re-tokenised; then the last block's ids (`last`, its drafts included), with the
+        re-tokenised window from SLEM_LOOKBEHIND ids before `seen` aligned onto their end
+        (longest_run): the ids after the run are replaced by the window's, the rest appended."""
+        if last is None or seen <= SLEM_LOOKBEHIND or self.vocab.same:
+            return self.convert(text, True) or [self.vocab.start]  # (never an empty text)
+        new = self.convert(text[seen - SLEM_LOOKBEHIND:], True)
+        run = longest_run(last[-len(new):], new)  # ([-0:]: all of it, as transformers slices)
+        if run is None:
+            return last + new
+        go_on, after = run
+        fix = new[go_on:go_on + after]
+        out = last[:len(last) - after] + fix if after and fix else list(last)
+        return out + new[go_on + after:]
+
+    def written(self, drafts: list[int]) -> list[int]:
+        """A block of drafts up to and including the first of the draft's own EOS ids."""
+        return drafts[:next((i + 1 for i, t in enumerate(drafts) if t in self.eos),
+                            len(drafts))]
+
+    def proposal(self, text: list[int], inputs: list[int], drafts: list[int]) -> list[int]:
+        """The target ids a block proposes (transformers' _process_assistant_outputs): the
+        draft's ids from SLEM_LOOKBEHIND before its input's end, through its drafts,
+        re-tokenised, aligned onto the end of the text (longest_run), what follows the run
+        and the text's ids after it; all of them when nothing aligns."""
+        if self.vocab.same:
+            return list(drafts)
+        out = inputs + self.written(drafts)
+        window = self.convert(out[len(inputs) - SLEM_LOOKBEHIND:], False)
+        run = longest_run(text[-len(window):], window)
+        return window if run is None else window[sum(run):]
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        n = sum(e - s for s, e in spans)  # proposes nowhere: p's mass on the shared tokens only
+        return [Scores(torch.zeros(n, 1, device=device), torch.zeros(n, dtype=torch.bool,
+                                                                     device=device),
+                       lambda x, where: torch.zeros(len(x), vocab, device=x.device),
+                       self.vocab.in_target)]
+
+    def start(self, prompts, view, drafting):
+        return SlemSession(self, prompts, drafting)
+
+
+# ----------------------------------------------------------------------------------------------
+# the registry: the kinds, in the order they are asked, and what finds a drafter by name
+
+
+# The kinds of drafter, in the order find_drafter asks them: the names first, then the
+# checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
+# causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
+# __all__.
+DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
+                                       DFlashDrafter, AssistantDrafter, PardDrafter,
+                                       TliDrafter, SlemDrafter, ModelDrafter)
+
+
+def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
+    """A loaded model as the first kind of DRAFTERS that takes it (ModelDrafter, last: any)."""
+    return next(d for kind in DRAFTERS for d in [kind.from_model(name, loaded, target, options)]
+                if d)
+
+
+def head_drafter(folder: str, target: nn.Module) -> Drafter | None:
+    """The draft head a checkpoint folder holds, as the kind that recognises its config loads
+    it (EAGLE-3, Medusa); None: no kind's checkpoint."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    return next((d for kind in DRAFTERS for d in [kind.from_checkpoint(folder, config, target)]
+                 if d), None)
+
+
+def find_drafter(name: str, target: nn.Module, options: DraftOptions,
+                 load: Callable[[str], Loaded | nn.Module]) -> Drafter:
+    """The drafter `name` stands for, as the kinds of DRAFTERS recognise it: a name the target
+    alone makes (ngram, mtp), a draft head's checkpoint folder (EAGLE-3, Medusa), or else a
+    model that load(name) loads (a Gemma-4 assistant, any causal LM; a bare model is taken as
+    loaded from `name`, with the target's tokenizer)."""
+    found = next((d for kind in DRAFTERS for d in [kind.from_name(name, target, options)] if d),
+                 None) or head_drafter(name, target)
+    if found is not None:
+        return found
+    loaded = load(name)
+    return drafter_of(name, loaded if isinstance(loaded, Loaded) else Loaded(loaded, path=name),
+                      target, options)
+
+
+# ==============================================================================================
+# THE LINE, and PART III. THE RUN. Above: the library (Parts I and II: maths, caches, drafters,
+# the two routes, statistics, the report, one setting measured). Below: the run, which calls
+# up into it: loading models and data, files, plots, resuming, several processes and signals,
+# the sweep of settings, the command line. Nothing above knows of any of these.
 # ==============================================================================================
 
 
@@ -6760,7 +6827,8 @@ def __getattr__(name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# files: whole-or-nothing writes, pictures (--plot, matplotlib imported only when asked), resuming
+# files: the weights' fingerprints (run keys), whole-or-nothing writes, pictures (--plot,
+# matplotlib imported only when asked), resuming
 
 
 WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
@@ -7028,7 +7096,8 @@ def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, Pro
 
 
 # ----------------------------------------------------------------------------------------------
-# many processes: torchrun, or srun with several tasks; signals and the stop ranks tell each other
+# many processes: torchrun, or srun with several tasks; signals and the stop ranks tell each
+# other
 
 
 class Launch(NamedTuple):
@@ -7749,6 +7818,10 @@ def read_options(args: argparse.Namespace) -> Options:
                    temperatures, lengths, layers)
 
 
+PARD_WITHOUT_MODEL = ("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
+                      "--draft-layers N, or drop --pard-mask")
+
+
 def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
     """Refuse, before any model loads, drafter options that cannot work together."""
     if not args.draft and not layers:
@@ -7763,10 +7836,6 @@ def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
                          "add --simulate")
     if args.pard_mask is not None and not layers and set(args.draft) <= {"ngram", "mtp"}:
         raise UsageError(PARD_WITHOUT_MODEL)
-
-
-PARD_WITHOUT_MODEL = ("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
-                      "--draft-layers N, or drop --pard-mask")
 
 
 def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
