@@ -23,13 +23,15 @@ al.; Chen et al. swap the letters). gamma = draft block, the tokens proposed per
 Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix both models
 share), N scored positions, H hidden width, G = gamma.
 
-The file reads top to bottom, every name defined before the code that uses it. Above THE LINE,
-the library: one setting in, per-prompt sums out; no signals, ranks, sweeps, prints or files
-but the checkpoints drafters read.
-  types                SamplingParams, Settings, TokenSequence, LoopConfig; the drafter interface
-                       (Drafter: score -> Scores per drafting step, start -> a Session that
-                       proposes and advances each cycle; from_name / from_checkpoint /
-                       from_model: how each kind is recognised and loaded)
+The file reads top to bottom, every name defined before the code that uses it, in three parts.
+PART I, the core, in the order a cycle runs; it names no kind of drafter but the model drafter:
+  types                SamplingParams, Settings, TokenSequence, LoopConfig (what a simulation
+                       fixes), Drafting (what a drafter's session fixes: how many steps a call);
+                       the drafter interface: Drafter (score -> Scores per drafting step,
+                       start -> a Session; check(settings) refuses what its record `can`, an
+                       Abilities, rules out; from_name / from_checkpoint / from_model: how a
+                       kind is recognised, handed DraftOptions and a Loaded model), Session (a
+                       chain: propose, advance, keep) and TreeSession (also given, fork)
   sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows); prefill
@@ -37,15 +39,8 @@ but the checkpoints drafters read.
                        params_per_token, eos_ids)
   teacher-forced       teacher_forced (long rows in chunks), sample_continuations,
                        position_stats (alpha_t = sum min(p, q), a chunk of positions at a time)
-  drafters             each a Drafter, its Session and its checkpoint formats: ModelDrafter (a
-                       draft model, or an early_exit_draft of the target), NgramDrafter (prompt
-                       lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a
-                       Gemma-4 sidecar), Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa
-                       heads), PardDrafter and DFlashDrafter (parallel drafters: the whole
-                       block from one pass, mask tokens for the drafts not made yet),
-                       TliDrafter and SlemDrafter (a draft model with a tokenizer of its own:
-                       token-level intersection, string-level exact match);
-                       DRAFTERS lists them, find_drafter asks them in turn
+  the model drafter    ModelSession, ModelDrafter (a draft model, or an early_exit_draft of the
+                       target): the reference kind
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
   trees                TreeSpec; each shape's levels a generator (dynamic_tree, static_tree),
@@ -55,19 +50,31 @@ but the checkpoints drafters read.
                        the timed costs (measure_costs, clamp_costs)
   report               PromptResult (per-prompt sums) -> teacher_forced_fields,
                        simulation_fields -> AcceptanceReport of parts (RunInfo, TeacherForced,
-                       Simulated, GammaRow) -> format_report
+                       Simulated, GammaRow, Trees) -> format_report; engine_config (the
+                       measured acceptance as vLLM's, SGLang's and llama.cpp's settings)
   measurement          Measurement: one setting's batches, each scored against every drafter
-                       and simulated, into PromptResults; measure_drafts, measure_acceptance;
-                       TrainingMeter
-Below THE LINE, the run, which calls up into the library:
+                       and simulated, into PromptResults (one batch loop: measure);
+                       measure_drafts, measure_acceptance; TrainingMeter
+PART II, the drafter kinds, each one block (network, session, drafter, checkpoint layouts) after
+what several share (CommittedStates, LastState, reading checkpoints): NgramDrafter (prompt
+lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a Gemma-4 sidecar),
+Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa heads), PardDrafter and DFlashDrafter
+(the whole block from one pass), TliDrafter and SlemDrafter (a draft model with a tokenizer of
+its own); then the registry: DRAFTERS lists the kinds, find_drafter asks them in turn.
+Above THE LINE (Parts I and II), the library: one setting in, per-prompt sums out; no signals,
+ranks, sweeps, prints or files but the checkpoints drafters read.
+PART III, below THE LINE, the run, which calls up into the library:
   loading and data     load_model_and_tokenizer, load_texts, build_sequences, at_context_lengths
   training             AcceptanceCallback (a transformers TrainerCallback)
-  files                write_atomic, plot_reports, resume_results
+  files                files_fingerprint (the run keys), write_atomic, plot_reports,
+                       resume_results
   many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop the
                        ranks tell each other through the store), gather_results
-  the sweep            Plan (what the run fixes), collect (this process's batches of one
-                       setting), run_setting (one setting, every drafter)
-  command line         build_parser (by topic), cli_reports, main
+  the sweep            Options (every option read once), Plan (what the run fixes), collect
+                       (this process's batches of one setting), run_setting (one setting,
+                       every drafter)
+  command line         build_parser (by topic), read_options, cli_models (a Loaded model and
+                       the DraftOptions to the kinds: it names none), cli_reports, main
 """
 from __future__ import annotations
 
@@ -224,6 +231,36 @@ SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EA
 # forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
+class Stopping(NamedTuple):
+    """Drafts that stop when the draft is unsure (--confidence-rule, --confidence-threshold):
+    each threshold is measured beside the fixed block, which drafts at most gamma either way.
+    "transformers": assisted generation's assistant_confidence_threshold (ConfidenceCriteria):
+    a drafted token whose probability under the draft's processed distribution (at T = 0 the
+    softmax of its raw logits) is below the threshold is kept, and ends the block.
+    "llamacpp": the server's --spec-draft-p-min: the draft proposes its argmax, and one whose
+    probability over the draft's 10 likeliest tokens at temperature 1 is below the threshold is
+    not proposed: the block ends before it, the first position included."""
+
+    rule: str
+    thresholds: tuple[float, ...]
+
+    def check(self) -> None:
+        if self.rule not in STOPPING_RULES:
+            raise UsageError(f"--confidence-rule must be {' or '.join(STOPPING_RULES)}, got "
+                             f"{self.rule!r}")
+        if not self.thresholds:
+            raise UsageError(f"--confidence-rule {self.rule} needs --confidence-threshold P "
+                             f"(a probability, or a comma list of them)")
+        bad = [t for t in self.thresholds if not 0 <= t <= 1]
+        if bad:
+            raise UsageError(f"--confidence-threshold must be in [0, 1] (a probability), got "
+                             f"{bad[0]:g}")
+
+
+STOPPING_RULES = ("transformers", "llamacpp")
+CALIBRATION_BINS = 10  # the draft's confidence in tenths, for the calibration table
+
+
 @dataclass(frozen=True)
 class Settings:
     """How a measurement runs. Constructing one checks every field (a UsageError names the
@@ -240,6 +277,7 @@ class Settings:
     separate_continuation: bool = False  # with simulate: sample the teacher-forced text apart
     # from the simulation's (else the simulation's output is that text: one continuation)
     trees: tuple = ()  # TreeSpecs to replay on the target's text (the engines' trees)
+    stopping: Stopping | None = None  # drafts that stop when unsure: a rule and thresholds
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -266,6 +304,10 @@ class Settings:
             raise UsageError(f"--cost-ratio must be a number >= 0, auto or measure, got {c!r}")
         if self.eos is not None:
             object.__setattr__(self, "eos", frozenset(int(t) for t in self.eos))
+        if self.stopping is not None:
+            object.__setattr__(self, "stopping", Stopping(self.stopping[0], tuple(
+                float(t) for t in self.stopping[1])))
+            self.stopping.check()
 
     @property
     def gammas(self) -> list[int]:
@@ -283,6 +325,7 @@ class TokenSequence(NamedTuple):
     category: str | None = None
     truncated: bool = False
     document: int | None = None  # the document it was cut from (--context-lengths): its
+    # random streams are that document's, at every length (None: its index's)
 
 
 class Drafting(NamedTuple):
@@ -294,9 +337,8 @@ class Drafting(NamedTuple):
     # fork that grows a tree by a level
     vocab: int
     device: torch.device
-
-
-    # random streams are that document's, at every length (None: its index's)
+    logits: bool = False  # hand back each step's logits too (Proposal.logits), which a rule
+    # that stops drafting when unsure reads (stop_when_unsure)
 
 
 class LoopConfig(NamedTuple):
@@ -309,10 +351,13 @@ class LoopConfig(NamedTuple):
     eos: frozenset[int]
     device: torch.device
     seed: int = 0
+    unsure: tuple[str, float] | None = None  # drafts stop when unsure: (rule, threshold) of
+    # Stopping; None: every cycle drafts gamma
 
     def drafting(self) -> Drafting:
         """What the drafter's session of this loop fixes: gamma drafting steps a cycle."""
-        return Drafting(self.sampling, self.gamma, self.vocab, self.device)
+        return Drafting(self.sampling, self.gamma, self.vocab, self.device,
+                        self.unsure is not None)
 
 
 class TargetView(NamedTuple):
@@ -332,6 +377,10 @@ class Proposal(NamedTuple):
     finite: torch.Tensor  # (B,) False where the drafter's logits held NaN/inf
     count: torch.Tensor | None = None  # (B,) tokens proposed per row (None: all G); a drafter
     # that finds nothing to propose (n-gram lookup without a match) proposes fewer, or none
+    logits: torch.Tensor | None = None  # (B, G, V) each token's logits, cut to the vocabulary
+    # (when Drafting.logits asks)
+    unsure: torch.Tensor | None = None  # (B,) whether the rule cut the block (stop_when_unsure)
+    confidence: torch.Tensor | None = None  # (B, G) the rule's confidence in each token
 
     @classmethod
     def none(cls, rows: int, drafting: Drafting) -> Proposal:
@@ -340,6 +389,13 @@ class Proposal(NamedTuple):
         return cls(tokens, torch.zeros(*tokens.shape, drafting.vocab, device=drafting.device),
                    torch.ones(rows, dtype=torch.bool, device=drafting.device),
                    torch.zeros(rows, dtype=torch.long, device=drafting.device))
+
+
+def kept_logits(drafting: Drafting, steps: Sequence[torch.Tensor], device: torch.device
+                ) -> torch.Tensor | None:
+    """Each step's logits (B, V) as the Proposal's (B, G, V), when the drafting asks for them
+    (Drafting.logits); None otherwise."""
+    return torch.stack(list(steps), 1).to(device) if drafting.logits else None
 
 
 @dataclass
@@ -360,12 +416,16 @@ class Scores:
         q = self.head(self.states[start:stop], where)
         return q * self.proposed[start:stop, None].to(q)
 
+    def logits(self, start: int, stop: int) -> torch.Tensor:
+        """The drafter's logits (n, V) at scored positions start..stop-1, which its q is
+        processed from (what a rule that stops when unsure reads)."""
+        return self.head.logits(self.states[start:stop])
+
     def top(self, start: int, stop: int, k: int) -> torch.Tensor:
         """The drafter's k most likely tokens at scored positions start..stop-1 (n, k), by its
         own scores (its logits, as a tree ranks candidates; not the sampling's q, which at
         T = 0 or under top-k ties the rest)."""
-        logits = getattr(self.head, "logits", None)
-        x = logits(self.states[start:stop]) if logits else self.q(start, stop)
+        x = self.logits(start, stop) if hasattr(self.head, "logits") else self.q(start, stop)
         return x.topk(k).indices
 
 
@@ -436,8 +496,6 @@ class Abilities:
     # B - 1); a larger gamma is refused
     teacher_forced: bool = True  # has a teacher-forced form (SLEM: SlemDrafter says why not)
     distribution: bool = True  # proposes from a distribution q (not a point mass on text it
-
-
     # copied or re-tokenised: n-gram lookup, SLEM)
 
 
@@ -494,6 +552,10 @@ class Drafter(abc.ABC):
             raise UsageError(f"--tree: {self.name} drafts no tree ({can.kind} drafting is "
                              f"measured as one chain, as engines serve it); measure it without "
                              f"--tree")
+        if settings.stopping and not can.distribution:
+            raise UsageError(f"--confidence-threshold: {self.name} ({can.kind}) drafts from no "
+                             f"distribution, so it has no confidence to stop on; measure it "
+                             f"without --confidence-threshold")
         if can.max_gamma is not None and gamma > can.max_gamma:
             raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.max_gamma} "
                              f"tokens a pass (its block of {can.max_gamma + 1}: the pending "
@@ -636,6 +698,31 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_min(0)
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
+
+
+LLAMACPP_TOP_K = 10  # the candidates llama.cpp's draft sampler keeps (speculative.cpp)
+
+
+def confidences(logits: torch.Tensor, sampling: SamplingParams, rule: str) -> torch.Tensor:
+    """How sure a draft is of each token it could draft, as an engine's rule reads it: its
+    logits (..., V) -> (..., V), or (..., 1) where the rule reads one number whatever is
+    drafted. transformers: a token's probability under the draft's processed distribution
+    (temperature, top-k, top-p; greedy: the softmax of its raw logits, at temperature 1).
+    llamacpp: the probability of the draft's argmax, which it always proposes, over its
+    LLAMACPP_TOP_K likeliest tokens at temperature 1, whatever the sampling."""
+    x = logits.float()
+    if rule == "llamacpp":
+        top = x.topk(min(LLAMACPP_TOP_K, x.shape[-1]), -1).values  # (..., 10), largest first
+        return 1 / torch.exp(top - top[..., :1]).sum(-1, keepdim=True)
+    return torch.softmax(x, -1) if sampling.greedy else processed_probs(x, sampling)
+
+
+def confidence(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingParams,
+               rule: str) -> torch.Tensor:
+    """The rule's confidence in the tokens drafted (...) from logits (..., V) -> (...)."""
+    c = confidences(logits, sampling, rule)
+    at = tokens[..., None] if c.shape[-1] > 1 else torch.zeros_like(tokens[..., None])
+    return c.gather(-1, at).squeeze(-1)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -1137,11 +1224,37 @@ def sample_continuations(target: nn.Module, prompts: Sequence[Sequence[int]], co
 
 class Scoring(NamedTuple):
     """What the teacher-forced route works out at every scored position: under which sampling,
-    over how many logit columns, and how many of the drafter's ranks (for trees; 0: none)."""
+    over how many logit columns, how many of the drafter's ranks (for trees; 0: none), and the
+    rule that stops drafts when unsure (None: none)."""
 
     sampling: SamplingParams
     vocab: int
     ranks: int = 0
+    stopping: Stopping | None = None
+
+
+def unsure_stats(p: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, scoring: Scoring
+                 ) -> dict[str, torch.Tensor]:
+    """What a rule that stops when unsure (scoring.stopping) makes of a drafter's positions:
+    target p, its q (n, V) and its logits -> per threshold, the chance that the token it drafts
+    is unsure ("unsure", (n, thresholds)) and that it is unsure and accepted
+    ("unsure_accepted"); per tenth of confidence (CALIBRATION_BINS), the chance of drafting a
+    token that sure ("calibration_mass", (n, bins)) and of that and its acceptance
+    ("calibration_accepted"). The token is drawn from q as the simulation proposes
+    (draft_probs: a point mass on its argmax under the engines' rule); Leviathan's rule
+    accepts d with min(1, p/q). (As what is lost: at threshold 0 nothing is, exactly.)"""
+    sampling, (rule, thresholds) = scoring.sampling, scoring.stopping
+    drawn = q if sampling.proposal == "sample" or sampling.greedy else \
+        nn.functional.one_hot(q.argmax(-1), q.shape[-1]).to(q) * (q.sum(-1, keepdim=True) > 0)
+    took = torch.minimum(p, drawn)  # (n, V): P(d drafted and accepted)
+    c = confidences(logits, sampling, rule).to(p)  # (n, V), or (n, 1): one for any token
+    bins = (c * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1).expand_as(drawn)
+    zero = drawn.new_zeros(len(drawn), CALIBRATION_BINS)
+    unsure = [c < t for t in thresholds]
+    return {"unsure": torch.stack([(drawn * u).sum(-1) for u in unsure], -1),
+            "unsure_accepted": torch.stack([(took * u).sum(-1) for u in unsure], -1),
+            "calibration_mass": zero.scatter_add(1, bins, drawn),
+            "calibration_accepted": zero.scatter_add(1, bins, took)}
 
 
 @torch.no_grad()
@@ -1156,9 +1269,10 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
     drafter's most likely tokens ("p_rank", (N, R); Scores.top). Only a (chunk, V) slice of
     fp32 probabilities exists at a time, whatever N and V are. where(n) names scored position
     n in error messages."""
-    sampling, vocab, ranks = scoring
+    sampling, vocab, ranks, stopping = scoring
     chunk = chunk or max(16, (1 << 24) // vocab)
     alpha, top1, p_of_q, covered, rank_p = [], [], [], [], []
+    unsure: dict[str, list[torch.Tensor]] = {}
     for s in range(0, scores.proposed.shape[0], chunk):
         lp = p_logits(s, s + chunk)[..., :vocab]  # (n, V)
         check_finite(lp, "target", lambda n: where(s + n))
@@ -1176,6 +1290,10 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
                           * made[:, None])
         if scores.support is not None:  # p's mass on the ids the drafter can ever propose
             covered.append((p * scores.support[:vocab].to(p)).sum(-1))
+        if stopping is not None:
+            logits = scores.logits(s, s + chunk)[..., :vocab].to(p.device)
+            for key, v in unsure_stats(p, q, logits, scoring).items():
+                unsure.setdefault(key, []).append(v)
     none = torch.zeros(0)  # (a later step may have no position to score)
     out = {"alpha": torch.cat(alpha or [none]).cpu(), "top1": torch.cat(top1 or [none]).cpu(),
            "p_argmax_q": torch.cat(p_of_q or [none]).cpu(), "proposed": scores.proposed.cpu()}
@@ -1183,6 +1301,11 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
         out["p_rank"] = torch.cat(rank_p or [none.view(0, ranks)]).cpu()
     if covered:
         out["coverage"] = torch.cat(covered).cpu()
+    if stopping is not None:
+        width = {"unsure": len(stopping.thresholds), "unsure_accepted": len(stopping.thresholds)}
+        out.update({k: torch.cat(unsure.get(k) or [none.view(0, width.get(k, CALIBRATION_BINS))])
+                    .cpu() for k in ("unsure", "unsure_accepted", "calibration_mass",
+                                     "calibration_accepted")})
     return out
 
 
@@ -1238,12 +1361,17 @@ def q_head(logits_of: Callable[[torch.Tensor], torch.Tensor], sampling: Sampling
            ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
     """A Scores.head from a drafter's logits function: logits cut to the shared vocabulary,
     refused if NaN or +inf (-inf marks ids a drafter never proposes), processed (draft_probs,
-    the q proposals are drawn from, when propose)."""
-    def head(states: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+    the q proposals are drawn from, when propose). head.both gives the logits too."""
+    def both(states: torch.Tensor, where: Callable[[int], str]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits_of(states)[..., :vocab]
         check_finite(logits.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=0.0),
                      "draft", where)
-        return (draft_probs if propose else processed_probs)(logits, sampling)
+        return (draft_probs if propose else processed_probs)(logits, sampling), logits
+
+    def head(states: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+        return both(states, where)[0]
+    head.both = both  # (q and the logits: what a rule that stops when unsure reads)
     head.logits = lambda states: logits_of(states)[..., :vocab]  # (what a tree ranks by)
     return head
 
@@ -1287,17 +1415,19 @@ class ModelSession(TreeSession):
         d = self.drafting
         pending, npos, u = pending.to(self.device), npos.to(self.device), u.to(self.device)
         logits = extend(self.model, self.slots, *self.first_input(pending, npos), last_only=True)
-        qs, ds = [], []
+        qs, ds, ls = [], [], []
         finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
         for i in range(d.steps):
             finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits[:, -1, :d.vocab], d.sampling))  # (B, V)
+            ls.append(logits[:, -1, :d.vocab])  # (B, V)
+            qs.append(draft_probs(ls[-1], d.sampling))  # (B, V)
             ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
             if i < d.steps - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
         self.last, self.width = ds[-1], d.steps
         back = d.device  # the target's: where the acceptance test runs
-        return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back))
+        return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back),
+                        logits=kept_logits(d, ls, back))
 
     def given(self, pending, npos, tokens):
         """The pending token's input and the first W - 1 given drafts in one pass, the slots a
@@ -1463,11 +1593,21 @@ class RowStats:
     drafted: int | None = 0  # draft tokens
     drafted_accepted: int | None = 0  # of those, accepted
     verify_steps: int | None = 0  # cycles that drafted something
+    budget_cuts: int | None = 0  # cycles whose draft the budget cut short
+    unsure_cuts: int = 0  # cycles whose block a rule that stops when unsure ended early
+    by_confidence: list[list[int]] | None = None  # with such a rule: [examined, accepted]
+    # draft tokens per tenth of the rule's confidence in them (CALIBRATION_BINS)
 
     @classmethod
-    def empty(cls, gamma: int) -> RowStats:
+    def empty(cls, gamma: int, confidence: bool = False) -> RowStats:
         return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
-                   proposed=[0] * (gamma + 1))
+                   proposed=[0] * (gamma + 1),
+                   by_confidence=[[0] * CALIBRATION_BINS for _ in "ea"] if confidence else None)
+
+    def row(self) -> dict[str, Any]:
+        """Its fields for a JSON row: the counts, and how many tokens it emitted."""
+        return {**{k: v for k, v in asdict(self).items() if k != "tokens"
+                   and not (k == "by_confidence" and v is None)}, "generated": len(self.tokens)}
 
 
 class Cycle(NamedTuple):
@@ -1479,15 +1619,34 @@ class Cycle(NamedTuple):
     drafted: list[int]  # (G,) the drafts, padded after count
     finite_p: bool  # the target's logits were finite
     finite_q: bool  # the drafter's were
+    unsure: bool = False  # a rule that stops when unsure ended the block early
+    bins: list[int] | None = None  # (G,) with such a rule: each draft's tenth of confidence
 
     @classmethod
     def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
              finite_p: torch.Tensor) -> list[Cycle]:
         gamma = proposal.tokens.shape[1]
         count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
+        unsure = proposal.unsure if proposal.unsure is not None else torch.zeros_like(finite_p)
+        conf = proposal.confidence
+        bins = [] if conf is None else \
+            [(conf * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)]
         host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
-                          finite_p[:, None], proposal.finite[:, None]], 1).tolist()  # one sync
-        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[-2]), bool(h[-1])) for h in host]
+                          finite_p[:, None], proposal.finite[:, None], unsure[:, None], *bins],
+                         1).tolist()  # one sync
+        g = 6 + gamma  # (the bins after)
+        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[g - 3]), bool(h[g - 2]),
+                    bool(h[g - 1]), h[g:] if bins else None) for h in host]
+
+
+def row_stats(row: dict[str, Any]) -> RowStats:
+    """A prompt's RowStats back from its JSON row (PromptResult.row), with as many (unknown)
+    tokens as it emitted; the engines' counts an earlier version did not write are None (not
+    counted), any other count its default."""
+    engines = {"drafted", "drafted_accepted", "verify_steps", "budget_cuts"}
+    return RowStats(**{f.name: row.get(f.name, None if f.name in engines else f.default)
+                       for f in dataclasses.fields(RowStats) if f.name != "tokens"},
+                    tokens=[-1] * row["generated"])
 
 
 def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
@@ -1515,6 +1674,12 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         row.drafted += max(capped, 0)
         row.drafted_accepted += min(accepted, max(capped, 0))
         row.verify_steps += capped > 0
+        row.budget_cuts += capped < count
+    row.unsure_cuts += cycle.unsure
+    if row.by_confidence is not None:  # each examined draft in its tenth of confidence
+        for j in range(examined):
+            row.by_confidence[0][cycle.bins[j]] += 1
+            row.by_confidence[1][cycle.bins[j]] += j < accepted
     row.tokens += emitted[:config.budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
@@ -1524,6 +1689,27 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
     row.cycles += 1
     row.censored += cut is not None
     return cut is not None or len(row.tokens) >= config.budget or emitted[-1] in eos
+
+
+def stop_when_unsure(proposal: Proposal, sampling: SamplingParams, rule: str,
+                     threshold: float) -> Proposal:
+    """The proposal as a draft that stops when unsure drafts it (Stopping): its block ends at
+    the first token whose confidence is below the threshold, that token kept (transformers)
+    or not proposed (llamacpp, where the first position too may end it), at most where the
+    drafter's own count ends it. Past the end nothing is proposed: q is zero there, so a
+    rejection there resamples from p, and a whole block's bonus is p's. The proposal must
+    carry its logits (Drafting.logits)."""
+    tokens = proposal.tokens
+    g = tokens.shape[1]
+    conf = confidence(proposal.logits, tokens, sampling, rule)  # (B, G)
+    unsure = conf < threshold
+    first = torch.where(unsure.any(1), unsure.long().argmax(1), g)  # (B,) first unsure offset
+    end = (first + 1).clamp_max(g) if rule == "transformers" else first
+    had = proposal.count if proposal.count is not None else torch.full_like(first, g)
+    count = torch.minimum(had, end)
+    live = torch.arange(g, device=tokens.device) < count[:, None]  # (B, G)
+    return proposal._replace(q=proposal.q * live[..., None], count=count, unsure=end < had,
+                             confidence=conf)
 
 
 def verify(target: nn.Module, slots: Slots, pending: torch.Tensor, npos: torch.Tensor,
@@ -1564,6 +1750,15 @@ def view_of(seen: list[torch.Tensor], slots: Slots, got: dict[int, list[torch.Te
     if not seen:
         return None
     return TargetView(torch.cat(seen, 1), slots, {i: torch.cat(v, 1) for i, v in got.items()})
+
+
+def check_cycles(cycles: Sequence[Cycle], names: Sequence[str], npos: torch.Tensor) -> None:
+    """Refuse a cycle whose target or draft logits held NaN/inf, naming the prompt (names, in
+    the cycles' order) and the position."""
+    for r, (name, cyc) in enumerate(zip(names, cycles)):
+        for model, ok in (("target", cyc.finite_p), ("draft", cyc.finite_q)):
+            if not ok:
+                raise non_finite(model, f"{name}, position {int(npos[r])} (simulation)")
 
 
 def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.Generator],
@@ -1611,7 +1806,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
     gens = row_generators(c.seed, keys, phase=2)
     width = drafter.block(c.gamma)  # the most tokens a proposal holds (SLEM: the target's)
-    stats = [RowStats.empty(width) for _ in rows]
+    stats = [RowStats.empty(width, c.unsure is not None) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
     first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
     for row, t in zip(stats, first):
@@ -1626,8 +1821,11 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
         if live else None
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * width + 1, c.device)  # (B, 2G+1)
-        # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output)
+        # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output),
+        # and stops early where it is unsure, when a rule says so
         proposal = session.propose(pending, npos, u[:, :width])
+        if c.unsure is not None:
+            proposal = stop_when_unsure(proposal, c.sampling, *c.unsure)
         # 2. verify: one target forward scores the pending token and all G proposals
         with final_states(target, drafter.can.reads_target or states is not None) as seen, \
                 layer_inputs(target, drafter.can.target_layers) as got:
@@ -1635,11 +1833,9 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, width:])
         cycles = Cycle.read(n_acc, new, proposal, finite_p)
+        check_cycles(cycles, [names[b] for b in live], npos)
         still = []
         for r, (b, cyc) in enumerate(zip(live, cycles)):
-            for name, ok in (("target", cyc.finite_p), ("draft", cyc.finite_q)):
-                if not ok:
-                    raise non_finite(name, f"{names[b]}, position {int(npos[r])} (simulation)")
             if states is not None:
                 kept[b].append(seen[-1][r, :cyc.n_acc + 1])
             before = len(stats[b].tokens)
@@ -2189,6 +2385,22 @@ class Cost:
         return tokens_per_cycle * sum(proposed) / sum(w * c for w, c in zip(proposed, costs))
 
 
+def unsure_speedup(cost: Cost, tokens_per_cycle: float, drafted: Sequence[float],
+                   rule: str) -> float:
+    """Est. speedup of drafts that stop when unsure: drafted[k] = the share (or count) of
+    cycles that drafted k tokens, k = 0..gamma, each costing its draft steps and the verify of
+    its k + 1 tokens (cost.verify[k]; none: a plain target step). Under transformers' rule k
+    tokens took k draft steps; llama.cpp's reads the distribution of the token after the last
+    it keeps, a step more (min(k + 1, gamma)); a drafter of one pass a block takes one."""
+    gamma = len(drafted) - 1
+
+    def steps(k: int) -> int:
+        probe = rule == "llamacpp"
+        return 0 if not (k or probe) else 1 if cost.per_cycle else min(k + probe, gamma)
+    costs = [steps(k) * cost.ratio + (cost.verify[k] if k else 1.0) for k in range(gamma + 1)]
+    return tokens_per_cycle * sum(drafted) / sum(w * c for w, c in zip(drafted, costs))
+
+
 def cycle_numbers(accepted: float | None, accepted_ci: Sequence[float] | None, gamma: int,
                   cost: Cost, proposed: Sequence[float] | None = None
                   ) -> tuple[Any, Any, Any, Any]:
@@ -2433,8 +2645,6 @@ class RunInfo:
     # (Drafter.serving): "kind" (draft model, early exit, n-gram, MTP, EAGLE-3, ...),
     # "checkpoint" (where it was read from; None: made in memory) and its kind's options
     cross_vocab: dict[str, Any] | None = None  # a draft with a tokenizer of its own: "method"
-
-
     # (TLI or SLEM), "shared_tokens" (the shared vocabulary's size), "target_tokens" and
     # "draft_tokens" (the vocabularies'), "same_tokenizer", "p_mass_shared" (p's mean mass on
     # the shared vocabulary), "draft_tokens_per_cycle" (gamma), "most_target_tokens_per_cycle"
@@ -2587,9 +2797,57 @@ class StaticTree:
     choices: list[list[int]]  # paths of ranks: Medusa's medusa_choices, vLLM's token tree
     expected_accept_length: float  # 1 + the sum over its nodes of their path's acceptance
     acceptance: list[list[float]]  # by depth (drafting step) and rank: the mean of p at q's
-
-
     # rank-r token, what a child of that rank is accepted with
+
+
+@dataclass
+class ThresholdRow:
+    """One threshold of a rule that stops drafts when unsure: the teacher-forced closed form
+    (unsure_windows, pooled) and, with --simulate, the simulation under it."""
+
+    threshold: float
+    drafted_per_cycle: float | None  # draft tokens a cycle proposes
+    tokens_per_cycle: float | None  # accepted + the target's one
+    accept_rate: float | None  # accepted / drafted: what the engines log
+    est_speedup: float | None  # unsure_speedup: only the drafted steps, the shorter verify
+    cut_by_threshold: float | None  # the share of cycles whose block the rule ended early
+    sim_drafted_per_cycle: float | None = None
+    sim_tokens_per_cycle: float | None = None  # product-limit, as Simulated's
+    sim_accept_rate: float | None = None  # as the engines count: drafted_accepted / drafted
+    sim_est_speedup: float | None = None
+    sim_cycles: int | None = None
+    sim_cut_by_threshold: int | None = None  # cycles the rule ended early (RowStats)
+    sim_cut_by_budget: int | None = None  # cycles the token budget cut (besides)
+    best: bool = False  # the highest teacher-forced est. speedup (simulated: sim_best)
+    sim_best: bool = False
+
+
+@dataclass
+class Calibration:
+    """Acceptance by the draft's confidence in the token it drafts, in tenths (the rule's
+    confidence): teacher-forced, the expected drafts in each tenth over the scored positions
+    and the share accepted; simulated, the drafts examined (up to the first rejection) and
+    the share accepted."""
+
+    bins: list[float]  # the tenths' lower edges
+    drafted: list[float]
+    accept_rate: list[float | None]
+    sim_examined: list[int] | None = None
+    sim_accept_rate: list[float | None] | None = None
+
+
+@dataclass
+class Unsure:
+    """The report's drafts that stop when unsure (--confidence-rule, --confidence-threshold):
+    a row per threshold, the best marked, beside the best fixed block, and the calibration."""
+
+    rule: str
+    gamma: int  # the most a block drafts
+    rows: list[ThresholdRow]
+    best_threshold: float | None
+    best_fixed_gamma: int | None  # the best block of the gamma table, positional estimator
+    best_fixed_speedup: float | None  # (the closed form's estimator, on the same windows)
+    calibration: Calibration | None
 
 
 @dataclass
@@ -2621,6 +2879,7 @@ class AcceptanceReport:
     simulated: Simulated | None = None
     gamma_table: list[GammaRow] = field(default_factory=list)
     trees: Trees | None = None  # --tree, --tree-choices: each tree replayed, the best static one
+    unsure: Unsure | None = None  # --confidence-threshold: drafts that stop when unsure
 
     def to_dict(self) -> dict[str, Any]:
         flat = {**asdict(self.run), **asdict(self.teacher_forced)}
@@ -2630,6 +2889,8 @@ class AcceptanceReport:
                                for row in self.gamma_table] or None
         if self.trees is not None:  # (a key of its own, only with trees)
             flat["trees"] = asdict(self.trees)
+        if self.unsure is not None:  # (and with thresholds)
+            flat["stopping"] = asdict(self.unsure)
         return flat
 
     @classmethod
@@ -2646,12 +2907,17 @@ class AcceptanceReport:
         trees = flat.get("trees") and Trees(
             [TreeRow(**r) for r in flat["trees"]["rows"]],
             flat["trees"]["best_static"] and StaticTree(**flat["trees"]["best_static"]))
+        unsure = flat.get("stopping") and Unsure(**{
+            **flat["stopping"], "rows": [ThresholdRow(**r) for r in flat["stopping"]["rows"]],
+            "calibration": flat["stopping"]["calibration"] and Calibration(
+                **flat["stopping"]["calibration"])})
         return cls(part(RunInfo), part(TeacherForced),
-                   simulated if simulated.cycles is not None else None, table, trees or None)
+                   simulated if simulated.cycles is not None else None, table, trees or None,
+                   unsure or None)
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of to_dict as attributes."""
-        if name.startswith("_") or name in ("run", "teacher_forced", "simulated"):
+        if name.startswith("_") or name in ("run", "teacher_forced", "simulated", "unsure"):
             raise AttributeError(name)
         for part in (self.run, self.teacher_forced):
             if name in part.__dataclass_fields__:
@@ -2690,6 +2956,15 @@ class PromptResult:
     trees: list[TreeStats] | None = None  # one per tree shape replayed (Settings.trees)
     rank_sums: list[list[float]] | None = None  # per drafting step, sum of p_t at q_t's
     # rank-r token, r = 0..TREE_RANKS-1 (with trees: the best static tree's acceptance)
+    # with a rule that stops drafts when unsure (Settings.stopping), unsure_windows' sums:
+    unsure_drafted: list[list[float]] | None = None  # per threshold, P(drafted >= k) summed
+    # over cycle starts, k = 1..gamma
+    unsure_accepted: list[float] | None = None  # per threshold, E[accepted] summed over them
+    unsure_starts: int | None = None  # the starts: where the gamma window fits (windows')
+    calibration: list[list[float]] | None = None  # [drafted, accepted] per tenth of the
+    # draft's confidence: sums of the chance of drafting a token that sure, and of its
+    # acceptance, over every step's positions
+    stopped: list[RowStats] | None = None  # the simulation under each threshold
 
     @classmethod
     def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
@@ -2706,37 +2981,87 @@ class PromptResult:
             windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
         ranks = [h["p_rank"].double().sum(0).tolist() for h in steps] if settings.trees \
             else None
+        unsure = {} if settings.stopping is None else unsure_windows(
+            steps, key, settings.gamma, settings.stopping.rule, stepped)
         return cls(index=index, category=category, positions=first["alpha"].numel(),
                    scored=int(first["proposed"].sum()), windows=windows,
                    head_alpha_sums=[h["alpha"].double().sum().item() for h in later],
                    head_scored=[int(h["proposed"].sum()) for h in later],
                    head_p_argmax_q_sums=[h["p_argmax_q"].double().sum().item() for h in later],
-                   rank_sums=ranks, **{f"{k}_sum": v.double().sum().item()
-                                       for k, v in first.items()
-                                       if k not in ("proposed", "p_rank")})
+                   rank_sums=ranks, **unsure, **{f"{k}_sum": v.double().sum().item()
+                                                 for k, v in first.items()
+                                                 if k not in UNSUMMED})
 
     def row(self) -> dict[str, Any]:
         """The JSON's per-prompt row: every sum a report is computed from."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows")
-               and not (k in ("trees", "rank_sums") and v is None)}  # (only with trees)
+        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows", "stopped")
+               and not (k in OPTIONAL_SUMS and v is None)}  # (only with trees, thresholds)
         out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
         if self.sim is not None:
-            out.update({k: v for k, v in asdict(self.sim).items() if k != "tokens"},
-                       generated=len(self.sim.tokens))
+            out.update(self.sim.row())
+        if self.stopped is not None:
+            out["stopped"] = [row.row() for row in self.stopped]
         return out
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> PromptResult:
         """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
         version did not write takes its default."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees",
+                                                              "stopped"}
         trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
         sim = None
         if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
-            sim = RowStats(**{f.name: row.get(f.name) for f in dataclasses.fields(RowStats)
-                              if f.name != "tokens"}, tokens=[-1] * row["generated"])
+            sim = row_stats(row)
+        stopped = [row_stats(r) for r in row["stopped"]] if row.get("stopped") else None
         return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
-                   windows={int(g): tuple(w) for g, w in row["windows"].items()})
+                   stopped=stopped, windows={int(g): tuple(w) for g, w in row["windows"].items()})
+
+
+OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
+                 "calibration")
+# PromptResult's sums a run without trees or thresholds leaves out of its rows
+UNSUMMED = ("proposed", "p_rank", "unsure", "unsure_accepted", "calibration_mass",
+            "calibration_accepted")  # position_stats' numbers that are no PromptResult "_sum"
+
+
+def unsure_windows(steps: Sequence[dict[str, torch.Tensor]], key: str, gamma: int, rule: str,
+                   stepped: bool) -> dict[str, Any]:
+    """The closed form of drafts that stop when unsure, along one prompt's text: at each cycle
+    start t, offset k drafts with the numbers of position t + k - 1 (of step k at t, for a
+    drafter whose steps have numbers of their own); kappa, its token's chance of being sure,
+    beta, of being sure and accepted, alpha (position_stats' `key`), of being accepted. The
+    transformers rule keeps an unsure token, which ends the block: P(drafted >= k) =
+    prod_{j<k} kappa_j, P(accepted >= k) = prod_{j<k} beta_j * alpha_k; llama.cpp's does not
+    propose it: P(drafted >= k) = prod_{j<=k} kappa_j, P(accepted >= k) = prod_{j<=k} beta_j.
+    Summed over the starts where the gamma window fits (as window_sum), per threshold; and the
+    calibration sums over every step's positions. The text is the target's: past a rejection
+    the draft would read its own tokens, which the closed form takes to be as sure."""
+    first = steps[0]
+    g = min(gamma, len(steps)) if stepped else gamma
+    n = steps[g - 1][key].numel() if stepped else max(0, first[key].numel() - g + 1)
+
+    def cols(x: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """(n, g, thresholds): offset k's number at each start."""
+        if stepped:
+            return torch.stack([x(h).double()[:n] for h in steps[:g]], 1)
+        y = x(first).double()
+        return y.unfold(0, g, 1).movedim(-1, 1) if n else y.new_zeros(0, g, *y.shape[1:])
+    alpha = cols(lambda h: h[key][:, None])
+    kappa = cols(lambda h: h["proposed"].double()[:, None] - h["unsure"])
+    beta = cols(lambda h: h[key][:, None] - h["unsure_accepted"])
+    if rule == "transformers":  # the unsure token is drafted, and the last
+        ones = torch.ones_like(kappa[:, :1])
+        drafted = torch.cat([ones, kappa[:, :-1].cumprod(1)], 1)
+        accepted = torch.cat([ones, beta[:, :-1].cumprod(1)], 1) * alpha
+    else:  # llama.cpp: the unsure token is not proposed, the first one included
+        drafted, accepted = kappa.cumprod(1), beta.cumprod(1)
+    drafted = torch.cat([drafted.sum(0).T, torch.zeros(drafted.shape[-1], gamma - g,
+                                                       dtype=torch.float64)], 1)
+    calibration = [sum(h[k].double().sum(0) for h in steps).tolist()
+                   for k in ("calibration_mass", "calibration_accepted")]
+    return {"unsure_drafted": drafted.tolist(), "unsure_accepted": accepted.sum((0, 1)).tolist(),
+            "unsure_starts": n, "calibration": calibration}
 
 
 def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
@@ -3053,6 +3378,77 @@ def tree_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost
                                         max(s.depth for s in settings.trees)))
 
 
+def threshold_row(threshold: float, looked: Sequence[PromptResult], k: int, gamma: int,
+                  rule: str, cost: Cost) -> ThresholdRow:
+    """Threshold k's row of the closed form, pooled over the prompts' cycle starts."""
+    starts = sum(r.unsure_starts for r in looked)
+    if not starts:
+        return ThresholdRow(threshold, None, None, None, None, None)
+    reach = [sum(r.unsure_drafted[k][j] for r in looked) / starts for j in range(gamma)]
+    drafted, accepted = sum(reach), sum(r.unsure_accepted[k] for r in looked) / starts
+    split = [1 - reach[0]] + [a - b for a, b in zip(reach, reach[1:] + [0.0])]
+    return ThresholdRow(threshold, drafted, accepted + 1, accepted / drafted if drafted else None,
+                        unsure_speedup(cost, accepted + 1, split, rule), 1 - reach[-1])
+
+
+def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int, rule: str,
+                        cost: Cost, seed: int) -> None:
+    """The simulation under row's threshold, into its sim_ fields."""
+    sim = simulation_fields(runs, gamma, cost, seed)
+    if not sim.cycles:
+        return
+    row.sim_drafted_per_cycle = sum(k * n for k, n in enumerate(sim.proposed_by_cycle)) \
+        / sim.cycles
+    row.sim_tokens_per_cycle, row.sim_accept_rate = sim.tokens_per_cycle, sim.accept_rate
+    row.sim_est_speedup = unsure_speedup(cost, sim.tokens_per_cycle, sim.proposed_by_cycle, rule)
+    row.sim_cycles = sim.cycles
+    row.sim_cut_by_threshold = sum(r.unsure_cuts for r in runs)
+    row.sim_cut_by_budget = sum(r.budget_cuts or 0 for r in runs)
+
+
+def calibration(looked: Sequence[PromptResult], done: Sequence[PromptResult]) -> Calibration:
+    """The calibration table: teacher-forced from the prompts' sums, simulated from the
+    simulation's examined drafts (under threshold 0, where every block runs whole)."""
+    mass, took = (torch.tensor([r.calibration[i] for r in looked], dtype=torch.float64).sum(0)
+                  for i in (0, 1))
+    rate = [t / m if m > 0 else None for t, m in zip(took.tolist(), mass.tolist())]
+    out = Calibration([b / CALIBRATION_BINS for b in range(CALIBRATION_BINS)], mass.tolist(),
+                      rate)
+    counts = [r.sim.by_confidence for r in done if r.sim.by_confidence is not None]
+    if counts:
+        seen, ok = (torch.tensor([c[i] for c in counts]).sum(0).tolist() for i in (0, 1))
+        out.sim_examined, out.sim_accept_rate = seen, [a / n if n else None
+                                                       for a, n in zip(ok, seen)]
+    return out
+
+
+def unsure_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost, alpha: float,
+                  run: Run) -> Unsure | None:
+    """The report's part for a rule that stops drafts when unsure (None without one): a row
+    per threshold, both routes, the best of each marked; the best fixed block beside, by the
+    positional estimator the closed form is; the calibration."""
+    stopping, gamma = settings.stopping, settings.gamma
+    looked = [r for r in results if r.unsure_drafted is not None]
+    if stopping is None or not looked:
+        return None
+    rows = [threshold_row(t, looked, k, gamma, stopping.rule, cost)
+            for k, t in enumerate(stopping.thresholds)]
+    done = [r for r in results if r.stopped is not None]
+    for k, row in enumerate(rows if done else ()):
+        simulated_threshold(row, [r.stopped[k] for r in done], gamma, stopping.rule, cost,
+                            settings.seed)
+    for key, mark in (("est_speedup", "best"), ("sim_est_speedup", "sim_best")):
+        best = max((r for r in rows if getattr(r, key) is not None),
+                   key=lambda r: getattr(r, key), default=None)
+        if best is not None:
+            setattr(best, mark, True)
+    fixed = gamma_rows([r for r in results if r.scored], alpha, run, "positional", cost)
+    top = max(fixed, key=lambda g: g.est_speedup, default=None)
+    return Unsure(stopping.rule, gamma, rows,
+                  next((r.threshold for r in rows if r.best), None), top and top.gamma,
+                  top and top.est_speedup, calibration(looked, done))
+
+
 def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
     """The warnings printed under a report."""
     notes = []
@@ -3276,6 +3672,58 @@ def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
     return lines
 
 
+def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
+    """A row per threshold, both routes, the best marked, the best fixed block beside; the
+    calibration table."""
+    how = {"transformers": "the unsure token kept, ending the block (transformers' "
+                           "assistant_confidence_threshold)",
+           "llamacpp": "the unsure token not proposed (llama.cpp's --spec-draft-p-min)"}
+    sim = f"  | {'sim: drafted':>12}{'tokens':>8}{'accept':>8}{'speedup':>9}{'cut: rule':>11}" \
+          f"{'budget':>8}" if simulated else ""
+    lines = [RULE, f"  drafts that stop when unsure, --confidence-rule {u.rule}: at most "
+                   f"gamma = {u.gamma}, {how[u.rule]}",
+             f"    {'threshold':>10}{'drafted':>9}{'tokens':>8}{'accept':>8}{'speedup':>9}"
+             f"{'cut':>7}{sim}",
+             f"    {'':>10}{'/cycle':>9}{'/cycle':>8}{'rate':>8}{'':>9}{'':>7}"
+             + (f"  | {'/cycle':>12}{'/cycle':>8}{'rate':>8}{'':>9}{'(cycles)':>11}"
+                if simulated else "")]
+    for row in u.rows:
+        line = (f"  {'*' if row.best else ' '} {row.threshold:>10g}"
+                f"{_num(row.drafted_per_cycle, '.2f'):>9}{_num(row.tokens_per_cycle, '.3f'):>8}"
+                f"{_num(row.accept_rate, '.3f'):>8}{_num(row.est_speedup, '.2f') + 'x':>9}"
+                f"{_num(row.cut_by_threshold and 100 * row.cut_by_threshold, '.0f') + '%':>7}")
+        if simulated:
+            line += (f"  |{'+' if row.sim_best else ' '}{_num(row.sim_drafted_per_cycle, '.2f'):>12}"
+                     f"{_num(row.sim_tokens_per_cycle, '.3f'):>8}"
+                     f"{_num(row.sim_accept_rate, '.3f'):>8}"
+                     f"{_num(row.sim_est_speedup, '.2f') + 'x':>9}"
+                     f"{_num(row.sim_cut_by_threshold, 'd'):>11}{_num(row.sim_cut_by_budget, 'd'):>8}")
+        lines.append(line)
+    best = "+ highest simulated, " if simulated else ""
+    lines.append(f"    (* highest teacher-forced est. speedup, {best}positional closed form; "
+                 f"cut: blocks the rule ended early; accept rate = accepted / drafted, as the "
+                 f"engines log it)")
+    if u.best_fixed_gamma is not None:
+        lines.append(f"    best fixed block beside: gamma = {u.best_fixed_gamma}, est. speedup "
+                     f"{u.best_fixed_speedup:.2f}x (positional, as the rows)")
+    c = u.calibration
+    if c is not None:
+        lines += [f"    calibration: acceptance by the draft's confidence in its token "
+                  f"({u.rule}'s reading)",
+                  f"      {'confidence':<12}{'drafts':>10}{'accepted':>10}"
+                  + (f"  | {'sim: examined':>14}{'accepted':>10}" if c.sim_examined else "")]
+        for b, lo in enumerate(c.bins):
+            hi = lo + 1 / CALIBRATION_BINS
+            line = (f"      {f'{lo:.1f}-{hi:.1f}':<12}{c.drafted[b]:>10.1f}"
+                    f"{_num(c.accept_rate[b], '.3f'):>10}")
+            if c.sim_examined:
+                line += f"  | {c.sim_examined[b]:>14}{_num(c.sim_accept_rate[b], '.3f'):>10}"
+            lines.append(line)
+        lines.append("      (teacher-forced drafts: the expected count over the scored "
+                     "positions; simulated: drafts examined, up to the first rejection)")
+    return lines
+
+
 def format_report(r: AcceptanceReport) -> str:
     """The text report, notes underneath."""
     run, t = r.run, r.teacher_forced
@@ -3311,6 +3759,8 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _gamma_lines(r)
     if r.trees is not None:
         lines += _tree_lines(r.trees, run)
+    if r.unsure is not None:
+        lines += _unsure_lines(r.unsure, r.simulated is not None)
     if t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
         rates = t.proposal_rate_by_category or {}
@@ -3433,7 +3883,8 @@ STAND_INS = {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False
              "llamacpp": Proposer("ngram-simple", False)}
 
 
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp",
+                "transformers": "transformers"}
 
 
 SGLANG_RUNNING = 48  # the --max-running-requests SGLang sets under speculation unless given
@@ -3566,9 +4017,61 @@ def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str,
                     "note": "its own acceptance, which the report predicts (--proposal argmax "
                             "at T > 0: llama.cpp keeps a draft while it equals the target's "
                             "sample)"})
+    u = r.unsure
+    if proposer is not STAND_INS["llamacpp"] and u and u.rule == "llamacpp" and \
+            u.best_threshold is not None:
+        row = next(x for x in u.rows if x.best)
+        out.append({"for": f"chain of up to {g}, stopping when unsure", "from": "this run, the "
+                    f"best threshold", "args": base + spec + [
+                        "--spec-draft-n-max", str(g), "--spec-draft-n-min", "0",
+                        "--spec-draft-p-min", f"{u.best_threshold:g}"] + _llamacpp_sampling(r),
+                    "note": f"the report predicts {row.tokens_per_cycle:.3f} tokens per cycle "
+                            f"(llama.cpp's mean len), accept rate {row.accept_rate:.3f}"})
     out.append({"args": base + chain + ["--spec-synth-rates", ",".join(
         f"{round(x, 4):g}" for x in rates)], "note": says})
     return out
+
+
+def _transformers_entry(r: AcceptanceReport) -> dict[str, Any]:
+    """transformers' assisted generation running the draft as measured: the settings its
+    assistant reads, on the assistant's generation_config (the draft's; an early exit's
+    assistant is the target itself), the best threshold of a --confidence-rule transformers
+    run (0: the rule off), and generate()'s arguments."""
+    d, run = r.run.drafter or {"kind": "draft model"}, r.run
+    sample = {"do_sample": False} if run.temperature == 0 else {
+        "do_sample": True, "temperature": run.temperature, "top_k": run.top_k,
+        "top_p": run.top_p}
+    if d["kind"] == "n-gram":
+        return {"generate": {"prompt_lookup_num_tokens": run.gamma,
+                             "max_matching_ngram_size": max(d["ngram"]), **sample},
+                "note": "prompt lookup: no assistant, no confidence threshold"}
+    if d["kind"] not in ("draft model", "TLI"):
+        return {"unsupported": f"the threshold is read by the assistant generators alone "
+                               f"(draft model, early exit, other tokenizers); transformers' "
+                               f"{d['kind']} generator runs on its own"}
+    u = r.unsure
+    threshold = u.best_threshold if u and u.rule == "transformers" and \
+        u.best_threshold is not None else 0
+    early = d.get("layers")
+    generate = {"assistant_early_exit": early} if early is not None else \
+        {"assistant_model": "DRAFT"}
+    if d["kind"] == "TLI":
+        generate.update(tokenizer="TARGET_TOKENIZER", assistant_tokenizer="DRAFT_TOKENIZER")
+    note = ("set on the assistant's generation_config, which transformers reads (not the "
+            "target's settings: candidate_generator.py:115-119); with scikit-learn installed it "
+            "retunes the threshold every cycle, so uninstall it to keep this one")
+    if threshold:
+        row = next(x for x in u.rows if x.best)
+        note += (f"; the report predicts {row.tokens_per_cycle:.3f} tokens per cycle, accept "
+                 f"rate {row.accept_rate:.3f}")
+    if run.temperature > 0:
+        note += ("; at T > 0 transformers 5.x applies the draft's temperature twice to the "
+                 "confidence it reads (docs/engines.md)")
+    return {"generation_config": {"num_assistant_tokens": run.gamma,
+                                  "num_assistant_tokens_schedule": "constant",
+                                  "assistant_confidence_threshold": threshold},
+            "set_on": "target" if early is not None else "draft",
+            "generate": {**generate, **sample}, "note": note}
 
 
 def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
@@ -3589,6 +4092,8 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
         out = [{**head, **_vllm_entry(r, rates)}]
     elif engine == "sglang":
         out = [{**head, **_sglang_entry(r, 1 + sum(rates), chain)}]
+    elif engine == "transformers":
+        out = [{"for": f"chain of up to {g}", "from": "this run", **_transformers_entry(r)}]
     else:
         out = [{**head, **e} for e in _llamacpp_entries(r, rates)]
     for t in r.trees.rows if r.trees else []:
@@ -3608,6 +4113,8 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
             entry.update(_sglang_entry(r, t.accept_length, spec))
         elif engine == "sglang":
             entry["unsupported"] = "SGLang builds its trees dynamically (--tree K,D,N)"
+        elif engine == "transformers":
+            entry["unsupported"] = "transformers' assisted generation drafts chains"
         elif engine == "vllm":
             entry["unsupported"] = ("vLLM 0.33 verifies no trees (tree attention was removed, "
                                     "PR #42121; earlier versions verified each tree as a chain)")
@@ -3620,10 +4127,18 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
 def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
     """engine_config as lines to paste, each with what it measures."""
     lines = [RULE, f"  {ENGINE_NAMES[engine]} settings that replay the acceptance measured "
-                   f"here (the proposer and the target run for real)"]
+                   f"here (the proposer and the target run for real)" if engine != "transformers"
+             else "  transformers' assisted generation, running the draft as measured"]
     for e in entries:
         lines.append(f"    {e['for']} ({e['from']}):")
-        if "speculative_config" in e:
+        if "generation_config" in e:
+            lines.append(f"      {e['set_on']}.generation_config.update(" + ", ".join(
+                f"{k}={v!r}" for k, v in e["generation_config"].items()) + ")")
+        if "generate" in e:
+            lines.append("      target.generate(**inputs, " + ", ".join(
+                f"{k}={v}" if v in ("DRAFT", "TARGET_TOKENIZER", "DRAFT_TOKENIZER")
+                else f"{k}={v!r}" for k, v in e["generate"].items()) + ")")
+        elif "speculative_config" in e:
             lines.append(f"      --speculative-config '{json.dumps(e['speculative_config'])}'")
         elif "env" in e:
             env = " ".join(f"{k}={v}" for k, v in e["env"].items())
@@ -3729,6 +4244,10 @@ class Measurement:
                              f"vocabulary")
         for spec in s.trees:
             spec.check(vocab)
+        if s.stopping and s.stopping.rule == "llamacpp" and self.sampling.proposal == "sample" \
+                and not self.sampling.greedy:
+            raise UsageError("--confidence-rule llamacpp: llama.cpp's draft proposes its argmax "
+                             "at every temperature; add --proposal argmax (its rule) at T > 0")
         if s.trees and s.continuation_tokens < 2:
             raise UsageError("--tree replays trees on text the target wrote: give "
                              "--continuation-tokens >= 2")
@@ -3741,11 +4260,13 @@ class Measurement:
         every resumed run forms the same ones, so every floating-point sum is the same."""
         return length_batches(self.sequences, self.settings.batch_size)
 
-    def config(self, vocab: int) -> LoopConfig:
-        """What a generation over this setting fixes: sampling, block, budget, vocabulary."""
+    def config(self, vocab: int, threshold: float = 0.0) -> LoopConfig:
+        """What a generation over this setting fixes: sampling, block, budget, vocabulary, and
+        with a rule that stops when unsure, the threshold its simulation runs (0: the fixed
+        block, its confidence recorded)."""
         s = self.settings
         return LoopConfig(self.sampling, s.gamma, s.continuation_tokens, vocab, self.eos,
-                          self.device, s.seed)
+                          self.device, s.seed, s.stopping and (s.stopping.rule, threshold))
 
     def measure(self, drafters: Sequence[Drafter], batches: Sequence[list[int]],
                 into: Sequence[dict[int, PromptResult]],
@@ -3785,8 +4306,8 @@ class Measurement:
                                                             for i, r in zip(batch, side.rows)],
                                 into[k])
                 for k in members if s.simulate else ():
-                    for i, row in self.simulate(drafters[k], batch, vocab).items():
-                        into[k][i].sim = row
+                    sims = self.simulate(drafters[k], batch, vocab)
+                    self.keep_simulations(drafters[k], batch, vocab, sims, into[k])
                 continue
             for k in members:  # each drafter's own text, and the target's outputs over it
                 d = drafters[k]
@@ -3798,8 +4319,19 @@ class Measurement:
                            if kept is not None else self.target_side(batch, vocab, conts),
                            vocab, into[k])
                 self.replay(d, batch, vocab, conts, into[k])
-                for i, row in sims.items():
-                    into[k][i].sim = row
+                self.keep_simulations(d, batch, vocab, sims, into[k])
+
+    def keep_simulations(self, drafter: Drafter, batch: list[int], vocab: int,
+                         sims: dict[int, RowStats], into: dict[int, PromptResult]) -> None:
+        """A batch's simulation into its PromptResults; with a rule that stops when unsure, the
+        simulation under each threshold beside it (under 0 it is that simulation: the rule
+        never stops a block there)."""
+        stopping = self.settings.stopping
+        runs = [sims if not t else self.simulate(drafter, batch, vocab, threshold=t)
+                for t in (stopping.thresholds if stopping else ())]
+        for i, row in sims.items():
+            into[i].sim = row
+            into[i].stopped = [run[i] for run in runs] if stopping else None
 
     def target_side(self, batch: list[int], vocab: int,
                     conts: list[list[int]] | None = None) -> TargetPass:
@@ -3843,7 +4375,7 @@ class Measurement:
                           for t in range(b + k, e)]
                 stats = position_stats(
                     lambda a, b: head_logits(target, states[a:b], route), scores,
-                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0),
+                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0, s.stopping),
                     where=lambda n: "prompt {}, position {}".format(*labels[n]))
                 per_step.append({key: v.split(sizes) for key, v in stats.items()})
         for j, i in enumerate(side.batch):
@@ -3867,16 +4399,18 @@ class Measurement:
             into[i].trees = [d[i] for d in done]
 
     def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
-                 states: dict[int, torch.Tensor | None] | None = None) -> dict[int, RowStats]:
+                 states: dict[int, torch.Tensor | None] | None = None, threshold: float = 0.0
+                 ) -> dict[int, RowStats]:
         """The simulation of one batch with a drafter (its budget: continuation_tokens);
-        states: see simulate_batch."""
-        self.progress.set_description("simulation")
+        states: see simulate_batch; threshold: see config."""
+        self.progress.set_description(f"simulation, threshold {threshold:g}" if threshold
+                                      else "simulation")
         prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
         seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
         with step(f"the simulation with draft {drafter.name}"):
             rows = simulate_batch(self.target, drafter,
                                   {k: list(self.sequences[i].ids) for k, i in prompt.items()},
-                                  self.config(vocab), self.progress, seen)
+                                  self.config(vocab, threshold), self.progress, seen)
         if states is not None:
             states.update({prompt[k]: v for k, v in seen.items()})
         return {prompt[k]: row for k, row in rows.items()}
@@ -3935,7 +4469,10 @@ class Measurement:
             run.notes[:0] = cross_vocab_notes(run.cross_vocab)
         run.run_key_parts = self.run_key_parts(drafter, run.target, self.files)
         run.run_key = run_key(run.run_key_parts)
-        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost))
+        unsure = unsure_fields(results_, s, cost, tf.alpha, run_of(
+            [r for r in results_ if r.positions], sampling.proposal, tf.proposal_rate or 1.0,
+            drafter.can.steps)) if tf.alpha is not None else None
+        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure)
 
     def run_key_parts(self, drafter: Drafter, target_name: str,
                       files: dict[str, str | None] | None = None) -> dict[str, Any]:
@@ -3956,7 +4493,8 @@ class Measurement:
                  "device": self.device.type, "temperatures": [self.sampling.temperature],
                  **asdict(self.sampling),
                  **{k: v for k, v in asdict(self.settings).items()
-                    if k != "cost_ratio" and (k != "trees" or v)},  # (trees: when given)
+                    if k != "cost_ratio" and (k not in ("trees", "stopping") or v)},  # (trees
+                 # and thresholds: when given)
                  "prompts": f"sha256 {_sha256([s.ids for s in self.sequences])[:16]} "
                             f"({len(self.sequences)} prompts)"}
         return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
@@ -4437,7 +4975,7 @@ class MtpSession(CommittedStates, TreeSession):
         c, d, ready = self.drafting, self.drafter, self.ready()  # (B,)
         if not any(self.held):
             return Proposal.none(len(npos), c)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+        head, qs, ds, ls = d.head(c.sampling, c.vocab, propose=True), [], [], []
         tail = self.last[0][:, None, :][:, :0]  # (B, k-1, H) the step before's past T: none
         for k, slots in enumerate(self.slots):
             if k:  # step k+1 at T+1+i reads d_{1+i} and step k's output at T+i
@@ -4446,13 +4984,17 @@ class MtpSession(CommittedStates, TreeSession):
                 tail = d.forward_step(k, slots, torch.stack(ds, 1), hidden, at > k, at)
                 drop_slots(slots, k)  # they read drafts: never part of the history
             out = tail[:, -1] if k else self.last[0]  # (B, H) step k+1 at T+k
-            qs.append(head(out, lambda r: f"row {r}"))  # (B, V)
+            q, logits = head.both(out, lambda r: f"row {r}")  # (B, V) each
+            qs.append(q)
+            ls.append(logits)
             ds.append(pick(k, qs[-1]))
         steps, pad = len(qs), c.steps - len(qs)  # offsets past the last step: none proposed
         q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
+        logits = kept_logits(c, ls, c.device)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(q, (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
+                        torch.ones_like(ready), ready.long() * steps,
+                        None if logits is None else nn.functional.pad(logits, (0, 0, 0, pad)))
 
     def keep(self, rows):
         for slots in self.slots:
@@ -4626,16 +5168,17 @@ class AssistantSession(LastState):
         if self.slots is None or hidden is None:  # nothing processed yet: no proposal
             return Proposal.none(len(pending), c)
         hidden = hidden[:, None]  # (B, 1, H)
-        token, qs, ds = pending[:, None], [], []
+        token, qs, ds, ls = pending[:, None], [], [], []
         finite = torch.ones_like(ready)
         for i in range(c.steps):  # every step at the pending token's position
             out, hidden = d.step(token, hidden, npos[:, None], self.slots)
-            logits = d.logits(out[:, -1])[..., :c.vocab].to(pending.device)
-            finite &= torch.isfinite(logits).flatten(1).all(1)
-            qs.append(draft_probs(logits, c.sampling) * ready[:, None])
+            ls.append(d.logits(out[:, -1])[..., :c.vocab].to(pending.device))
+            finite &= torch.isfinite(ls[-1]).flatten(1).all(1)
+            qs.append(draft_probs(ls[-1], c.sampling) * ready[:, None])
             ds.append(pick(i, qs[-1]))
             token = ds[-1][:, None]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps)
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps,
+                        kept_logits(c, ls, pending.device))
 
     def advance(self, n_acc, committed, view):
         super().advance(n_acc, committed, view)
@@ -4862,17 +5405,20 @@ class Eagle3Session(CommittedStates, TreeSession):
             return Proposal.none(len(npos), c)
         at = npos[:, None]  # (B, 1) the pending token's position: where the steps start
         seen = visible(self.slots.live, self.slots.pos, at)  # (B, 1, S)
-        head, qs, ds = d.head(c.sampling, c.vocab, propose=True), [], []
+        head, qs, ds, ls = d.head(c.sampling, c.vocab, propose=True), [], [], []
 
         def draw(k: int, outs: torch.Tensor) -> torch.Tensor:
-            qs.append(head(outs[:, -1], lambda r: f"row {r}"))  # (B, V)
+            q, logits = head.both(outs[:, -1], lambda r: f"row {r}")  # (B, V) each
+            qs.append(q)
+            ls.append(logits)
             ds.append(pick(k, qs[-1]))
             return ds[-1][:, None]
 
         outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.steps, draw)
         draw(c.steps - 1, outs[-1])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
-                        torch.ones_like(ready), ready.long() * c.steps)
+                        torch.ones_like(ready), ready.long() * c.steps,
+                        kept_logits(c, ls, c.device))
 
     def keep(self, rows):
         select_slots(self.slots, rows)
@@ -5094,15 +5640,19 @@ class MedusaSession(LastState):
         if hidden is None:
             return Proposal.none(len(pending), c)
         hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
-        steps, qs, ds = min(c.steps, d.can.steps), [], []
+        steps, qs, ds, ls = min(c.steps, d.can.steps), [], [], []
         for k in range(steps):
-            qs.append(d.head(k, c.sampling, c.vocab, propose=True)(
-                d.net.block(k, hidden), lambda r: f"row {r}").to(c.device) * ready[:, None])
+            q, logits = d.head(k, c.sampling, c.vocab, propose=True).both(
+                d.net.block(k, hidden), lambda r: f"row {r}")
+            qs.append(q.to(c.device) * ready[:, None])
+            ls.append(logits.to(c.device))
             ds.append(pick(k, qs[-1]))
         pad = c.steps - steps  # offsets past the last head: nothing proposed
+        logits = kept_logits(c, ls, c.device)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
-                        torch.ones_like(ready), ready.long() * steps)
+                        torch.ones_like(ready), ready.long() * steps,
+                        None if logits is None else nn.functional.pad(logits, (0, 0, 0, pad)))
 
 
 MEDUSA_HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's
@@ -5280,7 +5830,8 @@ class PardSession(Session):
         q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
         back = c.device  # the target's: where the acceptance test runs
         return Proposal(sample_from(q, u.to(dev)).to(back), q.to(back),
-                        torch.isfinite(logits).flatten(1).all(1).to(back))
+                        torch.isfinite(logits).flatten(1).all(1).to(back),
+                        logits=logits.to(back) if c.logits else None)
 
     def advance(self, n_acc, committed, view):
         self.unread = [new[:-1] for new in committed]  # the target's token is pending
@@ -5507,10 +6058,11 @@ class DFlashSession(CommittedStates):
                              torch.ones(len(ids), size, size, dtype=torch.bool,
                                         device=ids.device)], -1)  # context, then both ways
         out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
-        q = d.head(c.sampling, c.vocab, propose=True)(out[:, 1:1 + c.steps],
-                                                      lambda r: f"row {r}")  # (B, G, V)
+        q, logits = d.head(c.sampling, c.vocab, propose=True).both(
+            out[:, 1:1 + c.steps], lambda r: f"row {r}")  # (B, G, V) each
         return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
-                                                         device=ids.device))
+                                                         device=ids.device),
+                        logits=logits if c.logits else None)
 
     def keep(self, rows):
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
@@ -5834,10 +6386,10 @@ class SharedVocab:
             ends.append(len(ids))
         return ids, ends
 
-    def on_target(self, q: torch.Tensor, vocab: int) -> torch.Tensor:
+    def on_target(self, q: torch.Tensor, vocab: int, fill: float = 0.0) -> torch.Tensor:
         """q over the draft's ids (..., V_d), zero off the shared ones -> over the target's
-        (..., vocab)."""
-        out = q.new_zeros(*q.shape[:-1], vocab)
+        (..., vocab), `fill` elsewhere (-inf for logits)."""
+        out = q.new_full((*q.shape[:-1], vocab), fill)
         out[..., self.target_ids.to(q.device)] = q[..., self.draft_ids.to(q.device)]
         return out
 
@@ -5909,20 +6461,23 @@ class TliSession(ReadingSession):
         c, d = self.drafting, self.drafter
         logits = self.sync(self.text)
         at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
-        qs, ds = [], []
+        qs, ds, ls = [], [], []
         finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
         for i in range(c.steps):
             finite &= torch.isfinite(logits).flatten(1).all(1)
-            q = draft_probs(d.masked(logits[:, -1, :cut]), c.sampling)  # (B, V_d), 0 off I
+            masked = d.masked(logits[:, -1, :cut])  # (B, V_d), -inf off the shared tokens
+            q = draft_probs(masked, c.sampling)  # (B, V_d), 0 off I
             ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
             qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
+            ls.append(d.vocab.on_target(masked, c.vocab, float("-inf")) if c.logits else None)
             if i < c.steps - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
                                 last_only=True)
         self.drafted = torch.stack(ds, 1)  # (B, G)
         tokens = d.vocab.draft_to_target.to(self.device)[self.drafted]  # (B, G) target ids
         back = c.device
-        return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back))
+        return Proposal(tokens.to(back), torch.stack(qs, 1).to(back), finite.to(back),
+                        logits=kept_logits(c, ls, back))
 
     def advance(self, n_acc, committed, view):
         # (no block before it: a timed step's session, measure_costs, commits one token first)
@@ -6012,8 +6567,11 @@ class TliDrafter(OtherVocabDrafter):
         made = torch.tensor([t >= 0 for a in at for t in a], device=device)
         inner = q_head(lambda x: self.masked(head_logits(self.model, x, self.route)[
             ..., :self.cut(vocab)]), sampling, vocab_width(self.model))
-        return [Scores(picked, made, lambda x, where: self.vocab.on_target(inner(x, where), vocab),
-                       self.vocab.in_target)]
+
+        def head(x: torch.Tensor, where: Callable[[int], str]) -> torch.Tensor:
+            return self.vocab.on_target(inner(x, where), vocab)
+        head.logits = lambda x: self.vocab.on_target(inner.logits(x), vocab, -math.inf)
+        return [Scores(picked, made, head, self.vocab.in_target)]
 
     def start(self, prompts, view, drafting):
         return TliSession(self, prompts, drafting)
@@ -6962,6 +7520,28 @@ def _plot_categories(ax: Any, r: AcceptanceReport) -> None:
     ax.set_xlim(0, 1.15)
 
 
+def _plot_calibration(ax: Any, r: AcceptanceReport) -> None:
+    """Acceptance by the draft's confidence (--confidence-threshold's calibration table), the
+    drafts in each tenth written above its bars; the diagonal a calibrated draft follows."""
+    c = r.unsure.calibration
+    ax.set_title(f"acceptance by the draft's confidence ({r.unsure.rule})", fontsize=10)
+    mids = [b + 0.05 for b in c.bins]
+    routes = [("teacher-forced", c.accept_rate, c.drafted, -0.02, "tab:blue")]
+    if c.sim_examined:
+        routes.append(("simulated", c.sim_accept_rate, c.sim_examined, 0.02, "tab:orange"))
+    for label, rates, counts, shift, color in routes:
+        ax.bar([m + shift for m in mids], [a or 0.0 for a in rates], width=0.04, color=color,
+               label=label)
+        for m, n in zip(mids, counts):
+            ax.annotate(f"{n:,.0f}", (m + shift, 1.02), ha="center", fontsize=6, rotation=90)
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.2)
+    ax.set_xlabel("the draft's confidence in its token")
+    ax.set_ylabel("accepted")
+    ax.legend(loc="upper left", fontsize=8)
+
+
 def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
     drafts = list(dict.fromkeys(r.draft for r in reports))
     temps = sorted({r.temperature for r in reports})
@@ -7061,7 +7641,8 @@ def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
     elif len(reports) == 1:
         _plot_offsets(axes[0][0], reports[0])
         _plot_gammas(axes[0][1], axes[1][0], reports[0])
-        _plot_categories(axes[1][1], reports[0])
+        (_plot_calibration if reports[0].unsure is not None and reports[0].unsure.calibration
+         else _plot_categories)(axes[1][1], reports[0])
     else:
         _plot_comparison(axes, reports)
     fig.tight_layout()
@@ -7399,8 +7980,9 @@ def collect(plan: Plan, m: Measurement, drafters: Sequence[Drafter],
                        for i in b)]
     passes = len({shared_vocab(m.target, d) for d in drafters}) \
         if not s.simulate or s.separate_continuation else 0
+    sims = 1 + sum(1 for t in (s.stopping.thresholds if s.stopping else ()) if t)
     m.progress = _progress(sum(map(len, mine)) * s.continuation_tokens
-                           * (passes + s.simulate * len(drafters)), "measuring",
+                           * (passes + s.simulate * sims * len(drafters)), "measuring",
                            plan.progress and launch.rank == 0)
     store = rank_store() if launch.world > 1 else None
 
@@ -7614,6 +8196,16 @@ def _trees_options(ap: Any) -> None:
                     help="also replay a static tree: a list of paths of candidate ranks, "
                     "as Medusa's medusa_choices and vLLM's speculative_token_tree, e.g. "
                     "'[(0,), (1,), (0, 0)]', or a file holding one")
+    ap.add_argument("--confidence-threshold", default=None, metavar="P[,P...]",
+                    help="also measure drafts that stop when the draft is unsure: at each "
+                    "threshold (a sweep: a comma list), both routes, with the best marked and "
+                    "a calibration table; needs --confidence-rule")
+    ap.add_argument("--confidence-rule", default=None, choices=list(STOPPING_RULES),
+                    help="how a draft stops when unsure: transformers (its "
+                    "assistant_confidence_threshold: the token's probability under the draft's "
+                    "distribution; an unsure token is kept and ends the block) or llamacpp "
+                    "(--spec-draft-p-min: the argmax's probability over the draft's top 10 at "
+                    "T = 1; an unsure token is not proposed); needs --confidence-threshold")
     ap.add_argument("--engine-config", default=None, choices=list(ENGINE_NAMES),
                     help="also print (and write to the JSON) a serving engine's settings that "
                     "replay the measured acceptance while its proposer for your drafter (or a "
@@ -7774,6 +8366,18 @@ def _trees(args: argparse.Namespace) -> tuple[TreeSpec, ...]:
     return tuple(dict.fromkeys(specs))
 
 
+def _stopping(args: argparse.Namespace) -> Stopping | None:
+    """--confidence-rule with --confidence-threshold (None without either)."""
+    if args.confidence_threshold is None and args.confidence_rule is None:
+        return None
+    if args.confidence_rule is None:
+        raise UsageError("--confidence-threshold needs --confidence-rule transformers or "
+                         "llamacpp (which engine's rule stops the drafts)")
+    thresholds = [] if args.confidence_threshold is None else _number_list(
+        args.confidence_threshold, "--confidence-threshold", float)
+    return Stopping(args.confidence_rule, tuple(dict.fromkeys(thresholds)))
+
+
 def _context_lengths(args: argparse.Namespace) -> list[int] | None:
     """--context-lengths, ascending, each once (None without it)."""
     if args.context_lengths is None:
@@ -7810,7 +8414,8 @@ def read_options(args: argparse.Namespace) -> Options:
         _check_context_options(args, lengths)
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
-                        separate_continuation=args.separate_continuation, trees=_trees(args))
+                        separate_continuation=args.separate_continuation, trees=_trees(args),
+                        stopping=_stopping(args))
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
     return Options(settings, [SweepPoint(n, sp, sampling) for n in lengths or [None]

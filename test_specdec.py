@@ -44,6 +44,7 @@ import ast  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import itertools  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -1015,50 +1016,51 @@ REPORT_JSON = (
     ':null,"windows":{"1":[0.564609207212925,3],"2":[0.36853726235501527,2],"3":[0.11646828013530'
     '972,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":0,"examined":'
     '3,"cycles":3,"censored":0,"reached":[3,0],"accepted_at":[0,0],"unproposed":[0,0],"proposed":'
-    '[0,0,3],"drafted":3,"drafted_accepted":0,"verify_steps":2,"generated":4},{"index":1,"categor'
-    'y":null,"positions":3,"scored":3,"alpha_sum":0.6860156059265137,"top1_sum":0.0,"p_argmax_q_s'
-    'um":0.0034626811975613236,"head_alpha_sums":[],"head_scored":[],"head_p_argmax_q_sums":[],"c'
-    'overage_sum":null,"windows":{"1":[0.6860156059265137,3],"2":[0.6482392096518161,2],"3":[0.28'
-    '532475239157873,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":[0.0,0],"8":[0.0,0]},"accepted":2'
-    ',"examined":4,"cycles":2,"censored":0,"reached":[2,2],"accepted_at":[2,0],"unproposed":[0,0]'
-    ',"proposed":[0,0,2],"drafted":2,"drafted_accepted":1,"verify_steps":1,"generated":4}],"notes'
-    '":["cost ratio from parameter counts: a rough guide; memory-bound serving and the verify pas'
-    's\'s real cost can differ (--cost-ratio measure times them)"],"one_draft_pass":false,"drafter'
-    '":{"kind":"draft model","checkpoint":"d","layers":null},"cross_vocab":null,"alpha":0.2084374'
-    '688565731,"alpha_std":0.02861576260327212,"alpha_stderr":0.020234399785598118,"alpha_ci":[0.'
-    '18820306907097498,0.22867186864217123],"scored_positions":6,"n_sequences":2,"alpha_by_head":'
-    'null,"alpha_by_rule":{"sample":0.2084374688565731,"argmax":0.00357007640801991},"tokens_per_'
-    'cycle_by_rule":{"sample":1.251883647279908,"argmax":1.003582821853579},"est_speedup_by_rule"'
-    ':{"sample":0.41729454909330266,"argmax":0.3345276072845263},"acceptance_rates_by_rule":{"sam'
-    'ple":[0.2084374688565731,0.04344617842333488],"argmax":[0.00357007640801991,1.27454455591003'
-    '44e-05]},"proposal_rate":1.0,"scored_on":"continuation","estimator":"iid","expected_accepted'
-    '":0.251883647279908,"expected_accepted_iid":0.251883647279908,"expected_accepted_positional"'
-    ':0.2541941180017079,"tokens_per_cycle":1.251883647279908,"tokens_per_cycle_ci":[1.2236234642'
-    '787092,1.2809626921504735],"est_speedup":0.41729454909330266,"est_speedup_ci":[0.40787448809'
-    '290305,0.42698756405015786],"greedy_agreement":0.0,"p_argmax_q":0.00357007640801991,"alpha_b'
-    'y_category":null,"sequences_by_category":null,"proposal_rate_by_category":null,"best_gamma":'
-    '1,"draft_vocab_coverage":null,"empirical_alpha":0.2857142857142857,"empirical_alpha_stderr":'
-    '0.2448979591836735,"empirical_alpha_ci":[0.0,0.5],"accepted_tokens":2,"examined_tokens":7,"c'
-    'ycles":5,"censored_cycles":0,"mean_accepted_length":0.4,"empirical_tokens_per_cycle":1.4,"em'
-    'pirical_tokens_per_cycle_ci":[1.0,2.0],"empirical_est_speedup":0.4666666666666666,"empirical'
-    '_est_speedup_ci":[0.3333333333333333,0.6666666666666666],"alpha_by_draft_offset":[0.4,0.0],"'
-    'reached_by_draft_offset":[5,2],"accepted_by_draft_offset":[2,0],"unproposed_by_draft_offset"'
-    ':[0,0],"proposed_by_cycle":[0,0,5],"accepted_per_cycle_by_draft_offset":[0.4,0.0],"generated'
-    '_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"drafted_tokens":5,"drafted_ac'
-    'cepted":1,"verify_steps":3,"accept_rate":0.2,"accept_rate_ci":[0.0,0.5],"logged_tokens_per_c'
-    'ycle":1.3333333333333333,"logged_tokens_per_cycle_ci":[1.0,2.0],"gamma_table":[{"gamma":1,"t'
-    'okens_per_cycle":1.208437468856573,"est_speedup":0.6042187344282866,"sim_tokens_per_cycle":1'
-    '.4,"sim_est_speedup":0.7},{"gamma":2,"tokens_per_cycle":1.251883647279908,"est_speedup":0.41'
-    '729454909330266,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,'
-    '"tokens_per_cycle":1.260939458741959,"est_speedup":0.3152348646854897,"sim_tokens_per_cycle"'
-    ':null,"sim_est_speedup":null},{"gamma":4,"tokens_per_cycle":1.262827029161551,"est_speedup":'
-    '0.25256540583231024,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_p'
-    'er_cycle":1.2632204695620997,"est_speedup":0.2105367449270166,"sim_tokens_per_cycle":null,"s'
-    'im_est_speedup":null},{"gamma":6,"tokens_per_cycle":1.263302477283336,"est_speedup":0.180471'
-    '782469048,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_cycle":'
-    '1.263319570765177,"est_speedup":0.15791494634564712,"sim_tokens_per_cycle":null,"sim_est_spe'
-    'edup":null},{"gamma":8,"tokens_per_cycle":1.263323133687266,"est_speedup":0.1403692370763628'
-    '7,"sim_tokens_per_cycle":null,"sim_est_speedup":null}]}'
+    '[0,0,3],"drafted":3,"drafted_accepted":0,"verify_steps":2,"budget_cuts":2,"unsure_cuts":0,"g'
+    'enerated":4},{"index":1,"category":null,"positions":3,"scored":3,"alpha_sum":0.6860156059265'
+    '137,"top1_sum":0.0,"p_argmax_q_sum":0.0034626811975613236,"head_alpha_sums":[],"head_scored"'
+    ':[],"head_p_argmax_q_sums":[],"coverage_sum":null,"windows":{"1":[0.6860156059265137,3],"2":'
+    '[0.6482392096518161,2],"3":[0.28532475239157873,1],"4":[0.0,0],"5":[0.0,0],"6":[0.0,0],"7":['
+    '0.0,0],"8":[0.0,0]},"accepted":2,"examined":4,"cycles":2,"censored":0,"reached":[2,2],"accep'
+    'ted_at":[2,0],"unproposed":[0,0],"proposed":[0,0,2],"drafted":2,"drafted_accepted":1,"verify'
+    '_steps":1,"budget_cuts":1,"unsure_cuts":0,"generated":4}],"notes":["cost ratio from paramete'
+    "r counts: a rough guide; memory-bound serving and the verify pass's real cost can differ (--"
+    'cost-ratio measure times them)"],"one_draft_pass":false,"drafter":{"kind":"draft model","che'
+    'ckpoint":"d","layers":null},"cross_vocab":null,"alpha":0.2084374688565731,"alpha_std":0.0286'
+    '1576260327212,"alpha_stderr":0.020234399785598118,"alpha_ci":[0.18820306907097498,0.22867186'
+    '864217123],"scored_positions":6,"n_sequences":2,"alpha_by_head":null,"alpha_by_rule":{"sampl'
+    'e":0.2084374688565731,"argmax":0.00357007640801991},"tokens_per_cycle_by_rule":{"sample":1.2'
+    '51883647279908,"argmax":1.003582821853579},"est_speedup_by_rule":{"sample":0.417294549093302'
+    '66,"argmax":0.3345276072845263},"acceptance_rates_by_rule":{"sample":[0.2084374688565731,0.0'
+    '4344617842333488],"argmax":[0.00357007640801991,1.2745445559100344e-05]},"proposal_rate":1.0'
+    ',"scored_on":"continuation","estimator":"iid","expected_accepted":0.251883647279908,"expecte'
+    'd_accepted_iid":0.251883647279908,"expected_accepted_positional":0.2541941180017079,"tokens_'
+    'per_cycle":1.251883647279908,"tokens_per_cycle_ci":[1.2236234642787092,1.2809626921504735],"'
+    'est_speedup":0.41729454909330266,"est_speedup_ci":[0.40787448809290305,0.42698756405015786],'
+    '"greedy_agreement":0.0,"p_argmax_q":0.00357007640801991,"alpha_by_category":null,"sequences_'
+    'by_category":null,"proposal_rate_by_category":null,"best_gamma":1,"draft_vocab_coverage":nul'
+    'l,"empirical_alpha":0.2857142857142857,"empirical_alpha_stderr":0.2448979591836735,"empirica'
+    'l_alpha_ci":[0.0,0.5],"accepted_tokens":2,"examined_tokens":7,"cycles":5,"censored_cycles":0'
+    ',"mean_accepted_length":0.4,"empirical_tokens_per_cycle":1.4,"empirical_tokens_per_cycle_ci"'
+    ':[1.0,2.0],"empirical_est_speedup":0.4666666666666666,"empirical_est_speedup_ci":[0.33333333'
+    '33333333,0.6666666666666666],"alpha_by_draft_offset":[0.4,0.0],"reached_by_draft_offset":[5,'
+    '2],"accepted_by_draft_offset":[2,0],"unproposed_by_draft_offset":[0,0],"proposed_by_cycle":['
+    '0,0,5],"accepted_per_cycle_by_draft_offset":[0.4,0.0],"generated_tokens":8,"tokens_per_verif'
+    'y_pass":1.6,"simulated_prompts":2,"drafted_tokens":5,"drafted_accepted":1,"verify_steps":3,"'
+    'accept_rate":0.2,"accept_rate_ci":[0.0,0.5],"logged_tokens_per_cycle":1.3333333333333333,"lo'
+    'gged_tokens_per_cycle_ci":[1.0,2.0],"gamma_table":[{"gamma":1,"tokens_per_cycle":1.208437468'
+    '856573,"est_speedup":0.6042187344282866,"sim_tokens_per_cycle":1.4,"sim_est_speedup":0.7},{"'
+    'gamma":2,"tokens_per_cycle":1.251883647279908,"est_speedup":0.41729454909330266,"sim_tokens_'
+    'per_cycle":1.4,"sim_est_speedup":0.4666666666666666},{"gamma":3,"tokens_per_cycle":1.2609394'
+    '58741959,"est_speedup":0.3152348646854897,"sim_tokens_per_cycle":null,"sim_est_speedup":null'
+    '},{"gamma":4,"tokens_per_cycle":1.262827029161551,"est_speedup":0.25256540583231024,"sim_tok'
+    'ens_per_cycle":null,"sim_est_speedup":null},{"gamma":5,"tokens_per_cycle":1.2632204695620997'
+    ',"est_speedup":0.2105367449270166,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamm'
+    'a":6,"tokens_per_cycle":1.263302477283336,"est_speedup":0.180471782469048,"sim_tokens_per_cy'
+    'cle":null,"sim_est_speedup":null},{"gamma":7,"tokens_per_cycle":1.263319570765177,"est_speed'
+    'up":0.15791494634564712,"sim_tokens_per_cycle":null,"sim_est_speedup":null},{"gamma":8,"toke'
+    'ns_per_cycle":1.263323133687266,"est_speedup":0.14036923707636287,"sim_tokens_per_cycle":nul'
+    'l,"sim_est_speedup":null}]}'
 )
 
 
@@ -3861,6 +3863,59 @@ def test_engine_settings_pass_the_engines_own_checks(llama, llama2, tok_plain, t
             assert got["mode"] == entry["env"]["SGLANG_SIMULATE_ACC_TOKEN_MODE"]
             assert got["mode"] == "fixed" or (got["topk"] == 1 and got["algorithm"] != "NGRAM")
             assert 1 <= got["drawn"] <= want[2]
+
+
+class RepeatSession(sd.Session):
+    """docs/design.md's example kind: the pending token proposed again, a chain session."""
+
+    def __init__(self, prompts, drafting):
+        self.drafting = drafting
+
+    def propose(self, pending, npos, u):
+        d = self.drafting
+        tokens = pending[:, None].expand(-1, d.steps)
+        q = torch.nn.functional.one_hot(tokens, d.vocab).float()
+        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool))
+
+    def advance(self, n_acc, committed, view):
+        pass
+
+    def keep(self, rows):
+        pass
+
+
+class RepeatDrafter(sd.Drafter):
+    name, width = "repeat", None
+    can = sd.Abilities("repeat", trees=False, distribution=False)
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        last = torch.tensor([r[t] for r, (s, e) in zip(rows, spans) for t in range(s, e)],
+                            device=device)
+        return [sd.Scores(last, torch.ones_like(last, dtype=torch.bool),
+                          lambda x, where: torch.nn.functional.one_hot(x, vocab).float())]
+
+    def start(self, prompts, view, drafting):
+        return RepeatSession(prompts, drafting)
+
+    def param_cost(self, target):
+        return 0.0, "no network"
+
+
+def test_a_kind_that_lacks_a_capability_is_refused_by_its_own_check(llama, tok_plain):
+    """docs/design.md's example kind runs in both routes as written there, its record saying
+    it drafts no tree: --tree is refused by its own check (Drafter.check), in one line, before
+    any model work; the old capability attributes still read, with a DeprecationWarning."""
+    seqs = sd.build_sequences(PROMPTS[:3], tok_plain)
+    r, = sd.measure_drafts(llama, [RepeatDrafter()], seqs, sampling=sd.SamplingParams(0.0),
+                           gamma=2, continuation_tokens=6, simulate=True, seed=0)
+    assert r.simulated.cycles > 0 and r.alpha is not None and r.run.drafter["kind"] == "repeat"
+    with pytest.raises(sd.UsageError, match="--tree: repeat drafts no tree .* without --tree"):
+        sd.measure_drafts(llama, [RepeatDrafter()], seqs, continuation_tokens=6,
+                          trees=(sd.TreeSpec(2, 2, 4),))
+    with pytest.warns(DeprecationWarning, match="drafter.can.trees"):
+        assert RepeatDrafter().drafts_trees is False
+    with pytest.warns(DeprecationWarning, match="drafter.can.teacher_forced"):
+        assert RepeatDrafter().simulated_only is False
 
 
 def test_a_report_with_trees_reads_back_and_prices_each_tree(llama, llama2, tok_plain,
@@ -7656,3 +7711,331 @@ def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_run
                 break
             done, whole = done + n + 1, whole + 1
         assert whole >= 2 and mine[:whole] == theirs[:whole], (mine, theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafts that stop when unsure (--confidence-rule, --confidence-threshold)
+
+
+def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
+        llama, tok_plain, monkeypatch):
+    """The oracle is transformers' own assisted generation with assistant_confidence_threshold
+    P, set as --engine-config transformers writes it (on the draft's generation_config, a
+    constant block), scikit-learn hidden so that P stays fixed. At T = 0, run after the
+    target's first token (specdec takes it from the prefill, as the engines do), it equals
+    specdec's --confidence-rule transformers prompt by prompt: the tokens, the cycles that
+    drafted, the drafted tokens and the accepted ones, as the engines count them (no draft
+    past the token budget). EOS: transformers counts an accepted EOS draft as the target's own
+    token (it lowers the match count when a candidate ends in EOS), the engines count it
+    accepted; neither model here has an EOS id (pad_token_id V, an id no model writes), so
+    the two conventions cannot differ. The draft is the target's first layer, sure of some
+    tokens and not of others: the thresholds cut blocks at every offset."""
+    from transformers.generation import candidate_generator as cg
+    monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
+    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
+    seqs = sd.build_sequences(REPEATS + PROMPTS, tok_plain)
+    cuts = 0
+    for threshold in (0.1, 0.3, 0.6):
+        r = sd.measure_acceptance(llama, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                                  gamma=gamma, continuation_tokens=budget, simulate=True,
+                                  eos=set(), stopping=("transformers", [threshold]))
+        entry = sd.engine_config(r, "transformers")[0]
+        assert entry["generation_config"]["assistant_confidence_threshold"] == threshold
+        for key, value in entry["generation_config"].items():
+            setattr(draft.generation_config, key, value)
+        theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
+        for q, row in zip(seqs, r.per_prompt):
+            ours = row["stopped"][0]
+            theirs.clear()
+            x = torch.tensor([q.ids + [int(last_logits(llama, q.ids).argmax())]])
+            out = llama.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=budget - 1, assistant_model=draft,
+                                 pad_token_id=V)[0, x.shape[1]:]
+            assert ours["generated"] == 1 + len(out) == budget
+            drafting = [(k, n) for k, n in theirs if k]
+            assert (ours["verify_steps"], ours["drafted"], ours["drafted_accepted"]) == (
+                len(drafting), sum(k for k, _ in drafting), sum(n for _, n in drafting)), (
+                threshold, q.ids, theirs)
+            cuts += ours["unsure_cuts"]
+        monkeypatch.undo()
+        monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
+    assert cuts >= 20  # the rule ended blocks early, and often
+
+
+def llamacpp_reference(target, draft, ids, gamma, budget, p_min, temperature, gen):
+    """llama-server's speculative decoding with a draft-simple draft, written from its source
+    (docs/engines.md): the target samples the first token from the prompt; each cycle the draft
+    proposes its argmax while the argmax's probability over its 10 likeliest tokens at
+    temperature 1 is p_min or more, at most gamma tokens and the tokens left less one; the
+    target samples at each drafted position and keeps the drafts while they equal its sample,
+    then adds its own. No caches: each step reads the whole text. -> (tokens, verify steps,
+    drafted, accepted)."""
+    def sample(model, text):
+        logits = model(torch.tensor([text])).logits[0, -1].double()
+        if temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1,
+                                     generator=gen))
+    out, steps, drafted, accepted = [sample(target, ids)], 0, 0, 0
+    while len(out) < budget:
+        block = []
+        while len(block) < min(gamma, budget - len(out) - 1):
+            logits = draft(torch.tensor([ids + out + block])).logits[0, -1].double()
+            top = logits.sort(descending=True).values[:10]
+            if 1 / torch.exp(top - top[0]).sum() < p_min:
+                break
+            block.append(int(logits.argmax()))
+        new = []
+        for d in block:
+            new.append(sample(target, ids + out + new))
+            if new[-1] != d:
+                break
+        if new == block:  # every draft kept: the target's own token after them
+            new.append(sample(target, ids + out + new))
+        steps, drafted, accepted = steps + bool(block), drafted + len(block), \
+            accepted + len(new) - 1
+        out += new[:budget - len(out)]
+    return out, steps, drafted, accepted
+
+
+def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_zero(llama, tok_plain):
+    """--confidence-rule llamacpp against a plain loop of llama.cpp's rule (llamacpp_reference)
+    at T = 0: prompt by prompt the same tokens, verify steps, drafted and accepted tokens.
+    Threshold 0.3 leaves some first positions unsure (blocks of none)."""
+    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
+    seqs = sd.build_sequences(REPEATS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                              gamma=gamma, continuation_tokens=budget, simulate=True, eos=set(),
+                              stopping=("llamacpp", [0.3, 0.6]))
+    empty = 0
+    for k, threshold in enumerate((0.3, 0.6)):
+        for q, row in zip(seqs, r.per_prompt):
+            ours = row["stopped"][k]
+            theirs = llamacpp_reference(llama, draft, q.ids, gamma, budget, threshold, 0, None)
+            assert (ours["generated"], ours["verify_steps"], ours["drafted"],
+                    ours["drafted_accepted"]) == (len(theirs[0]), *theirs[1:])
+            empty += ours["proposed"][0]
+    assert empty >= 5 and sum(row["stopped"][1]["unsure_cuts"] for row in r.per_prompt) >= 20
+
+
+def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_above_zero(llama,
+                                                                               tok_plain):
+    """At T = 0.8 (--proposal argmax, llama.cpp's) the simulation and the plain loop draw
+    apart: per prompt (each emits 16 tokens), their mean verify steps, drafted and accepted
+    tokens agree within 4 standard errors (two samples of 36 prompts). Planted errors, and the
+    largest |z| they gave: the unsure token kept (transformers' way) 25; the confidence read at
+    the request's temperature instead of 1, 7.5; the confidence 14% too high (the threshold
+    0.35 for 0.4), 5.7. Not caught: the confidence 11% too low (0.45 for 0.4), z = 2.9."""
+    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
+    texts = [a + " " + b for a in REPEATS + PROMPTS for b in ("one", "two", "3")]
+    seqs = sd.build_sequences(texts, tok_plain)
+    sampling = sd.SamplingParams(0.8, proposal="argmax")
+    r = sd.measure_acceptance(llama, draft, seqs, sampling=sampling, device=CPU, gamma=gamma,
+                              continuation_tokens=budget, simulate=True, eos=set(), seed=3,
+                              stopping=("llamacpp", [0.4]))
+    ours = [[row["stopped"][0][k] for k in ("verify_steps", "drafted", "drafted_accepted")]
+            for row in r.per_prompt]
+    gen = torch.Generator().manual_seed(5)
+    theirs = [llamacpp_reference(llama, draft, q.ids, gamma, budget, 0.4, 0.8, gen)[1:]
+              for q in seqs]
+    a, b = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
+    z = (a.mean(0) - b.mean(0)) / (a.var(0) / len(a) + b.var(0) / len(b)).sqrt()
+    assert z.abs().max() < 4, z
+    assert b[:, 0].sum() >= 50  # (cycles drafted: the rule let blocks through)
+
+
+def test_threshold_zero_gives_todays_numbers(llama, llama2, seqs):
+    """A rule at threshold 0 stops nothing: the report's numbers are those of a run without it
+    (simulated bit for bit: the same draws), and its row is the fixed block's, the positional
+    estimator's (to float rounding: the closed form sums in another order)."""
+    for sampling, rule in ((SAMPLINGS["t1"], "transformers"), (SAMPLINGS["greedy"], "llamacpp")):
+        kw = dict(sampling=sampling, device=CPU, gamma=3, continuation_tokens=8, simulate=True,
+                  seed=2)
+        plain = sd.measure_acceptance(llama, llama2, seqs, **kw)
+        r = sd.measure_acceptance(llama, llama2, seqs, stopping=(rule, [0, 0.2]), **kw)
+        a, b = plain.to_dict(), r.to_dict()
+        for key in a:
+            if key not in ("per_prompt", "run_key", "run_key_parts"):
+                assert a[key] == b[key], key
+        row = r.unsure.rows[0]
+        assert row.threshold == 0 and row.cut_by_threshold == 0 and row.drafted_per_cycle == 3
+        assert row.tokens_per_cycle == pytest.approx(
+            r.teacher_forced.expected_accepted_positional + 1, rel=1e-12)
+        assert (row.sim_tokens_per_cycle, row.sim_accept_rate, row.sim_cut_by_threshold) == (
+            r.simulated.tokens_per_cycle, r.simulated.accept_rate, 0)
+        assert row.est_speedup == pytest.approx(  # gamma draft steps and one verify
+            row.tokens_per_cycle / (3 * r.run.cost_ratio + r.run.verify_cost), rel=1e-12)
+
+
+def unsure_by_enumeration(p, q, conf, gamma, rule, threshold):
+    """E[drafted] and E[accepted], summed over every cycle start whose gamma window fits, by
+    enumerating every drafted sequence and every accept/reject pattern: offset k of a cycle
+    from t drafts from q[t + k - 1] and is accepted with min(1, p/q) there; conf[t][v] is the
+    rule's confidence in token v at t. transformers keeps the unsure token and stops after it;
+    llama.cpp stops before it."""
+    n, vocab = len(p), len(p[0])
+    drafted = accepted = 0.0
+    for t in range(n - gamma + 1):
+        for tokens in itertools.product(range(vocab), repeat=gamma):
+            chance = math.prod(q[t + k][d] for k, d in enumerate(tokens))
+            if chance == 0:
+                continue
+            length = gamma
+            for k, d in enumerate(tokens):
+                if conf[t + k][d] < threshold:
+                    length = k + 1 if rule == "transformers" else k
+                    break
+            ok = [min(1.0, p[t + k][d] / q[t + k][d]) for k, d in enumerate(tokens[:length])]
+            for bits in itertools.product((0, 1), repeat=length):
+                run = next((k for k, b in enumerate(bits) if not b), length)
+                drafted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
+                    * length
+                accepted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
+                    * run
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("temperature,rule,proposal", [
+    (0.0, "transformers", "sample"), (0.8, "transformers", "sample"),
+    (0.8, "transformers", "argmax"), (0.0, "llamacpp", "sample"), (0.8, "llamacpp", "argmax")])
+def test_the_closed_form_of_drafts_that_stop_when_unsure_is_the_enumeration(
+        temperature, rule, proposal):
+    """The teacher-forced sums (position_stats, PromptResult) against the enumeration of a tiny
+    case: 7 positions, 4 tokens, a block of 3, thresholds that cut at every offset; and the
+    calibration's drafts and acceptances per tenth of confidence, summed by hand."""
+    g = torch.Generator().manual_seed(4)
+    n, vocab, gamma = 7, 4, 3
+    lp, lq = torch.randn(n, vocab, generator=g) * 2, torch.randn(n, vocab, generator=g) * 2
+    sampling = sd.SamplingParams(temperature, proposal=proposal)
+
+    def dist(logits):  # the distribution each model draws from, written out
+        if temperature == 0:
+            return torch.nn.functional.one_hot(logits.argmax(-1), vocab).double()
+        return torch.softmax(logits.double() / temperature, -1)
+    p, q = dist(lp), dist(lq)
+    if proposal == "argmax":
+        q = torch.nn.functional.one_hot(lq.argmax(-1), vocab).double()
+    if rule == "llamacpp":  # the argmax's share of its 4 (< 10) tokens at temperature 1
+        top = torch.softmax(lq.double(), -1).max(-1).values
+        conf = top[:, None].expand(n, vocab)
+    else:  # the token's probability in the draft's distribution (greedy: the raw softmax)
+        conf = torch.softmax(lq.double(), -1) if temperature == 0 else \
+            torch.softmax(lq.double() / temperature, -1)
+    thresholds = (0.0, 0.4, 0.7, 0.9)
+    stopping = sd.Stopping(rule, thresholds)
+    scores = sd.Scores(lq, torch.ones(n, dtype=torch.bool), sd.q_head(lambda x: x, sampling,
+                                                                     vocab))
+    stats = sd.position_stats(lambda a, b: lp[a:b], scores,
+                              sd.Scoring(sampling, vocab, 0, stopping))
+    r = sd.PromptResult.of(0, None, [stats], sd.Settings(gamma=gamma, stopping=stopping),
+                           proposal)
+    assert r.unsure_starts == n - gamma + 1
+    cut = 0
+    for k, threshold in enumerate(thresholds):
+        drafted, accepted = unsure_by_enumeration(p.tolist(), q.tolist(), conf.tolist(), gamma,
+                                                  rule, threshold)
+        assert sum(r.unsure_drafted[k]) == pytest.approx(drafted, rel=1e-5, abs=1e-6)
+        assert r.unsure_accepted[k] == pytest.approx(accepted, rel=1e-5, abs=1e-6)
+        cut += drafted < gamma * (n - gamma + 1) - 0.5
+    assert cut >= 2  # the thresholds cut blocks
+    bins = (conf * 10).long().clamp(0, 9)
+    mass = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(), q.flatten())
+    took = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(),
+                                                          torch.minimum(p, q).flatten())
+    assert r.calibration[0] == pytest.approx(mass.tolist(), abs=1e-6)
+    assert r.calibration[1] == pytest.approx(took.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["transformers", "llamacpp"])
+def test_identical_models_accept_every_draft_and_a_sure_one_drafts_whole_blocks(rule, llama,
+                                                                               seqs):
+    """A draft identical to the target at T = 0 has every draft accepted under any threshold,
+    both routes; one sure of every token (its head's logits scaled a hundredfold: the argmax's
+    probability rounds to 1) drafts gamma every cycle under any threshold below 1, and no
+    estimate passes gamma drafted or gamma + 1 tokens per cycle."""
+    sharp = copy.deepcopy(llama)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(100)
+    for model in (llama, sharp):
+        r = sd.measure_acceptance(model, model, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                                  gamma=3, continuation_tokens=10, simulate=True,
+                                  stopping=(rule, [0.2, 0.6, 0.99]))
+        for row in r.unsure.rows:
+            assert row.accept_rate == pytest.approx(1.0) or row.drafted_per_cycle == 0
+            assert row.sim_accept_rate == 1.0 or row.sim_drafted_per_cycle == 0  # (llama.cpp's
+            # rule drafts nothing where the draft is never that sure)
+            assert row.drafted_per_cycle <= 3 + 1e-9 and row.sim_drafted_per_cycle <= 3
+            assert row.tokens_per_cycle <= 4 + 1e-9 and row.sim_tokens_per_cycle <= 4
+            if model is sharp:
+                assert row.drafted_per_cycle == pytest.approx(3) and row.cut_by_threshold < 1e-9
+                assert row.sim_drafted_per_cycle == 3 and row.sim_cut_by_threshold == 0
+        cal = r.unsure.calibration
+        assert all(a is None or a == pytest.approx(1.0) for a in cal.accept_rate)
+        if model is sharp:
+            assert cal.sim_examined[-1] == sum(cal.sim_examined) > 0
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--confidence-threshold", "1.5", "--confidence-rule", "transformers"], "in [0, 1]"),
+    (["--confidence-threshold", "-0.1", "--confidence-rule", "llamacpp"], "in [0, 1]"),
+    (["--confidence-threshold", "nan", "--confidence-rule", "llamacpp"], "in [0, 1]"),
+    (["--confidence-threshold", "a", "--confidence-rule", "llamacpp"], "comma list"),
+    (["--confidence-rule", "transformers"], "needs --confidence-threshold"),
+    (["--confidence-threshold", "0.4"], "needs --confidence-rule"),
+    (["--confidence-threshold", "0.4", "--confidence-rule", "transformers", "--draft", "ngram"],
+     "no distribution"),
+    (["--confidence-threshold", "0.4", "--confidence-rule", "llamacpp", "--temperature", "0.7"],
+     "--proposal argmax"),
+])
+def test_cli_refuses_bad_confidence_thresholds_in_one_line(args, word, capsys, model_dirs,
+                                                           data_txt):
+    argv = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
+            "--continuation-tokens", "4"]
+    if "--draft" not in args:
+        argv += ["--draft", model_dirs["draft"]]
+    rc, _, err = run_cli(capsys, argv + args)
+    assert rc == 2 and err.count("\n") == 1 and word in err, err
+    with pytest.raises(SystemExit) as e:  # (argparse's own refusal: exit 2, one line)
+        run_cli(capsys, argv + ["--confidence-threshold", "0.4", "--confidence-rule", "vllm"])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
+        capsys, tmp_path, model_dirs, data_txt, monkeypatch):
+    """--confidence-threshold with --simulate: the report's rows and calibration, the JSON's
+    "stopping" (read back into the same report), the calibration drawn by --plot, the best
+    threshold in llama.cpp's --spec-draft-p-min and transformers' settings, and a run
+    interrupted and resumed gives the JSON of one run."""
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--continuation-tokens", "8", "--batch-size", "2", "--quiet",
+            "--temperature", "0", "--simulate", "--confidence-rule", "llamacpp",
+            "--confidence-threshold",
+            "0,0.2,0.3", "--engine-config", "llamacpp"]
+    rc, out, err = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json"), "--plot",
+                                           str(tmp_path / "run.png")])
+    assert rc == 0, err
+    assert "drafts that stop when unsure, --confidence-rule llamacpp" in out
+    assert "calibration: acceptance by the draft's confidence" in out
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    stop = whole["stopping"]
+    assert [row["threshold"] for row in stop["rows"]] == [0, 0.2, 0.3]
+    assert sum(row["best"] for row in stop["rows"]) == 1
+    best = stop["best_threshold"]
+    assert f"--spec-draft-p-min {best:g}" in out
+    assert png_size(tmp_path / "run.png") == (1200, 800)
+    back = sd.AcceptanceReport.from_dict(whole)
+    assert sd.format_report(back) in out
+    path = str(tmp_path / "run.json")
+    interrupt_after(monkeypatch, 2)  # the second batch
+    rc, _, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
+    monkeypatch.undo()
+    assert rc == 130
+    rc, _, err = run_cli(capsys, argv + ["--json", path, "--resume"])
+    assert rc == 0, err
+    assert json.loads(open(path).read()) == whole
+    rc, out, err = run_cli(capsys, argv[:-6] + [
+        "--confidence-rule", "transformers", "--confidence-threshold", "0.2,0.5",
+        "--engine-config", "transformers"])
+    assert rc == 0, err
+    assert "draft.generation_config.update(num_assistant_tokens=4, " \
+           "num_assistant_tokens_schedule='constant', assistant_confidence_threshold=" in out
