@@ -515,6 +515,8 @@ class DraftOptions(NamedTuple):
     mtp_steps: int | None = None  # --mtp-steps
     pard_mask: str | None = None  # --pard-mask: draft models in PARD mode, this mask token
     cross_vocab: str = "auto"  # --cross-vocab: how a draft of another tokenizer drafts
+    slem_stop: str = "target"  # --slem-stop (SlemDrafter's stop)
+    slem_cache: str = "transformers"  # --slem-cache (SlemDrafter's cache)
 
 
 class Loaded(NamedTuple):
@@ -3502,6 +3504,12 @@ CROSS_VOCAB = {"TLI": "token-level intersection: it proposes only tokens both vo
                        "target's tokens"}
 
 
+SLEM_DEVIATIONS = (("stop", "own", "its block ends at its own EOS (--slem-stop own; "
+                                   "transformers' assistant writes on past it)"),
+                   ("cache", "exact", "it reads exactly its input (--slem-cache exact; "
+                                      "transformers' cache can keep replaced ids)"))
+
+
 def _cross_vocab_lines(info: dict[str, Any]) -> list[str]:
     """The header's lines for a draft with a tokenizer of its own."""
     mass = info["p_mass_shared"]
@@ -3514,6 +3522,9 @@ def _cross_vocab_lines(info: dict[str, Any]) -> list[str]:
         lines.append(f"    {info['draft_tokens_per_cycle']} draft tokens a cycle, proposed as "
                      f"what they re-tokenise to (at most {info['most_target_tokens_per_cycle']}"
                      f"): tokens per cycle count the target's")
+        unlike = [why for key, value, why in SLEM_DEVIATIONS if info.get(key) == value]
+        lines += ([f"    unlike transformers: {why}" for why in unlike] if unlike else
+                  ["    as transformers' universal assisted generation runs it"])
     return lines
 
 
@@ -6411,22 +6422,22 @@ class ReadingSession(Session):
         self.held = [list(r[:-1]) for r in readings]  # the last id is fed by the first sync
         self.slots, _ = prefill(model, self.held, self.device)
 
-    def sync(self, wanted: list[list[int]]) -> torch.Tensor:
+    def sync(self, wanted: list[list[int]], keep: list[int] | None = None) -> torch.Tensor:
         """Each row's cache to wanted[b]: the longest prefix it holds stays (it is the same
         text in the same tokens), the slots after it die, columns dead in every row are
         cropped, and the ids it lacks are fed, right-aligned after dead slots -> the logits at
-        each row's last id (B, 1, V_d)."""
+        each row's last id (B, 1, V_d). keep[b], when given, is how many of the held ids stay
+        instead, whatever they are (SLEM's cache as transformers crops it: SlemSession)."""
         s, news, firsts = self.slots, [], []
         for b, (held, want) in enumerate(zip(self.held, wanted)):
             assert want, f"row {b} reads as no token"
             k = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
-                     min(len(held), len(want)))
+                     min(len(held), len(want))) if keep is None else min(keep[b], len(held))
             k = min(k, len(want) - 1)  # the last id is fed again: its logits are wanted
-            if k < len(held):
-                s.live[b] = s.live[b] * (s.pos[b] < k).long()
+            s.live[b] = s.live[b] * (s.pos[b] < k).long()  # (and any slot past held's end)
             news.append(want[k:])
             firsts.append(k)
-            self.held[b] = list(want)
+            self.held[b] = held[:k] + want[k:]  # (a kept id may not be wanted's: keep)
         drop_slots(s, int((s.live.sum(0) == 0).flip(0).long().cumprod(0).sum()))
         width = max(len(n) for n in news)
         pad = [width - len(n) for n in news]
@@ -6584,6 +6595,12 @@ SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' a
 SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
 
 
+SLEM_STOPS = ("target", "own")  # where the draft's block ends: the target's EOS ids read in the
+# draft's vocabulary, as transformers' assistant stops (default), or the draft's own EOS
+SLEM_CACHES = ("transformers", "exact")  # the draft's cache cropped as transformers crops it,
+# entries of replaced ids left in (default), or exactly its input
+
+
 def longest_run(old: Sequence[int], new: Sequence[int]) -> tuple[int, int] | None:
     """Where a re-tokenised window `new` continues the ids `old` it overlaps, as transformers
     aligns them (_get_tokens_diag): the longest run new[i:i + n] == old[j:j + n], the first by
@@ -6619,15 +6636,21 @@ class SlemSession(ReadingSession):
         self.last: list[list[int] | None] = [None] * len(prompts)
         self.seen = [0] * len(prompts)
         with _quiet_loggers("transformers"):
-            readings = [drafter.draft_input(t, None, 0) for t in self.text]
+            readings = [drafter.draft_input(t, None, 0)[0] for t in self.text]
         super().__init__(drafter.model, readings, drafting)
 
     def propose(self, pending, npos, u):
         c, d, k = self.drafting, self.drafter, self.steps
         with _quiet_loggers("transformers"):  # (decode's notes on its own arguments)
-            inputs = [d.draft_input(t, last, seen)
-                      for t, last, seen in zip(self.text, self.last, self.seen)]
-        logits = self.sync(inputs)
+            patched = [d.draft_input(t, last, seen)
+                       for t, last, seen in zip(self.text, self.last, self.seen)]
+        inputs = [a for a, _ in patched]
+        # transformers crops the draft's cache to its input's length less 2 and less the ids
+        # the window replaced (_update_past_and_masks), whatever ids it held there: entries of
+        # replaced ids can stay (cache="exact": the longest prefix it holds that is the input)
+        keep = ([len(a) - 2 - replaced for a, replaced in patched]
+                if d.cache == "transformers" and not d.vocab.same else None)
+        logits = self.sync(inputs, keep)
         at, ds = self.positions(), []
         finite = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
         greedy = replace(c.sampling, proposal="argmax")  # the draft writes its argmax
@@ -6639,13 +6662,15 @@ class SlemSession(ReadingSession):
                 logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
                                 last_only=True)
         drafts = torch.stack(ds, 1).tolist()  # the cycle's one host sync
-        for held, new in zip(self.held, drafts):
-            held += new[:k - 1]
         with _quiet_loggers("transformers"):
             proposed = [d.proposal(t, a, new)
                         for t, a, new in zip(self.text, inputs, drafts)]
         for b, (a, new) in enumerate(zip(inputs, drafts)):
             self.last[b], self.seen[b] = a + d.written(new), len(self.text[b])
+            # the cache holds the block's ids but its last, as a generate that stopped there
+            # leaves it (the drafts after a stop were fed, and die at the next sync)
+            self.held[b] = (self.held[b] + new[:k - 1])[:None if d.vocab.same else
+                                                          len(self.last[b]) - 1]
         proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:d.block(k)]
                     for p in proposed]  # ids the target has, a cycle's most
         width = max(1, max(len(p) for p in proposed))
@@ -6676,16 +6701,54 @@ class SlemDrafter(OtherVocabDrafter):
     proposing as many as the text re-tokenises to (at most SLEM_WIDTH * gamma); its cost is
     gamma draft steps and a verify pass. There is no teacher-forced form: whether a drafted
     token is kept depends on how a whole block of the draft's text re-tokenises and aligns
-    with the target's tokens, which no single position's p and q determine (simulated_only)."""
+    with the target's tokens, which no single position's p and q determine (simulated_only).
+
+    Two things transformers does that a SLEM of one's own might not, each kept by default and
+    changed by an option: the draft's block stops at the target's EOS ids read as the draft's
+    ids (stop="target"; "own": at the draft's own EOS, where its text ends), and its cache is
+    cropped by a count that can leave entries of ids the window replaced (cache="transformers";
+    "exact": it reads exactly its input). With one tokenizer neither applies."""
 
     method = "SLEM"
     can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
-                 draft_tokenizer: Any):
+                 draft_tokenizer: Any, stop: str = "target", cache: str = "transformers"):
         super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
+        for option, value, allowed in (("stop", stop, SLEM_STOPS),
+                                       ("cache", cache, SLEM_CACHES)):
+            if value not in allowed:
+                raise UsageError(f"SLEM {option} must be one of {', '.join(allowed)}, got "
+                                 f"{value!r}")
         self.factor = 1 if self.vocab.same else SLEM_WIDTH
-        self.eos = frozenset(eos_ids(model, draft_tokenizer))  # the draft's text ends there
+        self.stop, self.cache = stop, cache
+        # where the draft's block ends. transformers' assistant stops at the target's EOS ids
+        # (the run's, for_run), read as ids of the draft's vocabulary: it writes on past its
+        # own EOS. stop="own": at the draft's own EOS ids, where its text ends
+        self.stop_ids = frozenset(eos_ids(model, draft_tokenizer) if stop == "own" else
+                                  eos_ids(target))
+
+    def for_run(self, eos, gammas):
+        if self.stop == "own" or eos == self.stop_ids:
+            return self
+        told = copy.copy(self)
+        told.stop_ids = frozenset(eos)
+        return told
+
+    def translation(self):
+        return {**super().translation(), "stop": self.stop, "cache": self.cache}
+
+    @classmethod
+    def from_model(cls, name, loaded, target, options):
+        if vocabulary_method(loaded, target, options) != "slem":
+            return None
+        changed = [f"{k}={v}" for k, v, default in (("stop", options.slem_stop, "target"),
+                                                     ("cache", options.slem_cache,
+                                                      "transformers")) if v != default]
+        found = cls(f"{name} ({', '.join([cls.method] + changed)})", loaded.model, target,
+                    options.tokenizer, loaded.tokenizer, options.slem_stop, options.slem_cache)
+        found.checkpoint = loaded.path  # (its kind's constructors take no path)
+        return found
 
     def block(self, gamma):
         return gamma * self.factor
@@ -6701,26 +6764,28 @@ class SlemDrafter(OtherVocabDrafter):
         text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
         return list(dst(text, add_special_tokens=True)["input_ids"])
 
-    def draft_input(self, text: list[int], last: list[int] | None, seen: int) -> list[int]:
+    def draft_input(self, text: list[int], last: list[int] | None, seen: int
+                    ) -> tuple[list[int], int]:
         """The draft's ids for the target's committed `text` (transformers'
         _prepare_assistant_input_ids): at first, or while the text is short, all of it
         re-tokenised; then the last block's ids (`last`, its drafts included), with the
         re-tokenised window from SLEM_LOOKBEHIND ids before `seen` aligned onto their end
-        (longest_run): the ids after the run are replaced by the window's, the rest appended."""
+        (longest_run): the ids after the run are replaced by the window's, the rest appended.
+        -> (the ids, how many ids after the run were replaced: its remove_from_pkv)."""
         if last is None or seen <= SLEM_LOOKBEHIND or self.vocab.same:
-            return self.convert(text, True) or [self.vocab.start]  # (never an empty text)
+            return self.convert(text, True) or [self.vocab.start], 0  # (never an empty text)
         new = self.convert(text[seen - SLEM_LOOKBEHIND:], True)
         run = longest_run(last[-len(new):], new)  # ([-0:]: all of it, as transformers slices)
         if run is None:
-            return last + new
+            return last + new, 0
         go_on, after = run
         fix = new[go_on:go_on + after]
         out = last[:len(last) - after] + fix if after and fix else list(last)
-        return out + new[go_on + after:]
+        return out + new[go_on + after:], after if after and fix else 0
 
     def written(self, drafts: list[int]) -> list[int]:
-        """A block of drafts up to and including the first of the draft's own EOS ids."""
-        return drafts[:next((i + 1 for i, t in enumerate(drafts) if t in self.eos),
+        """A block of drafts up to and including the first id it stops at (stop_ids)."""
+        return drafts[:next((i + 1 for i, t in enumerate(drafts) if t in self.stop_ids),
                             len(drafts))]
 
     def proposal(self, text: list[int], inputs: list[int], drafts: list[int]) -> list[int]:
@@ -8161,6 +8226,18 @@ def _cross_vocab_options(ap: Any) -> None:
                     "re-tokenised into the target's tokens, as transformers' universal "
                     "assisted generation runs it), simulated route only: needs --simulate "
                     "(default auto)")
+    ap.add_argument("--slem-stop", default="target", choices=SLEM_STOPS,
+                    help="with --cross-vocab slem, where the draft's block of gamma tokens "
+                    "ends early: target = at the target's EOS ids read as ids of the draft's "
+                    "vocabulary, as transformers' assistant stops (so it writes on past its "
+                    "own EOS, into a turn of its own); own = at the draft's own EOS ids "
+                    "(default target)")
+    ap.add_argument("--slem-cache", default="transformers", choices=SLEM_CACHES,
+                    help="with --cross-vocab slem, what the draft's cache keeps between "
+                    "cycles: transformers = as transformers crops it (its input's length "
+                    "less 2 and less the ids replaced, whatever ids it held there: entries of "
+                    "replaced ids can stay); exact = the draft reads exactly its input "
+                    "(default transformers)")
 
 
 def _measurement_options(ap: Any) -> None:
@@ -8439,6 +8516,13 @@ def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
     if args.cross_vocab == "slem" and not args.simulate:
         raise UsageError("--cross-vocab slem has no teacher-forced form, only a simulated one: "
                          "add --simulate")
+    changed = [f"--slem-{k}" for k, v, default in (("stop", args.slem_stop, "target"),
+                                                   ("cache", args.slem_cache, "transformers"))
+               if v != default]
+    if changed and args.cross_vocab != "slem":
+        verb, them = ("apply", "them") if len(changed) > 1 else ("applies", "it")
+        raise UsageError(f"{' and '.join(changed)} {verb} to --cross-vocab slem; add it or "
+                         f"drop {them}")
     if args.pard_mask is not None and not layers and set(args.draft) <= {"ngram", "mtp"}:
         raise UsageError(PARD_WITHOUT_MODEL)
 
@@ -8542,7 +8626,7 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
             loaded[name] = Loaded(model, tok_q, name)
         return loaded[name]
     options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps, args.pard_mask,
-                           args.cross_vocab)
+                           args.cross_vocab, args.slem_stop, args.slem_cache)
     found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
     models = [n for n in found if n in loaded]  # the --draft names that are models
     base = models[0] if len(models) == 1 else args.target

@@ -7346,10 +7346,7 @@ def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(fo
     from transformers.generation.candidate_generator import \
         AssistedCandidateGeneratorDifferentTokenizers as Universal
     gamma, budget, vocab = 3, 24, len(foreign.tok_t)
-    draft = copy.deepcopy(foreign.draft)
-    draft.generation_config.num_assistant_tokens = gamma
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
+    draft = uag_draft(foreign.draft, gamma)
     slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
     theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
     config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
@@ -7369,11 +7366,7 @@ def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(fo
                 assistant_tokenizer=foreign.tok_d, pad_token_id=vocab + 7)[0, x.shape[1]:]
         assert row.tokens == row.tokens[:1] + out.tolist()
         assert row.tokens[0] == int(last_logits(foreign.target, ids, vocab).argmax())
-        done, whole = 1, 0  # (the prefill's token) the cycles that end inside the budget
-        for k, n in mine:
-            if done + k + 1 > budget:
-                break
-            done, whole = done + n + 1, whole + 1
+        whole = whole_cycles(mine, budget)
         assert whole >= 5 and mine[:whole] == theirs[:whole], (text, mine, theirs)
         compared += whole
         accepted += sum(n for _, n in mine[:whole])
@@ -7381,6 +7374,133 @@ def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(fo
         long_blocks += sum(k > gamma for k, _ in mine[:whole])
     assert compared >= 60 and accepted >= 60 and partial >= 3
     assert long_blocks >= 3  # blocks of more target tokens than the draft wrote: counted so
+
+
+def uag_draft(model, gamma: int):
+    """A copy of a draft model set up as transformers' assistant for a comparison: a constant
+    block of gamma, no confidence cut (its default 0.4 stops a block when the draft is
+    unsure, which specdec's SLEM does not)."""
+    draft = copy.deepcopy(model)
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return draft
+
+
+def whole_cycles(cycles: list[tuple[int, int]], budget: int) -> int:
+    """How many of specdec's (proposed, accepted) cycles end inside the budget (after the
+    prefill's token): transformers crops the block that would pass it."""
+    done, whole = 1, 0
+    for k, n in cycles:
+        if done + k + 1 > budget:
+            break
+        done, whole = done + n + 1, whole + 1
+    return whole
+
+
+@pytest.fixture(scope="module")
+def eos_writing_draft(foreign):
+    """The foreign draft, its head changed so that it writes its own EOS (<|eos|>, id 0 of its
+    vocabulary) wherever it would have written '▁the': a draft whose text ends mid-block."""
+    draft = copy.deepcopy(foreign.draft)
+    head = draft.get_output_embeddings().weight
+    the = foreign.tok_d.convert_tokens_to_ids("▁the")
+    assert foreign.tok_d.eos_token_id == 0 and the != 0
+    head.data[0] = head.data[the] * 1.01  # (its logit: above '▁the''s wherever that one leads)
+    return draft
+
+
+def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writing_draft,
+                                                             monkeypatch):
+    """transformers' assistant stops at the target's EOS ids read as ids of its own
+    vocabulary, not at its own EOS: with the target's EOS an id the draft's vocabulary lacks
+    (the last id of 320 that the target never writes here; the draft has 90) it writes on past
+    its own <|eos|>, whose text decoding drops. Per prompt, cycle for cycle: SLEM's default
+    (stop="target") equals transformers told that EOS; stop="own" equals transformers told
+    [0, that EOS] (id 0 is <|eos|> in both vocabularies, so its assistant then stops at its own
+    EOS too, and the target never writes 0); and the two differ (oracle: transformers' own
+    generate, each way)."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
+    written = {t for text in FOREIGN_PROMPTS for t in foreign.target.generate(
+        torch.tensor([foreign.tok_t(text)["input_ids"]]), do_sample=False,
+        max_new_tokens=budget, pad_token_id=vocab + 7)[0].tolist()}
+    end = max(set(range(90, vocab)) - written)  # (an accepted EOS is counted apart: not here)
+    draft = uag_draft(eos_writing_draft, gamma)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset([end]), CPU)
+    runs = {}
+    for stop, told in (("target", [end]), ("own", [0, end])):
+        slem = sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
+                              foreign.tok_d, stop=stop)
+        for text in FOREIGN_PROMPTS:
+            ids = foreign.tok_t(text)["input_ids"]
+            ours.clear()
+            row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
+            mine = ours[id(row)]
+            theirs.clear()
+            x = torch.tensor([ids + row.tokens[:1]])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = foreign.target.generate(
+                    x, attention_mask=torch.ones_like(x), do_sample=False,
+                    max_new_tokens=budget - 1, assistant_model=draft, tokenizer=foreign.tok_t,
+                    assistant_tokenizer=foreign.tok_d, eos_token_id=told,
+                    pad_token_id=vocab + 7)[0, x.shape[1]:].tolist()
+            assert row.tokens == row.tokens[:1] + out and 0 not in out
+            whole = whole_cycles(mine, budget)
+            assert whole >= 4 and mine[:whole] == theirs[:whole], (stop, text, mine, theirs)
+            runs[stop, text] = mine[:whole]
+    assert sum(runs["target", t] != runs["own", t] for t in FOREIGN_PROMPTS) >= 3
+    own, target = (sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
+                                  foreign.tok_d, stop=stop) for stop in ("own", "target"))
+    assert own.written([5, 0, 7]) == [5, 0] and target.written([5, 0, 7]) == [5, 0, 7]
+    assert target.for_run(frozenset([end]), [gamma]).written([5, end, 7]) == [5, end]
+
+
+def test_slem_draft_cache_is_cropped_as_transformers_crops_it(foreign):
+    """transformers crops the assistant's cache to its input's length less 2 and less the ids
+    its window replaced (_update_past_and_masks): when a window replaces ids and appends 3 or
+    more, entries of the replaced ids stay and the draft attends to them. Driven by one
+    script of committed target text (a fixed text, several tokens a cycle, whatever was
+    proposed), cycle for cycle: SLEM's default (cache="transformers") proposes what
+    transformers' own candidate generator proposes; cache="exact" what that generator proposes
+    with its cache dropped before each block (it then reads its whole input afresh); and the
+    two differ where stale entries were kept."""
+    from transformers import GenerationConfig
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, vocab = 3, len(foreign.tok_t)
+    text = foreign.tok_t(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"]
+    prompt, steps = text[:12], [8, 1] * 6  # (8 at once: windows that append many ids)
+    runs = {}
+    for cache, dropped in (("transformers", False), ("exact", True)):
+        hf = Universal(torch.tensor([prompt]), uag_draft(foreign.draft, gamma),
+                       foreign.tok_t, foreign.tok_d,
+                       GenerationConfig(max_length=10_000, min_length=0,
+                                        pad_token_id=vocab + 7), {})
+        if dropped:  # (the oracle of an exact reading: no cache, the whole input fed)
+            real = hf._update_past_and_masks
+            hf._update_past_and_masks = lambda ids, *a, **k: (
+                hf.assistant_kwargs.pop("cache", None), real(ids, *a, **k))[1]
+        slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t,
+                              foreign.tok_d, cache=cache)
+        session = slem.start([list(prompt)], None, sd.Drafting(SAMPLINGS["greedy"], gamma, vocab,
+                                                               CPU))
+        done, got = len(prompt), []
+        for n in steps:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cand, _ = hf.get_candidates(torch.tensor([text[:done]]))
+            p = session.propose(torch.zeros(1, dtype=torch.long), torch.zeros(1), None)
+            mine = p.tokens[0, :int(p.count[0])].tolist()
+            assert mine == cand[0, done:].tolist(), (cache, len(got), mine, cand[0, done:])
+            got.append(mine)
+            session.advance(None, [text[done:done + n]], None)
+            done += n
+        runs[cache] = got
+    assert sum(a != b for a, b in zip(runs["transformers"], runs["exact"])) >= 2  # (stale)
 
 
 def numbers_of(report) -> dict:
@@ -7467,10 +7587,24 @@ def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp
     assert got["cross_vocab"]["most_target_tokens_per_cycle"] == 3 * sd.SLEM_WIDTH
     assert got["empirical_est_speedup"] == pytest.approx(
         got["empirical_tokens_per_cycle"] / (3 * 0.1 + 1), rel=1e-12)
+    assert "as transformers' universal assisted generation runs it" in out
+    assert (got["cross_vocab"]["stop"], got["cross_vocab"]["cache"]) == ("target", "transformers")
+    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--slem-stop", "own",
+                                         "--slem-cache", "exact", "--json", tmp_path / "own.json"])
+    got = json.loads((tmp_path / "own.json").read_text("utf-8"))
+    assert rc == 0 and "unlike transformers: its block ends at its own EOS" in out
+    assert "unlike transformers: it reads exactly its input" in out
+    assert got["draft"].endswith("(SLEM, stop=own, cache=exact)")
+    lib = sd.measure_drafts(foreign.target, [sd.SlemDrafter(
+        "d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d, stop="own",
+        cache="exact")], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
+        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
 
 
 @pytest.mark.parametrize("more,word", [
     (["--cross-vocab", "slem"], "add --simulate"),  # SLEM has no teacher-forced form
+    (["--slem-stop", "own", "--simulate"], "--slem-stop applies to --cross-vocab slem"),
     (["--draft", "draft-no-tok"], "no tokenizer of its own"),
 ])
 def test_cli_drafts_with_another_tokenizer_bad_input_is_one_line(more, word, capsys, tmp_path,
@@ -7630,6 +7764,70 @@ def test_smollm2_as_its_own_pard_draft_is_exact_at_offset_one(smol):
     assert 2.0 <= r.empirical_tokens_per_cycle < 3.0 and r.one_draft_pass
 
 
+QWEN = os.environ.get("SPECDEC_QWEN_GGUF") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
+    "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf")  # (SPECDEC_QWEN_GGUF: where a user fetched it)
+
+
+needs_qwen = pytest.mark.skipif(not (os.path.isfile(QWEN) and os.path.isfile(GGUF)), reason=(
+    "real-pair test: Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf is absent from ../shared/models "
+    "and SPECDEC_QWEN_GGUF (fetch it: `python benchmarks/fetch_qwen_gguf.py DIR`, then "
+    "SPECDEC_QWEN_GGUF=DIR/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf), or SmolLM2's GGUF is"))
+
+
+def accepted_to_budget(cycles: list[tuple[int, int]], budget: int) -> int:
+    """Accepted drafts of specdec's (proposed, accepted) cycles as transformers counts them:
+    only those inside the budget (after the prefill's token), its last block being cropped
+    there, where specdec runs the block whole and emits to the budget."""
+    done, accepted = 1, 0
+    for _, n in cycles:
+        accepted += min(n, budget - done - 1)
+        done += n + 1
+    return accepted
+
+
+@needs_qwen
+@pytest.mark.slow
+def test_slem_on_a_real_pair_of_two_families_is_transformers_per_prompt(smol, monkeypatch):
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF; 151,936 tokens) as the target and
+    SmolLM2-135M-Instruct (49,152) as the draft: two families, two byte-level BPEs trained
+    apart. Builtin prompts 1-4 as plain text (prompt 0 the target ends at once), T = 0,
+    gamma 4, 32 tokens. Per prompt: specdec's SLEM writes the target's own greedy text
+    (generate), and transformers' universal assisted generation (its generate with
+    assistant_model, tokenizer, assistant_tokenizer, run on the prompt plus that text's first
+    token) writes it too, in the same cycles: as many, the same (proposed, accepted) in each
+    but the last, and as many accepted to the budget (transformers crops its last block at
+    max_new_tokens; specdec runs it whole). Loading the GGUF dequantises it to fp32: minutes."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    draft, tok_d, _, _ = smol
+    target, tok, _ = sd.load_model_and_tokenizer(QWEN, device="cpu", progress=False)
+    gamma, budget, vocab = 4, 32, sd.vocab_width(target)
+    slem = sd.SlemDrafter("SmolLM2", draft, target, tok, tok_d)
+    assistant = uag_draft(draft, gamma)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab,
+                           frozenset(sd.eos_ids(target, tok)), CPU)
+    for prompt in sd.load_texts("builtin")[1:5]:
+        ids = tok(prompt.content)["input_ids"]
+        x = torch.tensor([ids])
+        greedy = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=budget)[0, len(ids):].tolist()
+        ours.clear()
+        row = sd.run_simulation(target, slem, [sd.TokenSequence(ids)], config)[0]
+        mine = ours[id(row)]
+        theirs.clear()
+        x = torch.tensor([ids + greedy[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=budget - 1, assistant_model=assistant,
+                                  tokenizer=tok, assistant_tokenizer=tok_d)[0, x.shape[1]:]
+        assert len(greedy) == budget and row.tokens == greedy == greedy[:1] + out.tolist()
+        assert len(mine) == len(theirs) >= 8 and mine[:-1] == theirs[:-1], (mine, theirs)
+        assert accepted_to_budget(mine, budget) == sum(n for _, n in theirs) > 0
+
+
 @torch.no_grad()
 def transplanted(model, tok_from, tok_to, layers: int):
     """The first `layers` layers of `model` (a Llama with a tied head) speaking tok_to's
@@ -7717,48 +7915,56 @@ def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_run
 # drafts that stop when unsure (--confidence-rule, --confidence-threshold)
 
 
-def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
-        llama, tok_plain, monkeypatch):
-    """The oracle is transformers' own assisted generation with assistant_confidence_threshold
-    P, set as --engine-config transformers writes it (on the draft's generation_config, a
-    constant block), scikit-learn hidden so that P stays fixed. At T = 0, run after the
-    target's first token (specdec takes it from the prefill, as the engines do), it equals
-    specdec's --confidence-rule transformers prompt by prompt: the tokens, the cycles that
-    drafted, the drafted tokens and the accepted ones, as the engines count them (no draft
-    past the token budget). EOS: transformers counts an accepted EOS draft as the target's own
-    token (it lowers the match count when a candidate ends in EOS), the engines count it
-    accepted; neither model here has an EOS id (pad_token_id V, an id no model writes), so
-    the two conventions cannot differ. The draft is the target's first layer, sure of some
-    tokens and not of others: the thresholds cut blocks at every offset."""
+def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma, budget,
+                             pad):
+    """specdec's --confidence-rule transformers at T = 0, and transformers' own assisted
+    generation with each threshold, set as --engine-config transformers writes it (on the
+    draft's generation_config, a constant block), scikit-learn hidden so that it stays fixed;
+    transformers runs on the prompt plus the target's first token (specdec takes it from the
+    prefill, as the engines do), one token less to go. Asserts, prompt by prompt, the same
+    tokens emitted and the same verify steps, drafted and accepted tokens as the engines count
+    them (no draft past the token budget). -> the blocks the rule cut, over every run."""
     from transformers.generation import candidate_generator as cg
     monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
-    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
-    seqs = sd.build_sequences(REPEATS + PROMPTS, tok_plain)
+    theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
+    r = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                              gamma=gamma, continuation_tokens=budget, simulate=True,
+                              eos=set(), stopping=("transformers", thresholds))
     cuts = 0
-    for threshold in (0.1, 0.3, 0.6):
-        r = sd.measure_acceptance(llama, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
-                                  gamma=gamma, continuation_tokens=budget, simulate=True,
-                                  eos=set(), stopping=("transformers", [threshold]))
+    for k, threshold in enumerate(thresholds):
+        r.unsure.best_threshold = threshold  # (the line for this threshold)
         entry = sd.engine_config(r, "transformers")[0]
         assert entry["generation_config"]["assistant_confidence_threshold"] == threshold
         for key, value in entry["generation_config"].items():
             setattr(draft.generation_config, key, value)
-        theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
         for q, row in zip(seqs, r.per_prompt):
-            ours = row["stopped"][0]
+            ours = row["stopped"][k]
             theirs.clear()
-            x = torch.tensor([q.ids + [int(last_logits(llama, q.ids).argmax())]])
-            out = llama.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=budget - 1, assistant_model=draft,
-                                 pad_token_id=V)[0, x.shape[1]:]
+            x = torch.tensor([q.ids + [int(last_logits(target, q.ids).argmax())]])
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=budget - 1, assistant_model=draft,
+                                  pad_token_id=pad)[0, x.shape[1]:]
             assert ours["generated"] == 1 + len(out) == budget
-            drafting = [(k, n) for k, n in theirs if k]
+            drafting = [(n, a) for n, a in theirs if n]
             assert (ours["verify_steps"], ours["drafted"], ours["drafted_accepted"]) == (
-                len(drafting), sum(k for k, _ in drafting), sum(n for _, n in drafting)), (
+                len(drafting), sum(n for n, _ in drafting), sum(a for _, a in drafting)), (
                 threshold, q.ids, theirs)
             cuts += ours["unsure_cuts"]
-        monkeypatch.undo()
-        monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
+    return cuts
+
+
+def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
+        llama, tok_plain, monkeypatch):
+    """The oracle is transformers' own assisted generation with assistant_confidence_threshold
+    (assisted_with_confidence): at T = 0 it equals specdec's --confidence-rule transformers
+    prompt by prompt. EOS: transformers counts an accepted EOS draft as the target's own token
+    (it lowers the match count when a candidate ends in EOS), the engines count it accepted;
+    neither model here has an EOS id (pad_token_id V, an id no model writes), so the two
+    conventions cannot differ. The draft is the target's first layer, sure of some tokens and
+    not of others: the thresholds cut blocks at every offset."""
+    cuts = assisted_with_confidence(monkeypatch, llama, sd.early_exit_draft(llama, 1),
+                                    sd.build_sequences(REPEATS + PROMPTS, tok_plain),
+                                    [0.1, 0.3, 0.6], 4, 16, V)
     assert cuts >= 20  # the rule ended blocks early, and often
 
 
@@ -8039,3 +8245,16 @@ def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
     assert rc == 0, err
     assert "draft.generation_config.update(num_assistant_tokens=4, " \
            "num_assistant_tokens_schedule='constant', assistant_confidence_threshold=" in out
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_drafts_that_stop_when_unsure_are_transformers_own(smol, monkeypatch):
+    """SmolLM2 with its first 24 layers as the draft, gamma 8: assisted_with_confidence at
+    thresholds 0.2, 0.4 (transformers' default) and 0.8, on the builtin prompts (EOS off on
+    both sides, as in the unit test)."""
+    target, _, _, seqs = smol
+    draft = sd.early_exit_draft(target, 24)
+    cuts = assisted_with_confidence(monkeypatch, target, draft, seqs[:4], [0.2, 0.4, 0.8], 8,
+                                    24, sd.vocab_width(target) + 7)
+    assert cuts >= 10
