@@ -325,6 +325,12 @@ def wide_draft():
     return with_head_bias(make_llama(3, vocab=56), {i: 8.0 for i in range(V, 56)})
 
 
+@pytest.fixture(scope="session")
+def llama4():
+    """A 4-layer Llama stand-in: EAGLE-3's default layers (2, N // 2, N - 3) are (2, 2, 1)."""
+    return make_llama(3, layers=4)
+
+
 def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed: int = 0,
                         live: bool = False):
     """A tiny DeepSeek-V3 with `heads` MTP layers, saved as such checkpoints are: the MTP
@@ -394,6 +400,28 @@ def mtp_one(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mtp1")
     make_mtp_checkpoint(folder, heads=1, noise=0.02, seed=1)
     return load_mtp_target(folder)
+
+
+@pytest.fixture(scope="session")
+def mtp_live_pair(tmp_path_factory):
+    """A DeepSeek-V3 with two MTP layers whose attention is live (not zeroed, times 10)."""
+    folder = tmp_path_factory.mktemp("mtp_live_pair")
+    make_mtp_checkpoint(folder, heads=2, noise=0.05, live=True)
+    target = load_mtp_target(folder)
+    return target, sd.MtpDrafter.of(target)
+
+
+@pytest.fixture(scope="session")
+def mtp_live(tmp_path_factory):
+    """DeepSeek-V3 stand-ins with 1 and 2 MTP layers whose attention matters (weights times
+    10), and a Mellum whose one MTP layer slides over a window of 3."""
+    made = {}
+    for heads in (1, 2):
+        folder = tmp_path_factory.mktemp(f"mtp_live{heads}")
+        make_mtp_checkpoint(folder, heads=heads, noise=0.05, live=True, seed=3)
+        made[heads] = load_mtp_target(folder)
+    made["mellum"] = make_mellum(tmp_path_factory.mktemp("mellum3"), window=3)
+    return made
 
 
 def make_mellum(folder, window: int, noise: float = 0.05, layers: int = 2, seed: int = 0):
@@ -471,7 +499,6 @@ def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
     for m in (target, assistant):
         m.generation_config.eos_token_id = m.generation_config.pad_token_id = None
     return target.eval().requires_grad_(False), assistant.eval().requires_grad_(False)
-
 
 
 def make_eagle3_checkpoint(folder, fmt: str, target, seed: int = 0, draft_vocab: int = 32,
@@ -599,6 +626,34 @@ def make_medusa_checkpoint(folder, fmt: str, hidden: int = 32, heads: int = 3,
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return t
+
+
+GGUF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+needs_gguf = pytest.mark.skipif(not os.path.isfile(GGUF), reason=(
+    "real-model test: ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf is absent (it ships "
+    "with the project's shared folder, not with a checkout)"))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    target, tok, dev = sd.load_model_and_tokenizer(GGUF, device="cpu", progress=False)
+    seqs = sd.build_sequences(sd.load_texts("builtin"), tok, max_samples=6)
+    return target, tok, dev, seqs
+
+
+QWEN = os.environ.get("SPECDEC_QWEN_GGUF") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
+    "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf")  # (SPECDEC_QWEN_GGUF: where a user fetched it)
+
+
+needs_qwen = pytest.mark.skipif(not (os.path.isfile(QWEN) and os.path.isfile(GGUF)), reason=(
+    "real-pair test: Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf is absent from ../shared/models "
+    "and SPECDEC_QWEN_GGUF (fetch it: `python benchmarks/fetch_qwen_gguf.py DIR`, then "
+    "SPECDEC_QWEN_GGUF=DIR/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf), or SmolLM2's GGUF is"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -841,7 +896,6 @@ def plain_product_limit(reached, took):
     return total
 
 
-
 def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -933,6 +987,7 @@ def head_step_alphas(target, draft, seqs, s, n_tokens, seed, steps):
                 q_ = bf_processed(draft(row[:t + 1], row[t + 1:t + 1 + k]), s)
                 want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
     return want
+
 
 # ----------------------------------------------------------------------------------------------
 # types: settings and the report's JSON
@@ -1682,1095 +1737,6 @@ def test_params_per_token_hand_count():
     assert sd.params_per_token(gpt3) == 3 * gpt_layer + 2 * h + v * h
     assert sd.params_per_token(sd.early_exit_draft(gpt3, 2)) == 2 * gpt_layer + 2 * h + v * h
 
-
-# ----------------------------------------------------------------------------------------------
-# drafters: n-gram prompt lookup, without a model
-
-
-REPEATS = ["the cat sat on the mat and the cat sat on the", "abc abc abc abc",
-           "hello hello hello world hello", "one two three one two three one", "no repeat"]
-
-
-def brute_lookup(seq, max_n, min_n, n_tokens, eos=()):
-    """transformers' prompt lookup by a plain scan: for n from max_n down, the first i whose
-    n tokens equal the last n and that has a token after it; copy up to n_tokens, cut before
-    EOS (an EOS first: nothing)."""
-    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-        for i in range(len(seq) - n):
-            if seq[i:i + n] == seq[len(seq) - n:]:
-                copied = seq[i + n:i + n + n_tokens]
-                return copied[:next((k for k, t in enumerate(copied) if t in eos),
-                                    len(copied))]
-    return []
-
-
-def test_ngram_lookup_matches_a_brute_force_scan():
-    g = torch.Generator().manual_seed(0)
-    for trial in range(300):
-        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),),
-                            generator=g).tolist()
-        max_n, min_n = [(2, 1), (3, 1), (3, 2), (1, 1)][trial % 4]
-        sizes = range(max_n, min_n - 1, -1)
-        first = {}
-        sd.index_ngrams(seq, first, sizes, 0)
-        for n_tokens in (1, 4):
-            want = brute_lookup(seq, max_n, min_n, n_tokens, eos={3})
-            assert sd.ngram_lookup(seq, first, sizes, n_tokens, {3}) == want, (seq, max_n)
-
-
-def test_ngram_teacher_forced_alpha_is_p_of_the_copied_token(llama, tok_plain):
-    """alpha_t = p_t(copied token) where a lookup finds one, counted by hand."""
-    seqs = sd.build_sequences(REPEATS, tok_plain)
-    s = SAMPLINGS["t1"]
-    r = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, sampling=s, device=CPU,
-                              continuation_tokens=8, seed=4, batch_size=2)
-    alphas, positions = [], 0
-    for i, q in enumerate(seqs):
-        row = list(q.ids) + ref_continuation(llama, q.ids, s, 8, 4, i)
-        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1] (not
-            positions += 1  # the first continuation token: the prefill's)
-            found = brute_lookup(row[:t + 1], 2, 1, 1)
-            if found:
-                alphas.append(bf_processed(last_logits(llama, row[:t + 1]), s)[found[0]])
-    assert r.scored_positions == len(alphas) and 0 < len(alphas) < positions
-    assert r.proposal_rate == pytest.approx(len(alphas) / positions, abs=1e-12)
-    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
-    # the i.i.d. estimate: a proposal at that rate, each accepting with alpha
-    want = r.proposal_rate * sum(r.alpha ** k for k in range(1, 5))
-    assert r.expected_accepted == pytest.approx(want, abs=1e-12)
-    # drafting costs nothing: tokens per cycle / (one target step per cycle)
-    assert r.cost_ratio == 0.0 and r.est_speedup == pytest.approx(r.tokens_per_cycle)
-
-
-def test_a_library_ngram_drafter_never_copies_the_runs_eos(llama, tok_plain):
-    """NgramDrafter() made in a notebook is told no EOS id; the run tells it, as the CLI always
-    did, so no lookup copies an EOS. Oracle: the same drafter given the EOS id by hand; and
-    one given no EOS id proposes the EOS copies (the test can tell)."""
-    eos = tok_plain("!")["input_ids"][0]
-    seqs = sd.build_sequences(["ab!ab", "the end! the", "x!x!x"], tok_plain)
-    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, continuation_tokens=6, seed=1, eos=[eos],
-              simulate=True, gamma=3)
-    lib = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, **kw)
-    told = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[eos]), seqs, **kw)
-    blind = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[]), seqs, **kw)
-    assert numbers(lib) == numbers(told)
-    assert lib.scored_positions < blind.scored_positions
-
-
-def logged_cycles(monkeypatch):
-    """(tokens proposed, accepted) of every cycle, per RowStats, as specdec records them."""
-    log = {}
-    real = sd.record_cycle
-
-    def record(row, cyc, config):
-        log.setdefault(id(row), []).append((cyc.count, cyc.n_acc))
-        return real(row, cyc, config)
-    monkeypatch.setattr(sd, "record_cycle", record)
-    return log
-
-
-def hf_cycles(monkeypatch, generator_class):
-    """(candidates, matches) of every cycle of transformers' assisted generation."""
-    log = []
-    real = generator_class.update_candidate_strategy
-
-    def record(self, input_ids, scores, num_matches):
-        log.append((scores.shape[1] - 1, int(num_matches)))
-        return real(self, input_ids, scores, num_matches)
-    monkeypatch.setattr(generator_class, "update_candidate_strategy", record)
-    return log
-
-
-def transformers_from_the_prefill(monkeypatch, generator_class, target, drafter, prompts, tok,
-                                  gamma, budget=16, **generate_kwargs):
-    """Per prompt: transformers' greedy output and (drafted, accepted) counts per cycle, for a
-    drafter that transformers, like the engines, starts after the target's first token (its
-    first "cycle" is the prefill, a plain step drafting nothing: MTP layers, assistants), and
-    specdec's RowStats and counts from the same prompt. The two runs are then cycle for cycle
-    the same, from transformers' second cycle on."""
-    theirs = hf_cycles(monkeypatch, generator_class)
-    ours = logged_cycles(monkeypatch)
-    runs = []
-    for text in prompts:
-        ids = tok(text)["input_ids"]
-        theirs.clear()
-        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
-                              **generate_kwargs)[0, len(ids):].tolist()
-        assert theirs[0] == (0, 0)  # the prefill's token: no draft
-        ours.clear()  # (keyed by id: a freed RowStats's id can come back)
-        rows = simulate(target, drafter, [sd.TokenSequence(ids)], SAMPLINGS["greedy"], gamma,
-                        budget, vocab=V, eos=set())
-        runs.append((out, theirs[1:], rows[0], ours.get(id(rows[0]), [])))
-    return runs
-
-
-def transformers_after_the_first_token(monkeypatch, generator_class, target, drafter,
-                                       prompts, tok, gamma, budget=16, **generate_kwargs):
-    """Per prompt: specdec's RowStats and (drafted, accepted) counts per cycle from the prompt,
-    and transformers' greedy output and counts from the prompt plus the target's first token,
-    one token less to go: transformers' assisted generation (a draft model, prompt lookup)
-    drafts the first token itself, where specdec, as the engines, takes it from the prefill;
-    from there the two are in the same state. The first token is checked against the target's
-    own argmax."""
-    theirs = hf_cycles(monkeypatch, generator_class)
-    ours = logged_cycles(monkeypatch)
-    runs = []
-    for text in prompts:
-        ids = tok(text)["input_ids"]
-        ours.clear()
-        rows = simulate(target, drafter, [sd.TokenSequence(ids)], SAMPLINGS["greedy"], gamma,
-                        budget, vocab=V, eos=set())
-        first = rows[0].tokens[0]
-        assert first == int(last_logits(target, ids).argmax())  # the prefill's own token
-        theirs.clear()
-        x = torch.tensor([ids + [first]])
-        out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                              max_new_tokens=budget - 1, **generate_kwargs)[0, x.shape[1]:]
-        runs.append(([first] + out.tolist(), list(theirs), rows[0], ours.get(id(rows[0]), [])))
-    return runs
-
-
-def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain, monkeypatch):
-    """The oracle is transformers' own assisted generation (prompt_lookup_num_tokens), run
-    after the target's first token (see transformers_after_the_first_token): at temperature 0
-    the same tokens, and cycle by cycle the same (proposed, accepted) counts (but the last:
-    transformers crops a cycle at max_new_tokens, specdec counts it whole)."""
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-    accepted = 0
-    for out, theirs, row, ours in transformers_after_the_first_token(
-            monkeypatch, PromptLookupCandidateGenerator, llama, sd.NgramDrafter(2, 1), REPEATS,
-            tok_plain, 4, budget=20, pad_token_id=V, prompt_lookup_num_tokens=4,
-            max_matching_ngram_size=2):
-        assert row.tokens == out
-        assert ours[:-1] == theirs[:-1] and len(ours) == len(theirs)
-        accepted += sum(n for _, n in theirs)
-    assert accepted >= 5  # drafts were accepted, not only proposed
-
-
-def test_draft_model_greedy_simulation_is_transformers_assisted_generation(llama, tok_plain,
-                                                                           monkeypatch):
-    """A draft model against transformers' assisted generation (assistant_model, a constant
-    block of gamma, no confidence cut), run after the target's first token: the same tokens
-    and, cycle by cycle, the same (proposed, accepted) counts (but the last, cropped at
-    max_new_tokens by transformers). The draft is the target's first layer: it agrees often
-    enough that blocks are accepted in part and in whole."""
-    from transformers.generation.candidate_generator import AssistedCandidateGenerator
-    draft = sd.early_exit_draft(llama, 1)
-    draft.generation_config.num_assistant_tokens = 3
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    accepted, partial = 0, 0
-    for out, theirs, row, ours in transformers_after_the_first_token(
-            monkeypatch, AssistedCandidateGenerator, llama, draft, REPEATS + PROMPTS, tok_plain,
-            3, budget=16, pad_token_id=V, assistant_model=draft):  # (a pad id no model
-        # writes: transformers masks the assistant's inputs equal to pad_token_id)
-        assert row.tokens == out
-        # near the end transformers shortens the block to what is left of the budget; specdec
-        # drafts whole blocks and truncates what is emitted: compare the cycles before that
-        whole = next((c for c, (k, _) in enumerate(theirs) if k < 3), len(theirs))
-        assert whole >= 3 and ours[:whole] == theirs[:whole]
-        accepted += sum(n for _, n in theirs[:whole])
-        partial += sum(0 < n < k for k, n in theirs[:whole])
-    assert accepted >= 10 and partial >= 3
-
-
-def sampled_acceptances(monkeypatch, generator_class, target, drafter, seqs, gamma, budget,
-                        seed, **generate_kwargs):
-    """Acceptance rate at T = 1 of specdec's simulation and of transformers' generate with the
-    same drafter, each over the prompts with its own random draws, and the standard error of
-    their difference (prompts as units). transformers' last cycle is cropped at the budget and
-    left out. -> (ours, theirs, se, examined by specdec, examined by transformers)."""
-    rows = simulate(target, drafter, seqs, SAMPLINGS["t1"], gamma, budget, seed=seed,
-                    batch_size=8)
-    ours = [(r.accepted, r.examined) for r in rows.values()]
-    log = hf_cycles(monkeypatch, generator_class)
-    theirs = []
-    for i, q in enumerate(seqs):
-        log.clear()
-        torch.manual_seed(seed * 100 + i)
-        target.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
-                                                                        dtype=torch.long),
-                        do_sample=True, temperature=1.0, top_k=0, max_new_tokens=budget,
-                        **generate_kwargs)
-        cycles = [(n, min(n + 1, k)) for k, n in log[:-1] if k]
-        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
-    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
-    return (sum(a for a, _ in ours) / sum(e for _, e in ours),
-            sum(a for a, _ in theirs) / sum(e for _, e in theirs), se,
-            sum(e for _, e in ours), sum(e for _, e in theirs))
-
-
-@pytest.mark.slow  # 40 runs of transformers' generate, one prompt at a time
-def test_ngram_sampled_acceptance_agrees_with_transformers(llama, tok_plain, monkeypatch):
-    """At T = 1, transformers accepts a copied token when its own sample from p equals it
-    (probability p(x), as specdec's one-hot q does). The two acceptance rates, each over 40
-    prompts with its own random draws, agree within 3 standard errors of their difference
-    (about 0.05 here: a drafter accepting 5 points more or less would be caught)."""
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-    prompts = [f"{a} {b} {a} {b} {a}" for a in ("the cat", "one two", "abc", "red fox")
-               for b in ("sat", "and", "x y", "hello", "ok")] * 2
-    ours, theirs, se, n_ours, n_theirs = sampled_acceptances(
-        monkeypatch, PromptLookupCandidateGenerator, llama, sd.NgramDrafter(2, 1),
-        sd.build_sequences(prompts, tok_plain), 3, 24, seed=9, pad_token_id=0,
-        prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
-    assert n_ours > 200 and n_theirs > 200
-    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
-
-
-def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs, data_txt,
-                                                   llama, tok):
-    out = tmp_path / "r.json"
-    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
-                                     "--draft", model_dirs["draft"], "--data", data_txt,
-                                     "--simulate", "--continuation-tokens", "12", "--quiet",
-                                     "--ngram-max", "3", "--json", str(out)])
-    assert rc == 0, err
-    ngram, model = json.loads(out.read_text())
-    assert ngram["draft"] == "ngram (n=1..3)" and ngram["cost_ratio"] == 0.0
-    assert model["proposal_rate"] == 1.0 and ngram["proposal_rate"] < 1
-    assert "proposals made at" in text and "ranking" in text
-    # the same numbers as the drafter measured alone through the library
-    seqs = sd.build_sequences(sd.load_texts(data_txt), tok, max_samples=32)
-    alone = sd.measure_acceptance(llama, sd.NgramDrafter(3, 1), seqs,
-                                  sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
-                                  continuation_tokens=12, draft_name="ngram (n=1..3)")
-    keys = ("run_key", "run_key_parts")  # each records the models it was given
-    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", "drafter",
-                                                       *keys)} \
-        == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k not in keys}
-    rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
-                                     "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
-    assert rc == 2 and err.count("\n") == 1 and "--ngram-min" in err
-
-
-# ----------------------------------------------------------------------------------------------
-# drafters: MTP layers of the target (DeepSeek-V3, Mellum), run through transformers' MtpModel
-
-
-MTP_PROMPTS = ["hello there", "the cat sat", "abc", "what is 2+2?"]
-
-
-@pytest.fixture(scope="session")
-def mtp_live_pair(tmp_path_factory):
-    """A DeepSeek-V3 with two MTP layers whose attention is live (not zeroed, times 10)."""
-    folder = tmp_path_factory.mktemp("mtp_live_pair")
-    make_mtp_checkpoint(folder, heads=2, noise=0.05, live=True)
-    target = load_mtp_target(folder)
-    return target, sd.MtpDrafter.of(target)
-
-
-def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_live_pair, tok_plain, monkeypatch):
-    """The oracle is generate(use_mtp=True), which, like the engines and specdec, takes the
-    first token from the target's prefill and drafts after it: the same tokens, and cycle by
-    cycle the same (drafted, accepted) counts, from the same prompt. The MTP layers' attention
-    is live, so what each step attends over its history matters."""
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-    target, drafter = mtp_live_pair
-    accepted = 0
-    for out, theirs, row, ours in transformers_from_the_prefill(
-            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_PROMPTS, tok_plain, 2,
-            use_mtp=True):
-        assert row.tokens == out
-        assert ours[:-1] == theirs[:-1]  # the last: transformers crops it at the budget
-        accepted += sum(n for _, n in theirs)
-    assert accepted >= 8
-
-
-def test_mtp_teacher_forced_heads_match_transformers_layers(mtp_pair, tok_plain):
-    """alpha by head against an oracle that runs transformers' own MtpModel.forward_layer one
-    prefix at a time (its own masks and cache), head 2 fed the continuation's next token."""
-    target, drafter = mtp_pair
-    s = SAMPLINGS["t1"]
-    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
-                              continuation_tokens=6, seed=2, batch_size=3)
-    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, 2)
-    want = [[a for w in per_prompt for a in w[k]] for k in range(2)]
-    got = r.alpha_by_head
-    assert len(got) == 2 and r.scored_positions == len(want[0])
-    assert got[0] == pytest.approx(sum(want[0]) / len(want[0]), abs=1e-5)
-    assert got[1] == pytest.approx(sum(want[1]) / len(want[1]), abs=1e-5)
-    # the i.i.d. estimate chains the heads: alpha_1 + alpha_1 alpha_2, and no third proposal
-    assert r.expected_accepted == pytest.approx(got[0] + got[0] * got[1], abs=1e-12)
-
-
-@pytest.mark.slow  # 40 runs of transformers' generate
-def test_mtp_sampled_acceptance_agrees_with_transformers(mtp_pair, tok_plain, monkeypatch):
-    """At T = 1 transformers samples each head's draft from its processed logits and uses them
-    as q (lossless, temperature once): its acceptance rate and specdec's, over 40 prompts
-    each with its own random draws, agree within 3 standard errors of their difference
-    (about 0.05 here)."""
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-    target, drafter = mtp_pair
-    prompts = [f"{a} {b}" for a in ("the cat", "one two", "abc", "red fox", "hi")
-               for b in ("sat", "and then", "x y z", "hello")] * 2
-    ours, theirs, se, _, _ = sampled_acceptances(
-        monkeypatch, MTPCandidateGenerator, target, drafter,
-        sd.build_sequences(prompts, tok_plain), 2, 20, seed=4, use_mtp=True)
-    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
-
-
-def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_txt,
-                                           monkeypatch):
-    from transformers import DeepseekV3ForCausalLM
-    make_mtp_checkpoint(tmp_path / "mtp", heads=2, noise=0.05)
-    make_tokenizer().save_pretrained(tmp_path / "mtp")
-    monkeypatch.setattr(DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
-                        [r"model\.layers\.2\.", r"model\.layers\.3\."])
-    out = tmp_path / "r.json"
-    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
-                                     "--draft", "ngram", "--data", data_txt, "--simulate",
-                                     "--continuation-tokens", "10", "--quiet", "--gamma", "3",
-                                     "--json", str(out)])
-    assert rc == 0, err
-    mtp, ngram = json.loads(out.read_text())
-    assert mtp["draft"] == "mtp (2 heads)" and len(mtp["alpha_by_head"]) == 2
-    # two heads: a block of 3 proposes 2, so offset 3 is never reached
-    assert mtp["reached_by_draft_offset"][2] == 0 and mtp["proposed_by_cycle"][3] == 0
-    assert 0 < mtp["cost_ratio"] < 1 and "alpha by draft offset" in text
-    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
-                                     "--data", data_txt])
-    assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
-    # three steps on two layers (vLLM's reuse), under the engines' argmax rule
-    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
-                                     "--mtp-steps", "3", "--proposal", "argmax", "--data",
-                                     data_txt, "--simulate", "--continuation-tokens", "6",
-                                     "--quiet", "--gamma", "4", "--json", str(out)])
-    assert rc == 0, err
-    r = json.loads(out.read_text())
-    assert r["draft"] == "mtp (2 heads, 3 steps)" and r["proposal"] == "argmax"
-    assert r["drafted_by"] == ["layer 1", "layer 2", "layer 1", "-"]
-    assert len(r["alpha_by_head"]) == 3 and r["reached_by_draft_offset"][3] == 0
-    assert "drafted by" in text and "argmax of q" in text
-    for argv, word in ((["--draft", "mtp", "--mtp-steps", "0"], "--mtp-steps"),
-                       (["--draft", "ngram", "--mtp-steps", "2"], "--draft mtp")):
-        rc, _, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--data", data_txt,
-                                      "--quiet"] + argv)
-        assert rc == 2 and err.count("\n") == 1 and word in err, err
-
-
-MTP_MORE_PROMPTS = MTP_PROMPTS + ["one two three four", "red fox jumps", "x y z",
-                                  "the quick brown fox", "what a day it is"]
-
-
-@torch.no_grad()
-def mtp_step_alphas(target, mtp, seqs, s, n_tokens, seed, steps):
-    """Per step k = 1..steps, the teacher-forced alpha_t at every scored position where step k
-    has a target token to meet, by transformers' own MtpModel.forward_layer one prefix at a
-    time: step k runs layer (k-1) mod L, fed step k-1's output and the continuation's token
-    k-1 ahead (vLLM's rule for more steps than layers)."""
-    from transformers.cache_utils import MtpCache
-    out = []  # per prompt, per step: alpha_t at each cycle start t that step reaches
-    for i, q in enumerate(seqs):
-        want = [[] for _ in range(steps)]
-        out.append(want)
-        row = list(q.ids) + ref_continuation(target, q.ids, s, n_tokens, seed, i)
-        hidden = target.model(input_ids=torch.tensor([row])).last_hidden_state
-        logits = target(input_ids=torch.tensor([row])).logits[0, :, :V]
-        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1] (the
-            h = hidden[:, :t]  # slots 0..t-1 (the first continuation token: the prefill's)
-            for k in range(steps):
-                if t + k > len(row) - 2:  # step k+1 needs the target's row[t + 1 + k]
-                    break
-                ids = torch.tensor([row[1 + k:t + 1 + k]])
-                h = mtp.forward_layer(k % mtp.num_mtp_layers, h,
-                                      torch.arange(1 + k, t + 1 + k)[None],
-                                      MtpCache(config=mtp.config), input_ids=ids)
-                q_logits = mtp._project_to_logits(h[:, -1])[0, :V]
-                p_, q_ = bf_processed(logits[t + k], s), bf_processed(q_logits, s)
-                want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
-    return out
-
-
-@pytest.mark.parametrize("kind", ["deepseek-live-attention", "mellum-window-3"])
-def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plain, monkeypatch):
-    """With MTP attention that matters (weights times 10: it flips about a third of the
-    argmaxes), specdec's MTP layer attends what transformers' does: per-step teacher-forced
-    alpha equals forward_layer's (its own masks and cache), and greedy cycles equal
-    generate(use_mtp=True). Mellum's MTP layer has sliding-window attention, W = 3: full
-    attention there (as before the fix) gave alpha 0.967 against 0.962 and other cycles."""
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-    if kind.startswith("deepseek"):
-        make_mtp_checkpoint(tmp_path, heads=2, noise=0.05, live=True)
-        target = load_mtp_target(tmp_path)
-    else:
-        target = make_mellum(tmp_path, window=3)
-    drafter = sd.MtpDrafter.of(target)
-    seqs = sd.build_sequences(MTP_MORE_PROMPTS, tok_plain)
-    s = SAMPLINGS["t1"]
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
-                              continuation_tokens=6, seed=2, batch_size=4)
-    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.can.steps)
-    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
-             for k in range(drafter.can.steps)]
-    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
-    accepted = 0
-    for out, theirs, row, ours in transformers_from_the_prefill(
-            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_MORE_PROMPTS, tok_plain,
-            drafter.can.steps, budget=20, use_mtp=True):
-        assert row.tokens == out
-        assert ours[:-1] == theirs[:-1]
-        accepted += sum(n for _, n in theirs)
-    assert accepted >= 10
-
-
-@pytest.mark.parametrize("estimator", ["iid", "positional"])
-def test_one_mtp_head_claims_at_most_two_tokens_per_cycle(mtp_one, tok_plain, estimator):
-    """One MTP layer drafts one token a cycle: at any gamma, no estimate may pass 2 tokens per
-    cycle, the cost charges one proposal, and the best gamma is 1. (Before the fix the
-    teacher-forced route fell into the closed form over gamma proposals: 4.8 at gamma 4.)"""
-    drafter = sd.MtpDrafter.of(mtp_one)
-    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(mtp_one, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
-                              gamma=4, continuation_tokens=8, simulate=True, seed=1,
-                              estimator=estimator)
-    assert r.alpha > 0.5  # a head good enough that the old estimate went past the bound
-    assert r.tokens_per_cycle == pytest.approx(1 + r.alpha, abs=1e-9)
-    assert r.est_speedup == pytest.approx((1 + r.alpha) / (r.cost_ratio + 1), abs=1e-9)
-    assert r.empirical_tokens_per_cycle <= 2 and r.reached_by_draft_offset[1:] == [0, 0, 0]
-    for row in r.gamma_table:
-        assert row.tokens_per_cycle <= 2 + 1e-9
-        assert row.est_speedup == pytest.approx(r.est_speedup, abs=1e-9)
-    assert r.best_gamma == 1
-    assert r.alpha_by_head == [r.alpha] and r.drafted_by == ["layer 1", "-", "-", "-"]
-
-
-@pytest.mark.parametrize("layers,steps", [(2, None), (1, 3), (2, 3)])
-def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tmp_path,
-                                                              tok_plain):
-    """Each step's alpha against forward_layer (a layer reused past the last, vLLM's
-    spec_step_idx % num_mtp_layers), and both estimators chain the steps: i.i.d. = sum of
-    products of the step means; positional = mean over cycle starts of the per-start products.
-    Neither passes 1 + min(gamma, steps) tokens per cycle."""
-    make_mtp_checkpoint(tmp_path, heads=layers, noise=0.05, seed=2)
-    target = load_mtp_target(tmp_path)
-    drafter = sd.MtpDrafter.of(target, steps)
-    K = drafter.can.steps
-    s, gamma = SAMPLINGS["topk_topp"], 4
-    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
-                              continuation_tokens=6, seed=2, batch_size=3,
-                              estimator="positional")
-    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, K)
-    assert r.drafted_by == [f"layer {k % layers + 1}" for k in range(K)] + ["-"] * (gamma - K)
-    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
-             for k in range(K)]
-    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
-    chained = sum(math.prod(means[:k]) for k in range(1, min(gamma, K) + 1))
-    assert r.expected_accepted_iid == pytest.approx(chained, abs=1e-5)
-    # positional: the cycle starts where every step has a value, each start's own products
-    starts = [sum(math.prod(w[j][t] for j in range(k)) for k in range(1, K + 1))
-              for w in per_prompt for t in range(len(w[K - 1]))]
-    assert r.expected_accepted_positional == pytest.approx(sum(starts) / len(starts), abs=1e-5)
-    assert r.tokens_per_cycle <= 1 + min(gamma, K) + 1e-9
-
-
-class Logged(sd.Session):
-    """A session that hands every proposal it makes to `log` too."""
-
-    def __init__(self, inner, log):
-        self.inner, self.log = inner, log
-
-    def propose(self, pending, npos, u):
-        self.log.append(self.inner.propose(pending, npos, u))
-        return self.log[-1]
-
-    def advance(self, n_acc, committed, view):
-        self.inner.advance(n_acc, committed, view)
-
-    def keep(self, rows):
-        self.inner.keep(rows)
-
-
-def simulated_with(target, drafter, session, seqs, s, gamma, budget, eos=(), seed=0):
-    """run_simulation (the prompts as one batch) with the drafter's sessions made by
-    session(drafter, prompts, view, drafting) -> (RowStats by prompt, every Proposal in order)."""
-    log = []
-    d = copy.copy(drafter.for_run(frozenset(eos), [gamma]))
-    d.start = lambda prompts, view, drafting: Logged(session(d, prompts, view, drafting), log)
-    d.for_run = lambda eos, gammas: d
-    return simulate(target, d, seqs, s, gamma, budget, eos=eos, seed=seed), log
-
-
-def assert_same_runs(target, drafter, reference, seqs, s, gamma, budget, eos, seed):
-    """The drafter's own sessions and `reference` sessions: the same cycles and tokens prompt
-    by prompt, the same drafts and counts cycle by cycle, q within 1e-5. Returns the rows."""
-    rows, got = simulated_with(target, drafter, type(drafter).start, seqs, s, gamma, budget,
-                               eos, seed)
-    ref_rows, want = simulated_with(target, drafter, reference, seqs, s, gamma, budget, eos,
-                                    seed)
-    assert [counts(rows[i]) for i in rows] == [counts(ref_rows[i]) for i in rows]
-    assert len(got) == len(want)
-    for cycle, (a, b) in enumerate(zip(got, want)):
-        made = torch.arange(gamma) < a.count[:, None]  # (B, G) past count: padding
-        assert torch.equal(a.count, b.count) and torch.equal(a.tokens[made], b.tokens[made])
-        assert torch.allclose(a.q, b.q, atol=1e-5), (cycle, (a.q - b.q).abs().max())
-    return rows
-
-
-def recomputed_step(drafter, k, ids, hidden):
-    """MTP step k (0-based, layer k mod L) over one row's whole sequence, no cache, no padding:
-    slot j reads ids[j] at position j + 1 + k and hidden[j], and attends slots j' <= j (a
-    sliding layer: j' > j - window)."""
-    mtp, layer = drafter.mtp, k % drafter.mtp.num_mtp_layers
-    kind, window = drafter.layer_types[layer]
-    n = ids.shape[1]
-    j = torch.arange(n)
-    allowed = (j[None] <= j[:, None]) & ((j[None] > j[:, None] - window) if window else True)
-    mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    emb = mtp.embed_tokens(ids)
-    at = (j + 1 + k)[None]
-    rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
-    angles = mtp.rotary_emb(emb, position_ids=at, **rope)
-    out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
-                            attention_mask=mask[None, None], position_ids=at, cache=None)
-    return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
-
-
-class RecomputedSession(sd.Session):
-    """The sessions before issue 19, one row at a time: every committed token and target state
-    kept, and each cycle the network run again over the whole sequence (draft(b, seq, states,
-    u_b, drafting) -> (drafts, their q (n, V))). The oracle for the cached sessions."""
-
-    def __init__(self, draft, prompts, view, drafting, states_of):
-        self.draft, self.drafting, self.states_of = draft, drafting, states_of
-        self.seqs = [list(p) for p in prompts]
-        fed = states_of(view) if view is not None else None
-        self.states = [fed[b, fed.shape[1] - len(p) + 1:] if len(p) > 1 else None
-                       for b, p in enumerate(prompts)]
-
-    def propose(self, pending, npos, u):
-        c = self.drafting
-        tokens = torch.zeros(len(pending), c.steps, dtype=torch.long)
-        q = torch.zeros(len(pending), c.steps, c.vocab)
-        count = torch.zeros(len(pending), dtype=torch.long)
-        for b, (seq, states) in enumerate(zip(self.seqs, self.states)):
-            if states is not None:  # no target state yet: nothing proposed
-                drafts, qs = self.draft(seq, states, u[b:b + 1], c)
-                tokens[b, :len(drafts)], q[b, :len(drafts)], count[b] = drafts, qs, len(drafts)
-        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool), count)
-
-    def advance(self, n_acc, committed, view):
-        fed = self.states_of(view)
-        for b, new in enumerate(committed):
-            self.seqs[b] += new
-            old = self.states[b]
-            self.states[b] = torch.cat(([old] if old is not None else []) + [fed[b, :len(new)]])
-
-    def keep(self, rows):
-        self.seqs = [self.seqs[r] for r in rows.tolist()]
-        self.states = [self.states[r] for r in rows.tolist()]
-
-
-def recomputed_mtp(drafter, prompts, view, drafting):
-    """Before issue 19: every step over the whole sequence each cycle; step k's slot j reads
-    x_{j+1+k}, or a draft where that is past the pending token."""
-    head = drafter.head(drafting.sampling, drafting.vocab, propose=True)
-
-    def draft(seq, states, u, c):
-        hidden, drafts, qs = states[None], [], []
-        for k in range(min(c.steps, drafter.can.steps)):
-            ids = torch.tensor([(seq[1:] + drafts)[k:]])  # (1, T)
-            hidden = recomputed_step(drafter, k, ids, hidden)
-            qs.append(head(hidden[:, -1], lambda r: "row"))
-            drafts.append(int(sd.sample_from(qs[-1], u[:, k])))
-        return torch.tensor(drafts), torch.cat(qs)
-    return RecomputedSession(draft, prompts, view, drafting, lambda v: v.hidden)
-
-
-@pytest.fixture(scope="session")
-def mtp_live(tmp_path_factory):
-    """DeepSeek-V3 stand-ins with 1 and 2 MTP layers whose attention matters (weights times
-    10), and a Mellum whose one MTP layer slides over a window of 3."""
-    made = {}
-    for heads in (1, 2):
-        folder = tmp_path_factory.mktemp(f"mtp_live{heads}")
-        make_mtp_checkpoint(folder, heads=heads, noise=0.05, live=True, seed=3)
-        made[heads] = load_mtp_target(folder)
-    made["mellum"] = make_mellum(tmp_path_factory.mktemp("mellum3"), window=3)
-    return made
-
-
-# a one-token prompt (no target state: T = 0), a two-token one (T = 1), ragged lengths, three
-# past Mellum's window; EOS ids that end some rows mid-run while others go on
-CACHE_PROMPTS = ["a", "hi", "the cat sat on the mat", "what is 2+2?", "x y z", "ok then"]
-CACHE_EOS = frozenset({3 + CHARS.index("!"), 3 + CHARS.index("q")})
-
-
-@pytest.mark.parametrize("model,steps,gamma,key", [
-    (1, 1, 2, "t1"), (1, 3, 4, "t1"), (1, 3, 2, "topk_topp"), (2, None, 3, "t1"),
-    ("mellum", 3, 3, "t1"), ("mellum", None, 1, "greedy")])
-def test_mtp_cache_gives_what_recomputing_every_cycle_gave(model, steps, gamma, key, mtp_live,
-                                                           tok_plain):
-    """The per-step caches (each committed position run once, the drafted ones each cycle and
-    dropped) against the session before them, which ran every step over the whole sequence
-    every cycle, one row at a time: the same tokens and cycles, the same drafts, q within
-    1e-5; one layer run for 1 and 3 steps, two layers, a sliding window of 3 past its end,
-    ragged rows, a one-token prompt, rows leaving at EOS. Planted errors: without drop_slots
-    in MtpSession.propose (the drafted keys left in each step's history) every case with
-    more than one step fails (other tokens; Mellum's 3 steps by q off 8e-5: with 2 steps its
-    window hid the stale keys); steps_over's next-step input not moved one position on fails
-    the same four and the chunked scoring below."""
-    target = mtp_live[model]
-    drafter = sd.MtpDrafter.of(target, steps)
-    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
-    rows = assert_same_runs(target, drafter, recomputed_mtp, seqs, SAMPLINGS[key], gamma, 24,
-                            CACHE_EOS, seed=5)
-    # rows ended at EOS and left the batch at different cycles (while others went on)
-    assert any(len(r.tokens) < 24 for r in rows.values())
-    assert len({r.cycles for r in rows.values()}) > 1
-    assert sum(r.accepted for r in rows.values()) > 10
-
-
-@pytest.mark.parametrize("kind", [2, "mellum", "eagle3"])
-def test_scoring_in_chunks_equals_one_pass(kind, mtp_live, llama4, tok_plain, tmp_path,
-                                           monkeypatch):
-    """Teacher-forced, the MTP layers and EAGLE-3 run over positions in chunks through their
-    caches: chunks of 3 positions give, per step, the q one chunk gives, within 1e-6 (Mellum's
-    window of 3 included; MTP with 3 steps)."""
-    if kind == "eagle3":
-        make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
-        target = llama4
-        drafter = sd.head_drafter(str(tmp_path), llama4).for_run(frozenset(), [3])
-    else:
-        target = mtp_live[kind]
-        drafter = sd.MtpDrafter.of(target, 3)
-    rows = [tok_plain(t)["input_ids"] for t in CACHE_PROMPTS]
-    spans = [(0, len(r)) for r in rows]
-    with torch.no_grad():
-        states = target.model(input_ids=torch.tensor([r + [0] * (30 - len(r)) for r in rows])
-                              ).last_hidden_state  # (B, T, H) right padding: causal, unread
-        whole = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
-        monkeypatch.setattr(sd, "SCORE_STARTS", 3)
-        chunked = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
-    assert len(whole) == 3
-    for a, b in zip(whole, chunked):
-        n = len(a.states)
-        assert torch.equal(a.proposed, b.proposed) and a.proposed.sum() > 30
-        assert torch.allclose(a.q(0, n), b.q(0, n), atol=1e-6), (a.q(0, n) - b.q(0, n)).abs().max()
-
-
-# ----------------------------------------------------------------------------------------------
-# drafters: Gemma-4 assistant sidecars
-
-
-GEMMA_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?"]
-
-
-def test_assistant_greedy_simulation_is_transformers_assisted_generation(tok_plain,
-                                                                         monkeypatch):
-    """generate(assistant_model=Gemma4Assistant) at temperature 0, which takes the first token
-    from the prefill as specdec does: the same tokens and, cycle by cycle, the same drafted and
-    accepted counts from the same prompt (transformers' first cycle is that prefill). The
-    assistant's attention is off here: transformers lets it see keys of rejected
-    drafts, specdec does not (see the next test)."""
-    from transformers.generation.candidate_generator import (
-        SinglePositionMultiTokenCandidateGenerator as Sidecar)
-    target, assistant = make_gemma4_pair(attention=False, noise=0.0, swap=True)
-    accepted = 0
-    for out, theirs, row, ours in transformers_from_the_prefill(
-            monkeypatch, Sidecar, target, sd.AssistantDrafter(target, assistant),
-            GEMMA_PROMPTS, tok_plain, 3, assistant_model=assistant):
-        assert row.tokens == out
-        # near the end transformers shortens the block to the budget; specdec drafts whole
-        # blocks and truncates what is emitted: compare the cycles before that
-        whole = next((c for c, (k, _) in enumerate(theirs) if k < 3), len(theirs))
-        assert whole >= 3 and ours[:whole] == theirs[:whole]
-        accepted += sum(n for _, n in theirs)
-    assert accepted >= 8
-
-
-def assistant_logits(target, assistant):
-    """An assistant drafting from scratch for a committed prefix and the tokens drafted so far,
-    through transformers' own Gemma4Assistant forward (its own masks) over the target's keys
-    and values of the prefix: no padding, no cache, nothing rejected in sight."""
-    def logits(prefix, drafted):
-        with torch.no_grad():
-            out = target(input_ids=torch.tensor([prefix[:-1]]), output_hidden_states=True,
-                         return_shared_kv_states=True)
-            kv, hidden = dict(out.shared_kv_states), out.hidden_states[-1][:, -1:]
-            for token in [prefix[-1]] + drafted:
-                x = torch.cat([target.get_input_embeddings()(torch.tensor([[token]])), hidden],
-                              -1)
-                step = assistant(inputs_embeds=x, position_ids=torch.tensor([[len(prefix) - 1]]),
-                                 attention_mask=torch.ones(1, len(prefix) - 1,
-                                                           dtype=torch.long),
-                                 shared_kv_states=kv)
-                hidden = step.last_hidden_state
-        return step.logits[0, -1]
-    return logits
-
-
-@pytest.mark.parametrize("batch_size,window", [(1, 64), (4, 64), (1, 3), (4, 3)])
-def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size, window,
-                                                                            tok_plain):
-    """With its attention on, the batched, cached sidecar simulation gives token for token
-    what the paper's loop gives with an assistant run from scratch through transformers'
-    forward at every step (T = 1); window 3 puts most queries past the sliding window."""
-    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window)
-    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
-    want = reference_loop(target, assistant_logits(target, assistant), seqs, SAMPLINGS["t1"],
-                          3, 10, seed=3)
-    got = simulate(target, sd.AssistantDrafter(target, assistant), seqs,
-                            SAMPLINGS["t1"], 3, 10, vocab=V, eos=set(), seed=3,
-                            batch_size=batch_size)
-    assert [counts(got[i]) for i in range(len(seqs))] == want
-    assert sum(r["accepted"] for r in want) > 0
-
-
-@pytest.mark.parametrize("window,assistant_window", [(4, 4), (6, 3), (3, 6)])
-def test_assistant_window_past_its_end_is_transformers_forward(window, assistant_window):
-    """Every query of rows several windows long (batched, left-padded): the assistant's
-    logits equal transformers' Gemma4AssistantForCausalLM.forward over the target's keys of the
-    prefix. Its sliding layers see the last W + 1 keys, positions q - W - 1 .. q - 1 (W: the
-    assistant's own sliding_window), not the target's k > q - W."""
-    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window,
-                                         assistant_window=assistant_window)
-    drafter = sd.AssistantDrafter(target, assistant)
-    reference = assistant_logits(target, assistant)
-    g = torch.Generator().manual_seed(4)
-    rows = [torch.randint(3, V, (n,), generator=g).tolist() for n in (24, 13, 9)]
-    with torch.no_grad():
-        got, = drafter.score(rows, [(0, len(r)) for r in rows], None, SAMPLINGS["t1"], V, CPU)
-    i = 0
-    for row in rows:
-        for t in range(len(row)):  # the query for row[t], at position t, predicts row[t + 1]
-            assert bool(got.proposed[i]) == (t > 0)  # no hidden state before position 0
-            if t > 0:
-                want = reference(row[:t + 1], [])
-                assert torch.allclose(drafter.logits(got.states[i]), want, atol=1e-5), (row, t)
-            i += 1
-    assert i == len(got.states)
-
-
-def test_assistant_teacher_forced_alpha_and_bad_targets(tok_plain):
-    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
-    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
-    s = SAMPLINGS["t1"]
-    r = sd.measure_acceptance(target, sd.AssistantDrafter(target, assistant), seqs, sampling=s,
-                              device=CPU, continuation_tokens=6, seed=2, batch_size=3)
-    draft, alphas = assistant_logits(target, assistant), []
-    for i, q in enumerate(seqs):
-        row = list(q.ids) + ref_continuation(target, q.ids, s, 6, 2, i)
-        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1]
-            p_ = bf_processed(last_logits(target, row[:t + 1]), s)
-            q_ = bf_processed(draft(row[:t + 1], [])[:V], s)
-            alphas.append(sum(min(a, b) for a, b in zip(p_, q_)))
-    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
-    with pytest.raises(ValueError, match="Gemma-4"):
-        sd.AssistantDrafter(make_llama(0), assistant)
-
-
-def test_cli_recognises_an_assistant_and_refuses_a_foreign_target(capsys, tmp_path, tok,
-                                                                  model_dirs, data_txt):
-    target, assistant = make_gemma4_pair(attention=True, noise=0.0, swap=True)
-    target.save_pretrained(tmp_path / "gemma")
-    tok.save_pretrained(tmp_path / "gemma")
-    assistant.save_pretrained(tmp_path / "assistant")  # as published: no tokenizer of its own
-    out = tmp_path / "r.json"
-    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "gemma"), "--draft",
-                                     str(tmp_path / "assistant"), "--data", data_txt,
-                                     "--simulate", "--continuation-tokens", "8", "--quiet",
-                                     "--json", str(out)])
-    assert rc == 0, err
-    report = json.loads(out.read_text())
-    assert report["empirical_alpha"] > 0.3 and report["alpha"] > 0.3  # mostly right by design
-    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
-                                     str(tmp_path / "assistant"), "--data", data_txt])
-    assert rc == 2 and err.count("\n") == 1 and "Gemma-4" in err
-
-
-
-# ----------------------------------------------------------------------------------------------
-# drafters: EAGLE-3 heads and Medusa heads, from the checkpoints teams publish
-
-
-@pytest.fixture(scope="session")
-def llama4():
-    """A 4-layer Llama stand-in: EAGLE-3's default layers (2, N // 2, N - 3) are (2, 2, 1)."""
-    return make_llama(3, layers=4)
-
-
-EAGLE_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?", "one two three"]
-
-
-@pytest.mark.parametrize("fmt", ["specforge", "speculators", "eagle"])
-def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_plain, tmp_path):
-    """Each published layout loads as the same head; per step k, teacher-forced alpha equals
-    the paper's draft (eagle3_draft: plain tensors, no cache) fed the continuation's own
-    tokens, and the draft vocabulary's share of p is the target's mass on its 32 ids."""
-    w, ids = make_eagle3_checkpoint(tmp_path, fmt, llama4)
-    drafter = sd.head_drafter(str(tmp_path), llama4)
-    assert isinstance(drafter, sd.Eagle3Drafter) and drafter.can.target_layers == (2, 2, 1)
-    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(llama4, drafter, seqs, sampling=s, device=CPU, gamma=3,
-                              continuation_tokens=5, seed=2, batch_size=3)
-    want = head_step_alphas(llama4, eagle3_draft(llama4, w, ids), seqs, s, 5, 2, 3)
-    assert r.alpha_by_head[:3] == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
-    assert len(r.alpha_by_head) == 8  # as many steps as the best-gamma table's largest block
-    cover = []
-    for i, q in enumerate(seqs):
-        row = list(q.ids) + ref_continuation(llama4, q.ids, s, 5, 2, i)
-        for t in range(len(q.ids), len(row) - 1):  # (not the prefill's token)
-            cover.append(sum(bf_processed(last_logits(llama4, row[:t + 1]), s)[j] for j in ids))
-    assert r.draft_vocab_coverage == pytest.approx(sum(cover) / len(cover), abs=1e-5)
-    assert "draft vocabulary covers" in sd.format_report(r)
-
-
-@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
-def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp_path):
-    """The batched simulation, its committed slots and draft steps as EAGLE caches them,
-    against the paper's loop (reference_loop) driving the plain draft: the same cycles and
-    tokens, prompt by prompt (at T = 0 and T > 0: one random stream each)."""
-    w, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
-    drafter = sd.head_drafter(str(tmp_path), llama4)
-    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    want = reference_loop(llama4, eagle3_draft(llama4, w, ids), seqs, SAMPLINGS[key], gamma,
-                          10, seed=3)
-    got = simulate(llama4, drafter, seqs, SAMPLINGS[key], gamma, 10, seed=3, batch_size=3)
-    for i, row in enumerate(want):
-        assert counts(got[i]) == row, i
-    assert sum(row["examined"] for row in want) > 0
-
-
-def recomputed_eagle3(drafter, prompts, view, drafting):
-    """Before issue 19: every cycle the committed slots run again into a fresh cache
-    (Eagle3Net.committed), then the cycle's steps from the last of them (Eagle3Net.later)."""
-    net, head = drafter.net, drafter.head(drafting.sampling, drafting.vocab, propose=True)
-
-    def draft(seq, states, u, c):
-        n, slots, qs, ds = len(states), sd.new_slots(1, CPU), [], []
-        pos = torch.arange(1, n + 1)[None]
-        out, seen = net.committed(torch.tensor([seq[1:]]), net.fc(states[None]), slots,
-                                  torch.ones(1, n, dtype=torch.long), pos)
-
-        def feed(k, outs):
-            qs.append(head(outs[:, -1], lambda r: "row"))
-            ds.append(sd.sample_from(qs[-1], u[:, k]))
-            return ds[-1][:, None]
-        feed(c.steps - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
-                                    c.steps, feed)[-1])
-        return torch.cat(ds), torch.cat(qs)
-    return RecomputedSession(draft, prompts, view, drafting, lambda v: torch.cat(
-        [v.layers[i] for i in drafter.can.target_layers], -1))
-
-
-@pytest.mark.parametrize("key,gamma", [("t1", 1), ("t1", 3), ("greedy", 4)])
-def test_eagle3_cache_gives_what_recomputing_every_cycle_gave(key, gamma, llama4, tok_plain,
-                                                              tmp_path):
-    """The EAGLE-3 session's cache of committed slots, grown by each cycle's committed tokens,
-    against running them all again every cycle: the same tokens, cycles and drafts, q within
-    1e-5, on ragged rows with a one-token prompt and rows leaving at EOS. Planted errors: later
-    steps that do not see the pending token's key fail gamma 3 and 4 (gamma 1 runs no later
-    step; the paper's-loop test above passes that error), and the steps started from the
-    output one position early fail all three."""
-    make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
-    drafter = sd.head_drafter(str(tmp_path), llama4)
-    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
-    rows = assert_same_runs(llama4, drafter, recomputed_eagle3, seqs, SAMPLINGS[key], gamma,
-                            24, CACHE_EOS, seed=5)
-    assert any(len(r.tokens) < 24 for r in rows.values())
-    assert len({r.cycles for r in rows.values()}) > 1
-
-
-def test_eagle3_that_reproduces_the_target_on_its_vocabulary_accepts_everything(
-        llama4, tok_plain, tmp_path):
-    """A target whose mass is all on the draft vocabulary (head bias -30 elsewhere, uniform
-    there) and a head whose q is uniform on that vocabulary (every weight zero): alpha 1 in
-    both routes, and the draft vocabulary covers all of p."""
-    _, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, zero=True)
-    target = with_head_bias(llama4, {j: (0.0 if j in ids.tolist() else -30.0)
-                                     for j in range(V)})
-    target.lm_head.weight.zero_()
-    drafter = sd.head_drafter(str(tmp_path), target)
-    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
-                              gamma=3, continuation_tokens=6, simulate=True, seed=1)
-    assert r.alpha == pytest.approx(1.0, abs=1e-6) and r.empirical_alpha == 1.0
-    assert r.draft_vocab_coverage == pytest.approx(1.0, abs=1e-9)
-
-
-MEDUSA_LAYOUTS = ["medusa", "fd-pt", "fd-st", "full", "vllm", "vllm-map"]  # heads of their own
-
-
-@pytest.mark.parametrize("fmt", MEDUSA_LAYOUTS)
-def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plain, tmp_path):
-    """Every layout whose heads have output heads of their own loads as the same heads;
-    per-head teacher-forced alpha and the simulation (T = 1) equal the paper's heads run on
-    plain tensors (medusa_draft) through reference_loop; the chain never claims more than
-    1 + heads tokens."""
-    t = make_medusa_checkpoint(tmp_path, fmt, target=llama)
-    drafter = sd.head_drafter(str(tmp_path), llama)
-    assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3
-    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(llama, drafter, seqs, sampling=s, device=CPU, gamma=5,
-                              continuation_tokens=5, seed=2, batch_size=3)
-    want = head_step_alphas(llama, medusa_draft(llama, t), seqs, s, 5, 2, 3)
-    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
-    assert r.drafted_by == ["head 1", "head 2", "head 3", "-", "-"]
-    assert all(row.tokens_per_cycle <= 4 + 1e-9 for row in r.gamma_table)
-    ref = reference_loop(llama, medusa_draft(llama, t), seqs, s, 3, 10, seed=4)
-    got = simulate(llama, drafter, seqs, s, 3, 10, seed=4, batch_size=4)
-    for i, row in enumerate(ref):
-        assert counts(got[i]) == row, i
-
-
-def test_every_medusa_layout_gives_the_same_numbers(llama, tok_plain, tmp_path):
-    """One set of heads (blocks of their own, every output head the target's lm_head, so that
-    the shared and the Medusa-2 layouts hold it too) saved in each layout FasterDecoding and
-    vLLM publish: each loads (the full model's base tensors are not read) and gives the same
-    report, number for number, both routes, in one process."""
-    g = torch.Generator().manual_seed(3)
-    t = {(k, x): 0.3 * torch.randn(32, 32, generator=g) if x == "w0" else
-         0.1 * torch.randn(32, generator=g) for k in range(3) for x in ("w0", "b0")}
-    t.update({(k, "head"): llama.lm_head.weight.detach().clone() for k in range(3)})
-    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    reports = {}
-    for fmt in MEDUSA_LAYOUTS + ["fd-v2", "vllm-shared"]:
-        make_medusa_checkpoint(tmp_path / fmt, fmt, t=t, target=llama)
-        drafter = sd.head_drafter(str(tmp_path / fmt), llama)
-        assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3, fmt
-        assert all(k.startswith(("blocks.", "lm_heads.")) for k in drafter.net.state_dict())
-        reports[fmt] = numbers(sd.measure_acceptance(
-            llama, drafter, seqs, sampling=sd.SamplingParams(0.8), device=CPU, gamma=3,
-            continuation_tokens=6, seed=2, simulate=True, draft_name="m"))
-        reports[fmt].pop("cost_ratio"), reports[fmt].pop("est_speedup")  # (own heads count)
-    for fmt, r in reports.items():
-        assert {k: v for k, v in r.items() if "speedup" not in k and "run_key" not in k} == {
-            k: v for k, v in reports["medusa"].items()
-            if "speedup" not in k and "run_key" not in k}, fmt
-
-
-def bigram_llama(seed: int = 4, hidden: int = 64):
-    """A Llama whose attention outputs are zeroed: its state at a position is a function of
-    that position's token alone (a bigram model), wider than the vocabulary so that a linear
-    map of the states can reach any argmax."""
-    torch.manual_seed(seed)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=4, max_position_embeddings=256,
-                                     bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                     initializer_range=0.3, tie_word_embeddings=False))
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return m.eval().requires_grad_(False)
-
-
-def exact_medusa_heads(target, heads: int = 3):
-    """Medusa tensors (identity blocks) whose heads reproduce a bigram target's greedy chain:
-    from the state of token x, head k's argmax is g^(k+2)(x), g the target's argmax map
-    (solved exactly: the states of the V tokens are independent)."""
-    with torch.no_grad():
-        states = target.model(input_ids=torch.arange(V)[:, None]).last_hidden_state[:, 0]
-        g = target.lm_head(states).argmax(-1)  # (V,) next token after x
-    pinv = torch.linalg.pinv(states.double().T)  # (V, H): pinv @ states.T = I
-    t, ahead = {}, g.clone()
-    for k in range(heads):
-        ahead = g[ahead]  # g^(k+2)
-        t[k, "w0"], t[k, "b0"] = torch.zeros(states.shape[1], states.shape[1]), \
-            torch.zeros(states.shape[1])
-        t[k, "head"] = (20.0 * nn.functional.one_hot(ahead, V).double().T @ pinv).float()
-    return t
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_medusa_heads_that_reproduce_the_target_accept_everything(temperature, tok_plain,
-                                                                  tmp_path):
-    """alpha = 1 in both routes for heads that are exactly right, drafting after the target's
-    first token as the engines do. T = 0: a bigram target whose greedy chain the heads
-    reproduce from the state before the pending token (scored from the last prompt token on,
-    as before issue 24, most prompts' first draft is rejected: step 1's teacher-forced alpha
-    was 0.932 here). T > 0: a target whose law is the same at every
-    position (all token embeddings equal), heads that are its own lm_head."""
-    if temperature == 0:
-        target = bigram_llama()
-        t = exact_medusa_heads(target)
-    else:
-        target = bigram_llama(hidden=32)
-        with torch.no_grad():
-            target.model.embed_tokens.weight[:] = target.model.embed_tokens.weight[0]
-        t = {(k, x): torch.zeros(32, 32) if x == "w0" else torch.zeros(32) for k in range(3)
-             for x in ("w0", "b0")}
-        t.update({(k, "head"): target.lm_head.weight.detach().clone() for k in range(3)})
-    make_medusa_checkpoint(tmp_path, "fd-st", hidden=t[0, "w0"].shape[0], t=t)
-    drafter = sd.head_drafter(str(tmp_path), target)
-    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
-                              device=CPU, gamma=3, continuation_tokens=10, seed=3,
-                              simulate=True, separate_continuation=True)
-    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
-    assert r.alpha == pytest.approx(1.0, abs=1e-6)
-    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
-    assert r.alpha_by_draft_offset == [1.0] * 3
-    line = next(x for x in sd.format_report(r).splitlines() if "drafted by" in x)
-    assert line.split()[2:5] == ["H1", "H2", "H3"]  # one column each (not "head 1head 2")
-
-
-def test_medusa_checkpoints_that_do_not_fit_are_one_line(llama, tmp_path):
-    make_medusa_checkpoint(tmp_path / "wide", "fd-pt", hidden=16)
-    with pytest.raises(ValueError, match="width 16 do not fit"):
-        sd.head_drafter(str(tmp_path / "wide"), llama)
-    make_medusa_checkpoint(tmp_path / "map", "vllm-map")
-    from safetensors.torch import load_file, save_file
-    w = load_file(str(tmp_path / "map" / "model.safetensors"))
-    w = {k: v[:40] if k.startswith("lm_heads") else v for k, v in w.items() if k != "token_map"}
-    save_file(w, str(tmp_path / "map" / "model.safetensors"))
-    with pytest.raises(ValueError, match="40 tokens without a token_map"):
-        sd.head_drafter(str(tmp_path / "map"), llama)
-    (tmp_path / "none").mkdir()
-    (tmp_path / "none" / "config.json").write_text('{"medusa_num_heads": 2}')
-    torch.save({"x": torch.zeros(2)}, tmp_path / "none" / "medusa_lm_head.pt")
-    with pytest.raises(ValueError, match="holds no .* weights specdec reads"):
-        sd.head_drafter(str(tmp_path / "none"), llama)
-    torch.save({"0.1.weight": torch.zeros(V, 32)}, tmp_path / "none" / "medusa_lm_head.pt")
-    with pytest.raises(ValueError, match="no residual blocks"):
-        sd.head_drafter(str(tmp_path / "none"), llama)
-
-
-def test_cli_measures_eagle3_and_medusa_heads_and_refuses_heads_for_another_target(
-        capsys, tmp_path, model_dirs, data_txt, llama):
-    """--draft PATH recognises each by its config; a head that does not fit the target (fc
-    width, d2t past the vocabulary, a draft vocabulary without d2t, Medusa width) is one line,
-    exit 2."""
-    from safetensors.torch import load_file, save_file
-    target = model_dirs["target"]  # 2 layers: EAGLE-3 heads name their layers (0, 1, 1)
-    base = sd.load_model_and_tokenizer(target, "cpu", progress=False)[0]
-    make_eagle3_checkpoint(tmp_path / "eagle", "speculators", base)
-    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
-    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
-    (tmp_path / "eagle" / "config.json").write_text(json.dumps(cfg))
-    make_medusa_checkpoint(tmp_path / "medusa", "medusa")
-    out = tmp_path / "r.json"
-    rc, text, err = run_cli(capsys, ["--target", target, "--draft", str(tmp_path / "eagle"),
-                                     "--draft", str(tmp_path / "medusa"), "--data", data_txt,
-                                     "--simulate", "--continuation-tokens", "6", "--quiet",
-                                     "--json", str(out)])
-    assert rc == 0, err
-    eagle, medusa = json.loads(out.read_text())
-    assert eagle["draft_vocab_coverage"] < 1 and medusa["drafted_by"][:3] == [
-        "head 1", "head 2", "head 3"] and "draft vocabulary covers" in text
-
-    def broken(name, change):
-        folder = tmp_path / name
-        import shutil
-        shutil.copytree(tmp_path / ("medusa" if name.startswith("medusa") else "eagle"), folder)
-        path = next(folder.glob("*.safetensors"))
-        w = load_file(str(path))
-        change(w)
-        save_file(w, str(path))
-        return str(folder)
-    cases = {
-        broken("fc", lambda w: w.update({"fc.weight": torch.zeros(32, 90)})): "fc reads",
-        broken("d2t", lambda w: w.update({"d2t": w["d2t"] + 40})): "past the target",
-        broken("nomap", lambda w: w.pop("d2t")): "without the d2t",
-        broken("medusa-wide", lambda w: w.update(
-            {"medusa_head.0.1.weight": torch.zeros(V, 64)})): "do not fit",
-    }
-    for folder, word in cases.items():
-        rc, _, err = run_cli(capsys, ["--target", target, "--draft", folder, "--data",
-                                      data_txt, "--quiet"])
-        assert rc == 2 and err.count("\n") == 1 and word in err, (folder, err)
 
 # ----------------------------------------------------------------------------------------------
 # simulation: the batched, cached loop against the paper's one-prompt, no-cache loop
@@ -4561,70 +3527,6 @@ def test_min_alpha_gate_known_outcomes(report, threshold, fails, capsys, monkeyp
 
 
 # ----------------------------------------------------------------------------------------------
-# pictures and files
-
-
-def png_size(path) -> tuple[int, int]:
-    """(width, height) from a PNG's signature and IHDR chunk, read by hand."""
-    data = open(path, "rb").read(24)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
-def test_plot_draws_a_png_and_changes_no_number(sim_report, tmp_path, llama, llama2, seqs):
-    before = json.dumps(sim_report.to_dict(), sort_keys=True)
-    sd.plot_reports([sim_report], str(tmp_path / "one.png"))
-    assert png_size(tmp_path / "one.png") == (1200, 800)
-    assert json.dumps(sim_report.to_dict(), sort_keys=True) == before
-    several = [r for t in (0.0, 1.0) for r in sd.measure_drafts(
-        llama, [("a", llama2), ("b", llama)], seqs, sampling=sd.SamplingParams(t), device=CPU,
-        continuation_tokens=4, simulate=True)]
-    sd.plot_reports(several, str(tmp_path / "many.png"))
-    assert png_size(tmp_path / "many.png") == (1200, 800)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.png", "one.png"]  # no temps
-
-
-def test_cli_plot_writes_the_picture_and_the_same_json(capsys, tmp_path, model_dirs,
-                                                       data_txt):
-    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
-            data_txt, "--simulate", "--continuation-tokens", "6", "--quiet"]
-    rc, out, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "a.json")])
-    rc2, out2, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "b.json"), "--plot",
-                                           str(tmp_path / "run.png")])
-    assert rc == rc2 == 0 and out == out2
-    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
-    assert png_size(tmp_path / "run.png") == (1200, 800)
-    for bad, word in (("run.jpg", "should end in .png"), ("no/such/run.png", "does not exist")):
-        rc, out, err = run_cli(capsys, argv + ["--plot", str(tmp_path / bad)])
-        assert rc == 2 and out == "" and word in err
-
-
-def test_json_is_written_atomically_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "r.json"
-    path.write_text("old", "utf-8")
-    sd.write_json_atomic(str(path), {"a": 1})
-    assert json.loads(path.read_text("utf-8")) == {"a": 1}
-
-    def broken(f):  # a write that fails half way (a full disk)
-        f.write(b'{"half": ')
-        raise OSError("disk full")
-    with pytest.raises(OSError):
-        sd.write_atomic(str(path), broken)
-    assert json.loads(path.read_text("utf-8")) == {"a": 1}  # untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left
-
-
-def test_a_failed_run_leaves_an_earlier_json_untouched(tmp_path, capsys, model_dirs, data_txt):
-    path = tmp_path / "r.json"
-    path.write_text('{"earlier": true}', "utf-8")
-    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
-                                  model_dirs["badtok"], "--data", data_txt, "--json", path]
-                         + CLI_COMMON)
-    assert rc == 2 and "cannot decode" in err
-    assert json.loads(path.read_text("utf-8")) == {"earlier": True}
-
-
-# ----------------------------------------------------------------------------------------------
 # measurement: several drafts, costs, vocabularies, interrupts and resuming
 
 
@@ -5138,6 +4040,355 @@ def test_interrupt_in_the_first_batch_gives_an_empty_partial_report(monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------
+# drafts that stop when unsure (--confidence-rule, --confidence-threshold)
+
+
+def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma, budget,
+                             pad):
+    """specdec's --confidence-rule transformers at T = 0, and transformers' own assisted
+    generation with each threshold, set as --engine-config transformers writes it (on the
+    draft's generation_config, a constant block), scikit-learn hidden so that it stays fixed;
+    transformers runs on the prompt plus the target's first token (specdec takes it from the
+    prefill, as the engines do), one token less to go. Asserts, prompt by prompt, the same
+    tokens emitted and the same verify steps, drafted and accepted tokens as the engines count
+    them (no draft past the token budget). -> the blocks the rule cut, over every run."""
+    from transformers.generation import candidate_generator as cg
+    monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
+    theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
+    r = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                              gamma=gamma, continuation_tokens=budget, simulate=True,
+                              eos=set(), stopping=("transformers", thresholds))
+    cuts = 0
+    for k, threshold in enumerate(thresholds):
+        r.unsure.best_threshold = threshold  # (the line for this threshold)
+        entry = sd.engine_config(r, "transformers")[0]
+        assert entry["generation_config"]["assistant_confidence_threshold"] == threshold
+        for key, value in entry["generation_config"].items():
+            setattr(draft.generation_config, key, value)
+        for q, row in zip(seqs, r.per_prompt):
+            ours = row["stopped"][k]
+            theirs.clear()
+            x = torch.tensor([q.ids + [int(last_logits(target, q.ids).argmax())]])
+            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=budget - 1, assistant_model=draft,
+                                  pad_token_id=pad)[0, x.shape[1]:]
+            assert ours["generated"] == 1 + len(out) == budget
+            drafting = [(n, a) for n, a in theirs if n]
+            assert (ours["verify_steps"], ours["drafted"], ours["drafted_accepted"]) == (
+                len(drafting), sum(n for n, _ in drafting), sum(a for _, a in drafting)), (
+                threshold, q.ids, theirs)
+            cuts += ours["unsure_cuts"]
+    return cuts
+
+
+def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
+        llama, tok_plain, monkeypatch):
+    """The oracle is transformers' own assisted generation with assistant_confidence_threshold
+    (assisted_with_confidence): at T = 0 it equals specdec's --confidence-rule transformers
+    prompt by prompt. EOS: transformers counts an accepted EOS draft as the target's own token
+    (it lowers the match count when a candidate ends in EOS), the engines count it accepted;
+    neither model here has an EOS id (pad_token_id V, an id no model writes), so the two
+    conventions cannot differ. The draft is the target's first layer, sure of some tokens and
+    not of others: the thresholds cut blocks at every offset."""
+    cuts = assisted_with_confidence(monkeypatch, llama, sd.early_exit_draft(llama, 1),
+                                    sd.build_sequences(REPEATS + PROMPTS, tok_plain),
+                                    [0.1, 0.3, 0.6], 4, 16, V)
+    assert cuts >= 20  # the rule ended blocks early, and often
+
+
+def llamacpp_reference(target, draft, ids, gamma, budget, p_min, temperature, gen):
+    """llama-server's speculative decoding with a draft-simple draft, written from its source
+    (docs/engines.md): the target samples the first token from the prompt; each cycle the draft
+    proposes its argmax while the argmax's probability over its 10 likeliest tokens at
+    temperature 1 is p_min or more, at most gamma tokens and the tokens left less one; the
+    target samples at each drafted position and keeps the drafts while they equal its sample,
+    then adds its own. No caches: each step reads the whole text. -> (tokens, verify steps,
+    drafted, accepted)."""
+    def sample(model, text):
+        logits = model(torch.tensor([text])).logits[0, -1].double()
+        if temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1,
+                                     generator=gen))
+    out, steps, drafted, accepted = [sample(target, ids)], 0, 0, 0
+    while len(out) < budget:
+        block = []
+        while len(block) < min(gamma, budget - len(out) - 1):
+            logits = draft(torch.tensor([ids + out + block])).logits[0, -1].double()
+            top = logits.sort(descending=True).values[:10]
+            if 1 / torch.exp(top - top[0]).sum() < p_min:
+                break
+            block.append(int(logits.argmax()))
+        new = []
+        for d in block:
+            new.append(sample(target, ids + out + new))
+            if new[-1] != d:
+                break
+        if new == block:  # every draft kept: the target's own token after them
+            new.append(sample(target, ids + out + new))
+        steps, drafted, accepted = steps + bool(block), drafted + len(block), \
+            accepted + len(new) - 1
+        out += new[:budget - len(out)]
+    return out, steps, drafted, accepted
+
+
+def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_zero(llama, tok_plain):
+    """--confidence-rule llamacpp against a plain loop of llama.cpp's rule (llamacpp_reference)
+    at T = 0: prompt by prompt the same tokens, verify steps, drafted and accepted tokens.
+    Threshold 0.3 leaves some first positions unsure (blocks of none)."""
+    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
+    seqs = sd.build_sequences(REPEATS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                              gamma=gamma, continuation_tokens=budget, simulate=True, eos=set(),
+                              stopping=("llamacpp", [0.3, 0.6]))
+    empty = 0
+    for k, threshold in enumerate((0.3, 0.6)):
+        for q, row in zip(seqs, r.per_prompt):
+            ours = row["stopped"][k]
+            theirs = llamacpp_reference(llama, draft, q.ids, gamma, budget, threshold, 0, None)
+            assert (ours["generated"], ours["verify_steps"], ours["drafted"],
+                    ours["drafted_accepted"]) == (len(theirs[0]), *theirs[1:])
+            empty += ours["proposed"][0]
+    assert empty >= 5 and sum(row["stopped"][1]["unsure_cuts"] for row in r.per_prompt) >= 20
+
+
+def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_above_zero(llama,
+                                                                               tok_plain):
+    """At T = 0.8 (--proposal argmax, llama.cpp's) the simulation and the plain loop draw
+    apart: per prompt (each emits 16 tokens), their mean verify steps, drafted and accepted
+    tokens agree within 4 standard errors (two samples of 36 prompts). Planted errors, and the
+    largest |z| they gave: the unsure token kept (transformers' way) 25; the confidence read at
+    the request's temperature instead of 1, 7.5; the confidence 14% too high (the threshold
+    0.35 for 0.4), 5.7. Not caught: the confidence 11% too low (0.45 for 0.4), z = 2.9."""
+    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
+    texts = [a + " " + b for a in REPEATS + PROMPTS for b in ("one", "two", "3")]
+    seqs = sd.build_sequences(texts, tok_plain)
+    sampling = sd.SamplingParams(0.8, proposal="argmax")
+    r = sd.measure_acceptance(llama, draft, seqs, sampling=sampling, device=CPU, gamma=gamma,
+                              continuation_tokens=budget, simulate=True, eos=set(), seed=3,
+                              stopping=("llamacpp", [0.4]))
+    ours = [[row["stopped"][0][k] for k in ("verify_steps", "drafted", "drafted_accepted")]
+            for row in r.per_prompt]
+    gen = torch.Generator().manual_seed(5)
+    theirs = [llamacpp_reference(llama, draft, q.ids, gamma, budget, 0.4, 0.8, gen)[1:]
+              for q in seqs]
+    a, b = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
+    z = (a.mean(0) - b.mean(0)) / (a.var(0) / len(a) + b.var(0) / len(b)).sqrt()
+    assert z.abs().max() < 4, z
+    assert b[:, 0].sum() >= 50  # (cycles drafted: the rule let blocks through)
+
+
+def test_threshold_zero_gives_todays_numbers(llama, llama2, seqs):
+    """A rule at threshold 0 stops nothing: the report's numbers are those of a run without it
+    (simulated bit for bit: the same draws), and its row is the fixed block's, the positional
+    estimator's (to float rounding: the closed form sums in another order)."""
+    for sampling, rule in ((SAMPLINGS["t1"], "transformers"), (SAMPLINGS["greedy"], "llamacpp")):
+        kw = dict(sampling=sampling, device=CPU, gamma=3, continuation_tokens=8, simulate=True,
+                  seed=2)
+        plain = sd.measure_acceptance(llama, llama2, seqs, **kw)
+        r = sd.measure_acceptance(llama, llama2, seqs, stopping=(rule, [0, 0.2]), **kw)
+        a, b = plain.to_dict(), r.to_dict()
+        for key in a:
+            if key not in ("per_prompt", "run_key", "run_key_parts"):
+                assert a[key] == b[key], key
+        row = r.unsure.rows[0]
+        assert row.threshold == 0 and row.cut_by_threshold == 0 and row.drafted_per_cycle == 3
+        assert row.tokens_per_cycle == pytest.approx(
+            r.teacher_forced.expected_accepted_positional + 1, rel=1e-12)
+        assert (row.sim_tokens_per_cycle, row.sim_accept_rate, row.sim_cut_by_threshold) == (
+            r.simulated.tokens_per_cycle, r.simulated.accept_rate, 0)
+        assert row.est_speedup == pytest.approx(  # gamma draft steps and one verify
+            row.tokens_per_cycle / (3 * r.run.cost_ratio + r.run.verify_cost), rel=1e-12)
+
+
+def unsure_by_enumeration(p, q, conf, gamma, rule, threshold):
+    """E[drafted] and E[accepted], summed over every cycle start whose gamma window fits, by
+    enumerating every drafted sequence and every accept/reject pattern: offset k of a cycle
+    from t drafts from q[t + k - 1] and is accepted with min(1, p/q) there; conf[t][v] is the
+    rule's confidence in token v at t. transformers keeps the unsure token and stops after it;
+    llama.cpp stops before it."""
+    n, vocab = len(p), len(p[0])
+    drafted = accepted = 0.0
+    for t in range(n - gamma + 1):
+        for tokens in itertools.product(range(vocab), repeat=gamma):
+            chance = math.prod(q[t + k][d] for k, d in enumerate(tokens))
+            if chance == 0:
+                continue
+            length = gamma
+            for k, d in enumerate(tokens):
+                if conf[t + k][d] < threshold:
+                    length = k + 1 if rule == "transformers" else k
+                    break
+            ok = [min(1.0, p[t + k][d] / q[t + k][d]) for k, d in enumerate(tokens[:length])]
+            for bits in itertools.product((0, 1), repeat=length):
+                run = next((k for k, b in enumerate(bits) if not b), length)
+                drafted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
+                    * length
+                accepted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
+                    * run
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("temperature,rule,proposal", [
+    (0.0, "transformers", "sample"), (0.8, "transformers", "sample"),
+    (0.8, "transformers", "argmax"), (0.0, "llamacpp", "sample"), (0.8, "llamacpp", "argmax")])
+def test_the_closed_form_of_drafts_that_stop_when_unsure_is_the_enumeration(
+        temperature, rule, proposal):
+    """The teacher-forced sums (position_stats, PromptResult) against the enumeration of a tiny
+    case: 7 positions, 4 tokens, a block of 3, thresholds that cut at every offset; and the
+    calibration's drafts and acceptances per tenth of confidence, summed by hand."""
+    g = torch.Generator().manual_seed(4)
+    n, vocab, gamma = 7, 4, 3
+    lp, lq = torch.randn(n, vocab, generator=g) * 2, torch.randn(n, vocab, generator=g) * 2
+    sampling = sd.SamplingParams(temperature, proposal=proposal)
+
+    def dist(logits):  # the distribution each model draws from, written out
+        if temperature == 0:
+            return torch.nn.functional.one_hot(logits.argmax(-1), vocab).double()
+        return torch.softmax(logits.double() / temperature, -1)
+    p, q = dist(lp), dist(lq)
+    if proposal == "argmax":
+        q = torch.nn.functional.one_hot(lq.argmax(-1), vocab).double()
+    if rule == "llamacpp":  # the argmax's share of its 4 (< 10) tokens at temperature 1
+        top = torch.softmax(lq.double(), -1).max(-1).values
+        conf = top[:, None].expand(n, vocab)
+    else:  # the token's probability in the draft's distribution (greedy: the raw softmax)
+        conf = torch.softmax(lq.double(), -1) if temperature == 0 else \
+            torch.softmax(lq.double() / temperature, -1)
+    thresholds = (0.0, 0.4, 0.7, 0.9)
+    stopping = sd.Stopping(rule, thresholds)
+    scores = sd.Scores(lq, torch.ones(n, dtype=torch.bool), sd.q_head(lambda x: x, sampling,
+                                                                     vocab))
+    stats = sd.position_stats(lambda a, b: lp[a:b], scores,
+                              sd.Scoring(sampling, vocab, 0, stopping))
+    r = sd.PromptResult.of(0, None, [stats], sd.Settings(gamma=gamma, stopping=stopping),
+                           proposal)
+    assert r.unsure_starts == n - gamma + 1
+    cut = 0
+    for k, threshold in enumerate(thresholds):
+        drafted, accepted = unsure_by_enumeration(p.tolist(), q.tolist(), conf.tolist(), gamma,
+                                                  rule, threshold)
+        assert sum(r.unsure_drafted[k]) == pytest.approx(drafted, rel=1e-5, abs=1e-6)
+        assert r.unsure_accepted[k] == pytest.approx(accepted, rel=1e-5, abs=1e-6)
+        cut += drafted < gamma * (n - gamma + 1) - 0.5
+    assert cut >= 2  # the thresholds cut blocks
+    bins = (conf * 10).long().clamp(0, 9)
+    mass = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(), q.flatten())
+    took = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(),
+                                                          torch.minimum(p, q).flatten())
+    assert r.calibration[0] == pytest.approx(mass.tolist(), abs=1e-6)
+    assert r.calibration[1] == pytest.approx(took.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["transformers", "llamacpp"])
+def test_identical_models_accept_every_draft_and_a_sure_one_drafts_whole_blocks(rule, llama,
+                                                                               seqs):
+    """A draft identical to the target at T = 0 has every draft accepted under any threshold,
+    both routes; one sure of every token (its head's logits scaled a hundredfold: the argmax's
+    probability rounds to 1) drafts gamma every cycle under any threshold below 1, and no
+    estimate passes gamma drafted or gamma + 1 tokens per cycle."""
+    sharp = copy.deepcopy(llama)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(100)
+    for model in (llama, sharp):
+        r = sd.measure_acceptance(model, model, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
+                                  gamma=3, continuation_tokens=10, simulate=True,
+                                  stopping=(rule, [0.2, 0.6, 0.99]))
+        for row in r.unsure.rows:
+            assert row.accept_rate == pytest.approx(1.0) or row.drafted_per_cycle == 0
+            assert row.sim_accept_rate == 1.0 or row.sim_drafted_per_cycle == 0  # (llama.cpp's
+            # rule drafts nothing where the draft is never that sure)
+            assert row.drafted_per_cycle <= 3 + 1e-9 and row.sim_drafted_per_cycle <= 3
+            assert row.tokens_per_cycle <= 4 + 1e-9 and row.sim_tokens_per_cycle <= 4
+            if model is sharp:
+                assert row.drafted_per_cycle == pytest.approx(3) and row.cut_by_threshold < 1e-9
+                assert row.sim_drafted_per_cycle == 3 and row.sim_cut_by_threshold == 0
+        cal = r.unsure.calibration
+        assert all(a is None or a == pytest.approx(1.0) for a in cal.accept_rate)
+        if model is sharp:
+            assert cal.sim_examined[-1] == sum(cal.sim_examined) > 0
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--confidence-threshold", "1.5", "--confidence-rule", "transformers"], "in [0, 1]"),
+    (["--confidence-threshold", "-0.1", "--confidence-rule", "llamacpp"], "in [0, 1]"),
+    (["--confidence-threshold", "nan", "--confidence-rule", "llamacpp"], "in [0, 1]"),
+    (["--confidence-threshold", "a", "--confidence-rule", "llamacpp"], "comma list"),
+    (["--confidence-rule", "transformers"], "needs --confidence-threshold"),
+    (["--confidence-threshold", "0.4"], "needs --confidence-rule"),
+    (["--confidence-threshold", "0.4", "--confidence-rule", "transformers", "--draft", "ngram"],
+     "no distribution"),
+    (["--confidence-threshold", "0.4", "--confidence-rule", "llamacpp", "--temperature", "0.7"],
+     "--proposal argmax"),
+])
+def test_cli_refuses_bad_confidence_thresholds_in_one_line(args, word, capsys, model_dirs,
+                                                           data_txt):
+    argv = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
+            "--continuation-tokens", "4"]
+    if "--draft" not in args:
+        argv += ["--draft", model_dirs["draft"]]
+    rc, _, err = run_cli(capsys, argv + args)
+    assert rc == 2 and err.count("\n") == 1 and word in err, err
+    with pytest.raises(SystemExit) as e:  # (argparse's own refusal: exit 2, one line)
+        run_cli(capsys, argv + ["--confidence-threshold", "0.4", "--confidence-rule", "vllm"])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
+        capsys, tmp_path, model_dirs, data_txt, monkeypatch):
+    """--confidence-threshold with --simulate: the report's rows and calibration, the JSON's
+    "stopping" (read back into the same report), the calibration drawn by --plot, the best
+    threshold in llama.cpp's --spec-draft-p-min and transformers' settings, and a run
+    interrupted and resumed gives the JSON of one run."""
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--continuation-tokens", "8", "--batch-size", "2", "--quiet",
+            "--temperature", "0", "--simulate", "--confidence-rule", "llamacpp",
+            "--confidence-threshold",
+            "0,0.2,0.3", "--engine-config", "llamacpp"]
+    rc, out, err = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json"), "--plot",
+                                           str(tmp_path / "run.png")])
+    assert rc == 0, err
+    assert "drafts that stop when unsure, --confidence-rule llamacpp" in out
+    assert "calibration: acceptance by the draft's confidence" in out
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    stop = whole["stopping"]
+    assert [row["threshold"] for row in stop["rows"]] == [0, 0.2, 0.3]
+    assert sum(row["best"] for row in stop["rows"]) == 1
+    best = stop["best_threshold"]
+    assert f"--spec-draft-p-min {best:g}" in out
+    assert png_size(tmp_path / "run.png") == (1200, 800)
+    back = sd.AcceptanceReport.from_dict(whole)
+    assert sd.format_report(back) in out
+    path = str(tmp_path / "run.json")
+    interrupt_after(monkeypatch, 2)  # the second batch
+    rc, _, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
+    monkeypatch.undo()
+    assert rc == 130
+    rc, _, err = run_cli(capsys, argv + ["--json", path, "--resume"])
+    assert rc == 0, err
+    assert json.loads(open(path).read()) == whole
+    rc, out, err = run_cli(capsys, argv[:-6] + [
+        "--confidence-rule", "transformers", "--confidence-threshold", "0.2,0.5",
+        "--engine-config", "transformers"])
+    assert rc == 0, err
+    assert "draft.generation_config.update(num_assistant_tokens=4, " \
+           "num_assistant_tokens_schedule='constant', assistant_confidence_threshold=" in out
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_drafts_that_stop_when_unsure_are_transformers_own(smol, monkeypatch):
+    """SmolLM2 with its first 24 layers as the draft, gamma 8: assisted_with_confidence at
+    thresholds 0.2, 0.4 (transformers' default) and 0.8, on the builtin prompts (EOS off on
+    both sides, as in the unit test)."""
+    target, _, _, seqs = smol
+    draft = sd.early_exit_draft(target, 24)
+    cuts = assisted_with_confidence(monkeypatch, target, draft, seqs[:4], [0.2, 0.4, 0.8], 8,
+                                    24, sd.vocab_width(target) + 7)
+    assert cuts >= 10
+
+
+# ----------------------------------------------------------------------------------------------
 # training: alpha as a Trainer metric
 
 
@@ -5263,6 +4514,2088 @@ def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
     assert (mixed.accepted_tokens, mixed.examined_tokens, mixed.cycles) == \
         (on_cpu.accepted_tokens, on_cpu.examined_tokens, on_cpu.cycles)
     assert mixed.alpha_by_draft_offset == pytest.approx(on_cpu.alpha_by_draft_offset)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: n-gram prompt lookup, without a model
+
+
+REPEATS = ["the cat sat on the mat and the cat sat on the", "abc abc abc abc",
+           "hello hello hello world hello", "one two three one two three one", "no repeat"]
+
+
+def brute_lookup(seq, max_n, min_n, n_tokens, eos=()):
+    """transformers' prompt lookup by a plain scan: for n from max_n down, the first i whose
+    n tokens equal the last n and that has a token after it; copy up to n_tokens, cut before
+    EOS (an EOS first: nothing)."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        for i in range(len(seq) - n):
+            if seq[i:i + n] == seq[len(seq) - n:]:
+                copied = seq[i + n:i + n + n_tokens]
+                return copied[:next((k for k, t in enumerate(copied) if t in eos),
+                                    len(copied))]
+    return []
+
+
+def test_ngram_lookup_matches_a_brute_force_scan():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),),
+                            generator=g).tolist()
+        max_n, min_n = [(2, 1), (3, 1), (3, 2), (1, 1)][trial % 4]
+        sizes = range(max_n, min_n - 1, -1)
+        first = {}
+        sd.index_ngrams(seq, first, sizes, 0)
+        for n_tokens in (1, 4):
+            want = brute_lookup(seq, max_n, min_n, n_tokens, eos={3})
+            assert sd.ngram_lookup(seq, first, sizes, n_tokens, {3}) == want, (seq, max_n)
+
+
+def test_ngram_teacher_forced_alpha_is_p_of_the_copied_token(llama, tok_plain):
+    """alpha_t = p_t(copied token) where a lookup finds one, counted by hand."""
+    seqs = sd.build_sequences(REPEATS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, sampling=s, device=CPU,
+                              continuation_tokens=8, seed=4, batch_size=2)
+    alphas, positions = [], 0
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(llama, q.ids, s, 8, 4, i)
+        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1] (not
+            positions += 1  # the first continuation token: the prefill's)
+            found = brute_lookup(row[:t + 1], 2, 1, 1)
+            if found:
+                alphas.append(bf_processed(last_logits(llama, row[:t + 1]), s)[found[0]])
+    assert r.scored_positions == len(alphas) and 0 < len(alphas) < positions
+    assert r.proposal_rate == pytest.approx(len(alphas) / positions, abs=1e-12)
+    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
+    # the i.i.d. estimate: a proposal at that rate, each accepting with alpha
+    want = r.proposal_rate * sum(r.alpha ** k for k in range(1, 5))
+    assert r.expected_accepted == pytest.approx(want, abs=1e-12)
+    # drafting costs nothing: tokens per cycle / (one target step per cycle)
+    assert r.cost_ratio == 0.0 and r.est_speedup == pytest.approx(r.tokens_per_cycle)
+
+
+def test_a_library_ngram_drafter_never_copies_the_runs_eos(llama, tok_plain):
+    """NgramDrafter() made in a notebook is told no EOS id; the run tells it, as the CLI always
+    did, so no lookup copies an EOS. Oracle: the same drafter given the EOS id by hand; and
+    one given no EOS id proposes the EOS copies (the test can tell)."""
+    eos = tok_plain("!")["input_ids"][0]
+    seqs = sd.build_sequences(["ab!ab", "the end! the", "x!x!x"], tok_plain)
+    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, continuation_tokens=6, seed=1, eos=[eos],
+              simulate=True, gamma=3)
+    lib = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, **kw)
+    told = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[eos]), seqs, **kw)
+    blind = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1, eos=[]), seqs, **kw)
+    assert numbers(lib) == numbers(told)
+    assert lib.scored_positions < blind.scored_positions
+
+
+def logged_cycles(monkeypatch):
+    """(tokens proposed, accepted) of every cycle, per RowStats, as specdec records them."""
+    log = {}
+    real = sd.record_cycle
+
+    def record(row, cyc, config):
+        log.setdefault(id(row), []).append((cyc.count, cyc.n_acc))
+        return real(row, cyc, config)
+    monkeypatch.setattr(sd, "record_cycle", record)
+    return log
+
+
+def hf_cycles(monkeypatch, generator_class):
+    """(candidates, matches) of every cycle of transformers' assisted generation."""
+    log = []
+    real = generator_class.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):
+        log.append((scores.shape[1] - 1, int(num_matches)))
+        return real(self, input_ids, scores, num_matches)
+    monkeypatch.setattr(generator_class, "update_candidate_strategy", record)
+    return log
+
+
+def transformers_from_the_prefill(monkeypatch, generator_class, target, drafter, prompts, tok,
+                                  gamma, budget=16, **generate_kwargs):
+    """Per prompt: transformers' greedy output and (drafted, accepted) counts per cycle, for a
+    drafter that transformers, like the engines, starts after the target's first token (its
+    first "cycle" is the prefill, a plain step drafting nothing: MTP layers, assistants), and
+    specdec's RowStats and counts from the same prompt. The two runs are then cycle for cycle
+    the same, from transformers' second cycle on."""
+    theirs = hf_cycles(monkeypatch, generator_class)
+    ours = logged_cycles(monkeypatch)
+    runs = []
+    for text in prompts:
+        ids = tok(text)["input_ids"]
+        theirs.clear()
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=budget,
+                              **generate_kwargs)[0, len(ids):].tolist()
+        assert theirs[0] == (0, 0)  # the prefill's token: no draft
+        ours.clear()  # (keyed by id: a freed RowStats's id can come back)
+        rows = simulate(target, drafter, [sd.TokenSequence(ids)], SAMPLINGS["greedy"], gamma,
+                        budget, vocab=V, eos=set())
+        runs.append((out, theirs[1:], rows[0], ours.get(id(rows[0]), [])))
+    return runs
+
+
+def transformers_after_the_first_token(monkeypatch, generator_class, target, drafter,
+                                       prompts, tok, gamma, budget=16, **generate_kwargs):
+    """Per prompt: specdec's RowStats and (drafted, accepted) counts per cycle from the prompt,
+    and transformers' greedy output and counts from the prompt plus the target's first token,
+    one token less to go: transformers' assisted generation (a draft model, prompt lookup)
+    drafts the first token itself, where specdec, as the engines, takes it from the prefill;
+    from there the two are in the same state. The first token is checked against the target's
+    own argmax."""
+    theirs = hf_cycles(monkeypatch, generator_class)
+    ours = logged_cycles(monkeypatch)
+    runs = []
+    for text in prompts:
+        ids = tok(text)["input_ids"]
+        ours.clear()
+        rows = simulate(target, drafter, [sd.TokenSequence(ids)], SAMPLINGS["greedy"], gamma,
+                        budget, vocab=V, eos=set())
+        first = rows[0].tokens[0]
+        assert first == int(last_logits(target, ids).argmax())  # the prefill's own token
+        theirs.clear()
+        x = torch.tensor([ids + [first]])
+        out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=budget - 1, **generate_kwargs)[0, x.shape[1]:]
+        runs.append(([first] + out.tolist(), list(theirs), rows[0], ours.get(id(rows[0]), [])))
+    return runs
+
+
+def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain, monkeypatch):
+    """The oracle is transformers' own assisted generation (prompt_lookup_num_tokens), run
+    after the target's first token (see transformers_after_the_first_token): at temperature 0
+    the same tokens, and cycle by cycle the same (proposed, accepted) counts (but the last:
+    transformers crops a cycle at max_new_tokens, specdec counts it whole)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    accepted = 0
+    for out, theirs, row, ours in transformers_after_the_first_token(
+            monkeypatch, PromptLookupCandidateGenerator, llama, sd.NgramDrafter(2, 1), REPEATS,
+            tok_plain, 4, budget=20, pad_token_id=V, prompt_lookup_num_tokens=4,
+            max_matching_ngram_size=2):
+        assert row.tokens == out
+        assert ours[:-1] == theirs[:-1] and len(ours) == len(theirs)
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 5  # drafts were accepted, not only proposed
+
+
+def test_draft_model_greedy_simulation_is_transformers_assisted_generation(llama, tok_plain,
+                                                                           monkeypatch):
+    """A draft model against transformers' assisted generation (assistant_model, a constant
+    block of gamma, no confidence cut), run after the target's first token: the same tokens
+    and, cycle by cycle, the same (proposed, accepted) counts (but the last, cropped at
+    max_new_tokens by transformers). The draft is the target's first layer: it agrees often
+    enough that blocks are accepted in part and in whole."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+    draft = sd.early_exit_draft(llama, 1)
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    accepted, partial = 0, 0
+    for out, theirs, row, ours in transformers_after_the_first_token(
+            monkeypatch, AssistedCandidateGenerator, llama, draft, REPEATS + PROMPTS, tok_plain,
+            3, budget=16, pad_token_id=V, assistant_model=draft):  # (a pad id no model
+        # writes: transformers masks the assistant's inputs equal to pad_token_id)
+        assert row.tokens == out
+        # near the end transformers shortens the block to what is left of the budget; specdec
+        # drafts whole blocks and truncates what is emitted: compare the cycles before that
+        whole = next((c for c, (k, _) in enumerate(theirs) if k < 3), len(theirs))
+        assert whole >= 3 and ours[:whole] == theirs[:whole]
+        accepted += sum(n for _, n in theirs[:whole])
+        partial += sum(0 < n < k for k, n in theirs[:whole])
+    assert accepted >= 10 and partial >= 3
+
+
+def sampled_acceptances(monkeypatch, generator_class, target, drafter, seqs, gamma, budget,
+                        seed, **generate_kwargs):
+    """Acceptance rate at T = 1 of specdec's simulation and of transformers' generate with the
+    same drafter, each over the prompts with its own random draws, and the standard error of
+    their difference (prompts as units). transformers' last cycle is cropped at the budget and
+    left out. -> (ours, theirs, se, examined by specdec, examined by transformers)."""
+    rows = simulate(target, drafter, seqs, SAMPLINGS["t1"], gamma, budget, seed=seed,
+                    batch_size=8)
+    ours = [(r.accepted, r.examined) for r in rows.values()]
+    log = hf_cycles(monkeypatch, generator_class)
+    theirs = []
+    for i, q in enumerate(seqs):
+        log.clear()
+        torch.manual_seed(seed * 100 + i)
+        target.generate(torch.tensor([q.ids]), attention_mask=torch.ones(1, len(q.ids),
+                                                                        dtype=torch.long),
+                        do_sample=True, temperature=1.0, top_k=0, max_new_tokens=budget,
+                        **generate_kwargs)
+        cycles = [(n, min(n + 1, k)) for k, n in log[:-1] if k]
+        theirs.append((sum(n for n, _ in cycles), sum(e for _, e in cycles)))
+    se = math.hypot(sd.ratio_stderr(*zip(*ours)), sd.ratio_stderr(*zip(*theirs)))
+    return (sum(a for a, _ in ours) / sum(e for _, e in ours),
+            sum(a for a, _ in theirs) / sum(e for _, e in theirs), se,
+            sum(e for _, e in ours), sum(e for _, e in theirs))
+
+
+@pytest.mark.slow  # 40 runs of transformers' generate, one prompt at a time
+def test_ngram_sampled_acceptance_agrees_with_transformers(llama, tok_plain, monkeypatch):
+    """At T = 1, transformers accepts a copied token when its own sample from p equals it
+    (probability p(x), as specdec's one-hot q does). The two acceptance rates, each over 40
+    prompts with its own random draws, agree within 3 standard errors of their difference
+    (about 0.05 here: a drafter accepting 5 points more or less would be caught)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    prompts = [f"{a} {b} {a} {b} {a}" for a in ("the cat", "one two", "abc", "red fox")
+               for b in ("sat", "and", "x y", "hello", "ok")] * 2
+    ours, theirs, se, n_ours, n_theirs = sampled_acceptances(
+        monkeypatch, PromptLookupCandidateGenerator, llama, sd.NgramDrafter(2, 1),
+        sd.build_sequences(prompts, tok_plain), 3, 24, seed=9, pad_token_id=0,
+        prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
+    assert n_ours > 200 and n_theirs > 200
+    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
+
+
+def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs, data_txt,
+                                                   llama, tok):
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
+                                     "--draft", model_dirs["draft"], "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "12", "--quiet",
+                                     "--ngram-max", "3", "--json", str(out)])
+    assert rc == 0, err
+    ngram, model = json.loads(out.read_text())
+    assert ngram["draft"] == "ngram (n=1..3)" and ngram["cost_ratio"] == 0.0
+    assert model["proposal_rate"] == 1.0 and ngram["proposal_rate"] < 1
+    assert "proposals made at" in text and "ranking" in text
+    # the same numbers as the drafter measured alone through the library
+    seqs = sd.build_sequences(sd.load_texts(data_txt), tok, max_samples=32)
+    alone = sd.measure_acceptance(llama, sd.NgramDrafter(3, 1), seqs,
+                                  sampling=sd.SamplingParams(0.7), device=CPU, simulate=True,
+                                  continuation_tokens=12, draft_name="ngram (n=1..3)")
+    keys = ("run_key", "run_key_parts")  # each records the models it was given
+    assert {k: v for k, v in ngram.items() if k not in ("notes", "target", "draft", "drafter",
+                                                       *keys)} \
+        == {k: v for k, v in json.loads(json.dumps(numbers(alone))).items() if k not in keys}
+    rc, out_, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "ngram",
+                                     "--data", data_txt, "--ngram-min", "3", "--ngram-max", "2"])
+    assert rc == 2 and err.count("\n") == 1 and "--ngram-min" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: MTP layers of the target (DeepSeek-V3, Mellum), run through transformers' MtpModel
+
+
+MTP_PROMPTS = ["hello there", "the cat sat", "abc", "what is 2+2?"]
+
+
+def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_live_pair, tok_plain, monkeypatch):
+    """The oracle is generate(use_mtp=True), which, like the engines and specdec, takes the
+    first token from the target's prefill and drafts after it: the same tokens, and cycle by
+    cycle the same (drafted, accepted) counts, from the same prompt. The MTP layers' attention
+    is live, so what each step attends over its history matters."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    target, drafter = mtp_live_pair
+    accepted = 0
+    for out, theirs, row, ours in transformers_from_the_prefill(
+            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_PROMPTS, tok_plain, 2,
+            use_mtp=True):
+        assert row.tokens == out
+        assert ours[:-1] == theirs[:-1]  # the last: transformers crops it at the budget
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 8
+
+
+def test_mtp_teacher_forced_heads_match_transformers_layers(mtp_pair, tok_plain):
+    """alpha by head against an oracle that runs transformers' own MtpModel.forward_layer one
+    prefix at a time (its own masks and cache), head 2 fed the continuation's next token."""
+    target, drafter = mtp_pair
+    s = SAMPLINGS["t1"]
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
+                              continuation_tokens=6, seed=2, batch_size=3)
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, 2)
+    want = [[a for w in per_prompt for a in w[k]] for k in range(2)]
+    got = r.alpha_by_head
+    assert len(got) == 2 and r.scored_positions == len(want[0])
+    assert got[0] == pytest.approx(sum(want[0]) / len(want[0]), abs=1e-5)
+    assert got[1] == pytest.approx(sum(want[1]) / len(want[1]), abs=1e-5)
+    # the i.i.d. estimate chains the heads: alpha_1 + alpha_1 alpha_2, and no third proposal
+    assert r.expected_accepted == pytest.approx(got[0] + got[0] * got[1], abs=1e-12)
+
+
+@pytest.mark.slow  # 40 runs of transformers' generate
+def test_mtp_sampled_acceptance_agrees_with_transformers(mtp_pair, tok_plain, monkeypatch):
+    """At T = 1 transformers samples each head's draft from its processed logits and uses them
+    as q (lossless, temperature once): its acceptance rate and specdec's, over 40 prompts
+    each with its own random draws, agree within 3 standard errors of their difference
+    (about 0.05 here)."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    target, drafter = mtp_pair
+    prompts = [f"{a} {b}" for a in ("the cat", "one two", "abc", "red fox", "hi")
+               for b in ("sat", "and then", "x y z", "hello")] * 2
+    ours, theirs, se, _, _ = sampled_acceptances(
+        monkeypatch, MTPCandidateGenerator, target, drafter,
+        sd.build_sequences(prompts, tok_plain), 2, 20, seed=4, use_mtp=True)
+    assert abs(ours - theirs) < 3 * se, (ours, theirs, se)
+
+
+def test_cli_mtp_drafter_and_its_bad_input(capsys, tmp_path, model_dirs, data_txt,
+                                           monkeypatch):
+    from transformers import DeepseekV3ForCausalLM
+    make_mtp_checkpoint(tmp_path / "mtp", heads=2, noise=0.05)
+    make_tokenizer().save_pretrained(tmp_path / "mtp")
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.2\.", r"model\.layers\.3\."])
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
+                                     "--draft", "ngram", "--data", data_txt, "--simulate",
+                                     "--continuation-tokens", "10", "--quiet", "--gamma", "3",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    mtp, ngram = json.loads(out.read_text())
+    assert mtp["draft"] == "mtp (2 heads)" and len(mtp["alpha_by_head"]) == 2
+    # two heads: a block of 3 proposes 2, so offset 3 is never reached
+    assert mtp["reached_by_draft_offset"][2] == 0 and mtp["proposed_by_cycle"][3] == 0
+    assert 0 < mtp["cost_ratio"] < 1 and "alpha by draft offset" in text
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft", "mtp",
+                                     "--data", data_txt])
+    assert rc == 2 and err.count("\n") == 1 and "no multi-token-prediction layers" in err
+    # three steps on two layers (vLLM's reuse), under the engines' argmax rule
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--draft", "mtp",
+                                     "--mtp-steps", "3", "--proposal", "argmax", "--data",
+                                     data_txt, "--simulate", "--continuation-tokens", "6",
+                                     "--quiet", "--gamma", "4", "--json", str(out)])
+    assert rc == 0, err
+    r = json.loads(out.read_text())
+    assert r["draft"] == "mtp (2 heads, 3 steps)" and r["proposal"] == "argmax"
+    assert r["drafted_by"] == ["layer 1", "layer 2", "layer 1", "-"]
+    assert len(r["alpha_by_head"]) == 3 and r["reached_by_draft_offset"][3] == 0
+    assert "drafted by" in text and "argmax of q" in text
+    for argv, word in ((["--draft", "mtp", "--mtp-steps", "0"], "--mtp-steps"),
+                       (["--draft", "ngram", "--mtp-steps", "2"], "--draft mtp")):
+        rc, _, err = run_cli(capsys, ["--target", str(tmp_path / "mtp"), "--data", data_txt,
+                                      "--quiet"] + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, err
+
+
+MTP_MORE_PROMPTS = MTP_PROMPTS + ["one two three four", "red fox jumps", "x y z",
+                                  "the quick brown fox", "what a day it is"]
+
+
+@torch.no_grad()
+def mtp_step_alphas(target, mtp, seqs, s, n_tokens, seed, steps):
+    """Per step k = 1..steps, the teacher-forced alpha_t at every scored position where step k
+    has a target token to meet, by transformers' own MtpModel.forward_layer one prefix at a
+    time: step k runs layer (k-1) mod L, fed step k-1's output and the continuation's token
+    k-1 ahead (vLLM's rule for more steps than layers)."""
+    from transformers.cache_utils import MtpCache
+    out = []  # per prompt, per step: alpha_t at each cycle start t that step reaches
+    for i, q in enumerate(seqs):
+        want = [[] for _ in range(steps)]
+        out.append(want)
+        row = list(q.ids) + ref_continuation(target, q.ids, s, n_tokens, seed, i)
+        hidden = target.model(input_ids=torch.tensor([row])).last_hidden_state
+        logits = target(input_ids=torch.tensor([row])).logits[0, :, :V]
+        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1] (the
+            h = hidden[:, :t]  # slots 0..t-1 (the first continuation token: the prefill's)
+            for k in range(steps):
+                if t + k > len(row) - 2:  # step k+1 needs the target's row[t + 1 + k]
+                    break
+                ids = torch.tensor([row[1 + k:t + 1 + k]])
+                h = mtp.forward_layer(k % mtp.num_mtp_layers, h,
+                                      torch.arange(1 + k, t + 1 + k)[None],
+                                      MtpCache(config=mtp.config), input_ids=ids)
+                q_logits = mtp._project_to_logits(h[:, -1])[0, :V]
+                p_, q_ = bf_processed(logits[t + k], s), bf_processed(q_logits, s)
+                want[k].append(sum(min(a, b) for a, b in zip(p_, q_)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["deepseek-live-attention", "mellum-window-3"])
+def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plain, monkeypatch):
+    """With MTP attention that matters (weights times 10: it flips about a third of the
+    argmaxes), specdec's MTP layer attends what transformers' does: per-step teacher-forced
+    alpha equals forward_layer's (its own masks and cache), and greedy cycles equal
+    generate(use_mtp=True). Mellum's MTP layer has sliding-window attention, W = 3: full
+    attention there (as before the fix) gave alpha 0.967 against 0.962 and other cycles."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+    if kind.startswith("deepseek"):
+        make_mtp_checkpoint(tmp_path, heads=2, noise=0.05, live=True)
+        target = load_mtp_target(tmp_path)
+    else:
+        target = make_mellum(tmp_path, window=3)
+    drafter = sd.MtpDrafter.of(target)
+    seqs = sd.build_sequences(MTP_MORE_PROMPTS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
+                              continuation_tokens=6, seed=2, batch_size=4)
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.can.steps)
+    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
+             for k in range(drafter.can.steps)]
+    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
+    accepted = 0
+    for out, theirs, row, ours in transformers_from_the_prefill(
+            monkeypatch, MTPCandidateGenerator, target, drafter, MTP_MORE_PROMPTS, tok_plain,
+            drafter.can.steps, budget=20, use_mtp=True):
+        assert row.tokens == out
+        assert ours[:-1] == theirs[:-1]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 10
+
+
+@pytest.mark.parametrize("estimator", ["iid", "positional"])
+def test_one_mtp_head_claims_at_most_two_tokens_per_cycle(mtp_one, tok_plain, estimator):
+    """One MTP layer drafts one token a cycle: at any gamma, no estimate may pass 2 tokens per
+    cycle, the cost charges one proposal, and the best gamma is 1. (Before the fix the
+    teacher-forced route fell into the closed form over gamma proposals: 4.8 at gamma 4.)"""
+    drafter = sd.MtpDrafter.of(mtp_one)
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(mtp_one, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=4, continuation_tokens=8, simulate=True, seed=1,
+                              estimator=estimator)
+    assert r.alpha > 0.5  # a head good enough that the old estimate went past the bound
+    assert r.tokens_per_cycle == pytest.approx(1 + r.alpha, abs=1e-9)
+    assert r.est_speedup == pytest.approx((1 + r.alpha) / (r.cost_ratio + 1), abs=1e-9)
+    assert r.empirical_tokens_per_cycle <= 2 and r.reached_by_draft_offset[1:] == [0, 0, 0]
+    for row in r.gamma_table:
+        assert row.tokens_per_cycle <= 2 + 1e-9
+        assert row.est_speedup == pytest.approx(r.est_speedup, abs=1e-9)
+    assert r.best_gamma == 1
+    assert r.alpha_by_head == [r.alpha] and r.drafted_by == ["layer 1", "-", "-", "-"]
+
+
+@pytest.mark.parametrize("layers,steps", [(2, None), (1, 3), (2, 3)])
+def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tmp_path,
+                                                              tok_plain):
+    """Each step's alpha against forward_layer (a layer reused past the last, vLLM's
+    spec_step_idx % num_mtp_layers), and both estimators chain the steps: i.i.d. = sum of
+    products of the step means; positional = mean over cycle starts of the per-start products.
+    Neither passes 1 + min(gamma, steps) tokens per cycle."""
+    make_mtp_checkpoint(tmp_path, heads=layers, noise=0.05, seed=2)
+    target = load_mtp_target(tmp_path)
+    drafter = sd.MtpDrafter.of(target, steps)
+    K = drafter.can.steps
+    s, gamma = SAMPLINGS["topk_topp"], 4
+    seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
+                              continuation_tokens=6, seed=2, batch_size=3,
+                              estimator="positional")
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, K)
+    assert r.drafted_by == [f"layer {k % layers + 1}" for k in range(K)] + ["-"] * (gamma - K)
+    means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
+             for k in range(K)]
+    assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
+    chained = sum(math.prod(means[:k]) for k in range(1, min(gamma, K) + 1))
+    assert r.expected_accepted_iid == pytest.approx(chained, abs=1e-5)
+    # positional: the cycle starts where every step has a value, each start's own products
+    starts = [sum(math.prod(w[j][t] for j in range(k)) for k in range(1, K + 1))
+              for w in per_prompt for t in range(len(w[K - 1]))]
+    assert r.expected_accepted_positional == pytest.approx(sum(starts) / len(starts), abs=1e-5)
+    assert r.tokens_per_cycle <= 1 + min(gamma, K) + 1e-9
+
+
+class Logged(sd.Session):
+    """A session that hands every proposal it makes to `log` too."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def propose(self, pending, npos, u):
+        self.log.append(self.inner.propose(pending, npos, u))
+        return self.log[-1]
+
+    def advance(self, n_acc, committed, view):
+        self.inner.advance(n_acc, committed, view)
+
+    def keep(self, rows):
+        self.inner.keep(rows)
+
+
+def simulated_with(target, drafter, session, seqs, s, gamma, budget, eos=(), seed=0):
+    """run_simulation (the prompts as one batch) with the drafter's sessions made by
+    session(drafter, prompts, view, drafting) -> (RowStats by prompt, every Proposal in order)."""
+    log = []
+    d = copy.copy(drafter.for_run(frozenset(eos), [gamma]))
+    d.start = lambda prompts, view, drafting: Logged(session(d, prompts, view, drafting), log)
+    d.for_run = lambda eos, gammas: d
+    return simulate(target, d, seqs, s, gamma, budget, eos=eos, seed=seed), log
+
+
+def assert_same_runs(target, drafter, reference, seqs, s, gamma, budget, eos, seed):
+    """The drafter's own sessions and `reference` sessions: the same cycles and tokens prompt
+    by prompt, the same drafts and counts cycle by cycle, q within 1e-5. Returns the rows."""
+    rows, got = simulated_with(target, drafter, type(drafter).start, seqs, s, gamma, budget,
+                               eos, seed)
+    ref_rows, want = simulated_with(target, drafter, reference, seqs, s, gamma, budget, eos,
+                                    seed)
+    assert [counts(rows[i]) for i in rows] == [counts(ref_rows[i]) for i in rows]
+    assert len(got) == len(want)
+    for cycle, (a, b) in enumerate(zip(got, want)):
+        made = torch.arange(gamma) < a.count[:, None]  # (B, G) past count: padding
+        assert torch.equal(a.count, b.count) and torch.equal(a.tokens[made], b.tokens[made])
+        assert torch.allclose(a.q, b.q, atol=1e-5), (cycle, (a.q - b.q).abs().max())
+    return rows
+
+
+def recomputed_step(drafter, k, ids, hidden):
+    """MTP step k (0-based, layer k mod L) over one row's whole sequence, no cache, no padding:
+    slot j reads ids[j] at position j + 1 + k and hidden[j], and attends slots j' <= j (a
+    sliding layer: j' > j - window)."""
+    mtp, layer = drafter.mtp, k % drafter.mtp.num_mtp_layers
+    kind, window = drafter.layer_types[layer]
+    n = ids.shape[1]
+    j = torch.arange(n)
+    allowed = (j[None] <= j[:, None]) & ((j[None] > j[:, None] - window) if window else True)
+    mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    emb = mtp.embed_tokens(ids)
+    at = (j + 1 + k)[None]
+    rope = {"layer_type": kind} if mtp.has_per_layer_rope else {}
+    angles = mtp.rotary_emb(emb, position_ids=at, **rope)
+    out = mtp.layers[layer](emb, hidden, position_embeddings=angles,
+                            attention_mask=mask[None, None], position_ids=at, cache=None)
+    return mtp.shared_post_norm(out) if mtp.use_shared_post_norm else out
+
+
+class RecomputedSession(sd.Session):
+    """The sessions before issue 19, one row at a time: every committed token and target state
+    kept, and each cycle the network run again over the whole sequence (draft(b, seq, states,
+    u_b, drafting) -> (drafts, their q (n, V))). The oracle for the cached sessions."""
+
+    def __init__(self, draft, prompts, view, drafting, states_of):
+        self.draft, self.drafting, self.states_of = draft, drafting, states_of
+        self.seqs = [list(p) for p in prompts]
+        fed = states_of(view) if view is not None else None
+        self.states = [fed[b, fed.shape[1] - len(p) + 1:] if len(p) > 1 else None
+                       for b, p in enumerate(prompts)]
+
+    def propose(self, pending, npos, u):
+        c = self.drafting
+        tokens = torch.zeros(len(pending), c.steps, dtype=torch.long)
+        q = torch.zeros(len(pending), c.steps, c.vocab)
+        count = torch.zeros(len(pending), dtype=torch.long)
+        for b, (seq, states) in enumerate(zip(self.seqs, self.states)):
+            if states is not None:  # no target state yet: nothing proposed
+                drafts, qs = self.draft(seq, states, u[b:b + 1], c)
+                tokens[b, :len(drafts)], q[b, :len(drafts)], count[b] = drafts, qs, len(drafts)
+        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool), count)
+
+    def advance(self, n_acc, committed, view):
+        fed = self.states_of(view)
+        for b, new in enumerate(committed):
+            self.seqs[b] += new
+            old = self.states[b]
+            self.states[b] = torch.cat(([old] if old is not None else []) + [fed[b, :len(new)]])
+
+    def keep(self, rows):
+        self.seqs = [self.seqs[r] for r in rows.tolist()]
+        self.states = [self.states[r] for r in rows.tolist()]
+
+
+def recomputed_mtp(drafter, prompts, view, drafting):
+    """Before issue 19: every step over the whole sequence each cycle; step k's slot j reads
+    x_{j+1+k}, or a draft where that is past the pending token."""
+    head = drafter.head(drafting.sampling, drafting.vocab, propose=True)
+
+    def draft(seq, states, u, c):
+        hidden, drafts, qs = states[None], [], []
+        for k in range(min(c.steps, drafter.can.steps)):
+            ids = torch.tensor([(seq[1:] + drafts)[k:]])  # (1, T)
+            hidden = recomputed_step(drafter, k, ids, hidden)
+            qs.append(head(hidden[:, -1], lambda r: "row"))
+            drafts.append(int(sd.sample_from(qs[-1], u[:, k])))
+        return torch.tensor(drafts), torch.cat(qs)
+    return RecomputedSession(draft, prompts, view, drafting, lambda v: v.hidden)
+
+
+# a one-token prompt (no target state: T = 0), a two-token one (T = 1), ragged lengths, three
+# past Mellum's window; EOS ids that end some rows mid-run while others go on
+CACHE_PROMPTS = ["a", "hi", "the cat sat on the mat", "what is 2+2?", "x y z", "ok then"]
+CACHE_EOS = frozenset({3 + CHARS.index("!"), 3 + CHARS.index("q")})
+
+
+@pytest.mark.parametrize("model,steps,gamma,key", [
+    (1, 1, 2, "t1"), (1, 3, 4, "t1"), (1, 3, 2, "topk_topp"), (2, None, 3, "t1"),
+    ("mellum", 3, 3, "t1"), ("mellum", None, 1, "greedy")])
+def test_mtp_cache_gives_what_recomputing_every_cycle_gave(model, steps, gamma, key, mtp_live,
+                                                           tok_plain):
+    """The per-step caches (each committed position run once, the drafted ones each cycle and
+    dropped) against the session before them, which ran every step over the whole sequence
+    every cycle, one row at a time: the same tokens and cycles, the same drafts, q within
+    1e-5; one layer run for 1 and 3 steps, two layers, a sliding window of 3 past its end,
+    ragged rows, a one-token prompt, rows leaving at EOS. Planted errors: without drop_slots
+    in MtpSession.propose (the drafted keys left in each step's history) every case with
+    more than one step fails (other tokens; Mellum's 3 steps by q off 8e-5: with 2 steps its
+    window hid the stale keys); steps_over's next-step input not moved one position on fails
+    the same four and the chunked scoring below."""
+    target = mtp_live[model]
+    drafter = sd.MtpDrafter.of(target, steps)
+    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
+    rows = assert_same_runs(target, drafter, recomputed_mtp, seqs, SAMPLINGS[key], gamma, 24,
+                            CACHE_EOS, seed=5)
+    # rows ended at EOS and left the batch at different cycles (while others went on)
+    assert any(len(r.tokens) < 24 for r in rows.values())
+    assert len({r.cycles for r in rows.values()}) > 1
+    assert sum(r.accepted for r in rows.values()) > 10
+
+
+@pytest.mark.parametrize("kind", [2, "mellum", "eagle3"])
+def test_scoring_in_chunks_equals_one_pass(kind, mtp_live, llama4, tok_plain, tmp_path,
+                                           monkeypatch):
+    """Teacher-forced, the MTP layers and EAGLE-3 run over positions in chunks through their
+    caches: chunks of 3 positions give, per step, the q one chunk gives, within 1e-6 (Mellum's
+    window of 3 included; MTP with 3 steps)."""
+    if kind == "eagle3":
+        make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+        target = llama4
+        drafter = sd.head_drafter(str(tmp_path), llama4).for_run(frozenset(), [3])
+    else:
+        target = mtp_live[kind]
+        drafter = sd.MtpDrafter.of(target, 3)
+    rows = [tok_plain(t)["input_ids"] for t in CACHE_PROMPTS]
+    spans = [(0, len(r)) for r in rows]
+    with torch.no_grad():
+        states = target.model(input_ids=torch.tensor([r + [0] * (30 - len(r)) for r in rows])
+                              ).last_hidden_state  # (B, T, H) right padding: causal, unread
+        whole = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
+        monkeypatch.setattr(sd, "SCORE_STARTS", 3)
+        chunked = drafter.score(rows, spans, states, SAMPLINGS["t1"], V, CPU)
+    assert len(whole) == 3
+    for a, b in zip(whole, chunked):
+        n = len(a.states)
+        assert torch.equal(a.proposed, b.proposed) and a.proposed.sum() > 30
+        assert torch.allclose(a.q(0, n), b.q(0, n), atol=1e-6), (a.q(0, n) - b.q(0, n)).abs().max()
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: Gemma-4 assistant sidecars
+
+
+GEMMA_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?"]
+
+
+def test_assistant_greedy_simulation_is_transformers_assisted_generation(tok_plain,
+                                                                         monkeypatch):
+    """generate(assistant_model=Gemma4Assistant) at temperature 0, which takes the first token
+    from the prefill as specdec does: the same tokens and, cycle by cycle, the same drafted and
+    accepted counts from the same prompt (transformers' first cycle is that prefill). The
+    assistant's attention is off here: transformers lets it see keys of rejected
+    drafts, specdec does not (see the next test)."""
+    from transformers.generation.candidate_generator import (
+        SinglePositionMultiTokenCandidateGenerator as Sidecar)
+    target, assistant = make_gemma4_pair(attention=False, noise=0.0, swap=True)
+    accepted = 0
+    for out, theirs, row, ours in transformers_from_the_prefill(
+            monkeypatch, Sidecar, target, sd.AssistantDrafter(target, assistant),
+            GEMMA_PROMPTS, tok_plain, 3, assistant_model=assistant):
+        assert row.tokens == out
+        # near the end transformers shortens the block to the budget; specdec drafts whole
+        # blocks and truncates what is emitted: compare the cycles before that
+        whole = next((c for c, (k, _) in enumerate(theirs) if k < 3), len(theirs))
+        assert whole >= 3 and ours[:whole] == theirs[:whole]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 8
+
+
+def assistant_logits(target, assistant):
+    """An assistant drafting from scratch for a committed prefix and the tokens drafted so far,
+    through transformers' own Gemma4Assistant forward (its own masks) over the target's keys
+    and values of the prefix: no padding, no cache, nothing rejected in sight."""
+    def logits(prefix, drafted):
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([prefix[:-1]]), output_hidden_states=True,
+                         return_shared_kv_states=True)
+            kv, hidden = dict(out.shared_kv_states), out.hidden_states[-1][:, -1:]
+            for token in [prefix[-1]] + drafted:
+                x = torch.cat([target.get_input_embeddings()(torch.tensor([[token]])), hidden],
+                              -1)
+                step = assistant(inputs_embeds=x, position_ids=torch.tensor([[len(prefix) - 1]]),
+                                 attention_mask=torch.ones(1, len(prefix) - 1,
+                                                           dtype=torch.long),
+                                 shared_kv_states=kv)
+                hidden = step.last_hidden_state
+        return step.logits[0, -1]
+    return logits
+
+
+@pytest.mark.parametrize("batch_size,window", [(1, 64), (4, 64), (1, 3), (4, 3)])
+def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size, window,
+                                                                            tok_plain):
+    """With its attention on, the batched, cached sidecar simulation gives token for token
+    what the paper's loop gives with an assistant run from scratch through transformers'
+    forward at every step (T = 1); window 3 puts most queries past the sliding window."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window)
+    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
+    want = reference_loop(target, assistant_logits(target, assistant), seqs, SAMPLINGS["t1"],
+                          3, 10, seed=3)
+    got = simulate(target, sd.AssistantDrafter(target, assistant), seqs,
+                            SAMPLINGS["t1"], 3, 10, vocab=V, eos=set(), seed=3,
+                            batch_size=batch_size)
+    assert [counts(got[i]) for i in range(len(seqs))] == want
+    assert sum(r["accepted"] for r in want) > 0
+
+
+@pytest.mark.parametrize("window,assistant_window", [(4, 4), (6, 3), (3, 6)])
+def test_assistant_window_past_its_end_is_transformers_forward(window, assistant_window):
+    """Every query of rows several windows long (batched, left-padded): the assistant's
+    logits equal transformers' Gemma4AssistantForCausalLM.forward over the target's keys of the
+    prefix. Its sliding layers see the last W + 1 keys, positions q - W - 1 .. q - 1 (W: the
+    assistant's own sliding_window), not the target's k > q - W."""
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3, window=window,
+                                         assistant_window=assistant_window)
+    drafter = sd.AssistantDrafter(target, assistant)
+    reference = assistant_logits(target, assistant)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, V, (n,), generator=g).tolist() for n in (24, 13, 9)]
+    with torch.no_grad():
+        got, = drafter.score(rows, [(0, len(r)) for r in rows], None, SAMPLINGS["t1"], V, CPU)
+    i = 0
+    for row in rows:
+        for t in range(len(row)):  # the query for row[t], at position t, predicts row[t + 1]
+            assert bool(got.proposed[i]) == (t > 0)  # no hidden state before position 0
+            if t > 0:
+                want = reference(row[:t + 1], [])
+                assert torch.allclose(drafter.logits(got.states[i]), want, atol=1e-5), (row, t)
+            i += 1
+    assert i == len(got.states)
+
+
+def test_assistant_teacher_forced_alpha_and_bad_targets(tok_plain):
+    target, assistant = make_gemma4_pair(attention=True, noise=0.3)
+    seqs = sd.build_sequences(GEMMA_PROMPTS, tok_plain)
+    s = SAMPLINGS["t1"]
+    r = sd.measure_acceptance(target, sd.AssistantDrafter(target, assistant), seqs, sampling=s,
+                              device=CPU, continuation_tokens=6, seed=2, batch_size=3)
+    draft, alphas = assistant_logits(target, assistant), []
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(target, q.ids, s, 6, 2, i)
+        for t in range(len(q.ids), len(row) - 1):  # position t predicts row[t + 1]
+            p_ = bf_processed(last_logits(target, row[:t + 1]), s)
+            q_ = bf_processed(draft(row[:t + 1], [])[:V], s)
+            alphas.append(sum(min(a, b) for a, b in zip(p_, q_)))
+    assert r.alpha == pytest.approx(sum(alphas) / len(alphas), abs=1e-5)
+    with pytest.raises(ValueError, match="Gemma-4"):
+        sd.AssistantDrafter(make_llama(0), assistant)
+
+
+def test_cli_recognises_an_assistant_and_refuses_a_foreign_target(capsys, tmp_path, tok,
+                                                                  model_dirs, data_txt):
+    target, assistant = make_gemma4_pair(attention=True, noise=0.0, swap=True)
+    target.save_pretrained(tmp_path / "gemma")
+    tok.save_pretrained(tmp_path / "gemma")
+    assistant.save_pretrained(tmp_path / "assistant")  # as published: no tokenizer of its own
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", str(tmp_path / "gemma"), "--draft",
+                                     str(tmp_path / "assistant"), "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "8", "--quiet",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert report["empirical_alpha"] > 0.3 and report["alpha"] > 0.3  # mostly right by design
+    rc, text, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                     str(tmp_path / "assistant"), "--data", data_txt])
+    assert rc == 2 and err.count("\n") == 1 and "Gemma-4" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: EAGLE-3 heads and Medusa heads, from the checkpoints teams publish
+
+
+EAGLE_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?", "one two three"]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators", "eagle"])
+def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_plain, tmp_path):
+    """Each published layout loads as the same head; per step k, teacher-forced alpha equals
+    the paper's draft (eagle3_draft: plain tensors, no cache) fed the continuation's own
+    tokens, and the draft vocabulary's share of p is the target's mass on its 32 ids."""
+    w, ids = make_eagle3_checkpoint(tmp_path, fmt, llama4)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    assert isinstance(drafter, sd.Eagle3Drafter) and drafter.can.target_layers == (2, 2, 1)
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama4, drafter, seqs, sampling=s, device=CPU, gamma=3,
+                              continuation_tokens=5, seed=2, batch_size=3)
+    want = head_step_alphas(llama4, eagle3_draft(llama4, w, ids), seqs, s, 5, 2, 3)
+    assert r.alpha_by_head[:3] == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    assert len(r.alpha_by_head) == 8  # as many steps as the best-gamma table's largest block
+    cover = []
+    for i, q in enumerate(seqs):
+        row = list(q.ids) + ref_continuation(llama4, q.ids, s, 5, 2, i)
+        for t in range(len(q.ids), len(row) - 1):  # (not the prefill's token)
+            cover.append(sum(bf_processed(last_logits(llama4, row[:t + 1]), s)[j] for j in ids))
+    assert r.draft_vocab_coverage == pytest.approx(sum(cover) / len(cover), abs=1e-5)
+    assert "draft vocabulary covers" in sd.format_report(r)
+
+
+@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
+def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp_path):
+    """The batched simulation, its committed slots and draft steps as EAGLE caches them,
+    against the paper's loop (reference_loop) driving the plain draft: the same cycles and
+    tokens, prompt by prompt (at T = 0 and T > 0: one random stream each)."""
+    w, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    want = reference_loop(llama4, eagle3_draft(llama4, w, ids), seqs, SAMPLINGS[key], gamma,
+                          10, seed=3)
+    got = simulate(llama4, drafter, seqs, SAMPLINGS[key], gamma, 10, seed=3, batch_size=3)
+    for i, row in enumerate(want):
+        assert counts(got[i]) == row, i
+    assert sum(row["examined"] for row in want) > 0
+
+
+def recomputed_eagle3(drafter, prompts, view, drafting):
+    """Before issue 19: every cycle the committed slots run again into a fresh cache
+    (Eagle3Net.committed), then the cycle's steps from the last of them (Eagle3Net.later)."""
+    net, head = drafter.net, drafter.head(drafting.sampling, drafting.vocab, propose=True)
+
+    def draft(seq, states, u, c):
+        n, slots, qs, ds = len(states), sd.new_slots(1, CPU), [], []
+        pos = torch.arange(1, n + 1)[None]
+        out, seen = net.committed(torch.tensor([seq[1:]]), net.fc(states[None]), slots,
+                                  torch.ones(1, n, dtype=torch.long), pos)
+
+        def feed(k, outs):
+            qs.append(head(outs[:, -1], lambda r: "row"))
+            ds.append(sd.sample_from(qs[-1], u[:, k]))
+            return ds[-1][:, None]
+        feed(c.steps - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
+                                    c.steps, feed)[-1])
+        return torch.cat(ds), torch.cat(qs)
+    return RecomputedSession(draft, prompts, view, drafting, lambda v: torch.cat(
+        [v.layers[i] for i in drafter.can.target_layers], -1))
+
+
+@pytest.mark.parametrize("key,gamma", [("t1", 1), ("t1", 3), ("greedy", 4)])
+def test_eagle3_cache_gives_what_recomputing_every_cycle_gave(key, gamma, llama4, tok_plain,
+                                                              tmp_path):
+    """The EAGLE-3 session's cache of committed slots, grown by each cycle's committed tokens,
+    against running them all again every cycle: the same tokens, cycles and drafts, q within
+    1e-5, on ragged rows with a one-token prompt and rows leaving at EOS. Planted errors: later
+    steps that do not see the pending token's key fail gamma 3 and 4 (gamma 1 runs no later
+    step; the paper's-loop test above passes that error), and the steps started from the
+    output one position early fail all three."""
+    make_eagle3_checkpoint(tmp_path, "specforge", llama4, seed=1)
+    drafter = sd.head_drafter(str(tmp_path), llama4)
+    seqs = sd.build_sequences(CACHE_PROMPTS, tok_plain)
+    rows = assert_same_runs(llama4, drafter, recomputed_eagle3, seqs, SAMPLINGS[key], gamma,
+                            24, CACHE_EOS, seed=5)
+    assert any(len(r.tokens) < 24 for r in rows.values())
+    assert len({r.cycles for r in rows.values()}) > 1
+
+
+def test_eagle3_that_reproduces_the_target_on_its_vocabulary_accepts_everything(
+        llama4, tok_plain, tmp_path):
+    """A target whose mass is all on the draft vocabulary (head bias -30 elsewhere, uniform
+    there) and a head whose q is uniform on that vocabulary (every weight zero): alpha 1 in
+    both routes, and the draft vocabulary covers all of p."""
+    _, ids = make_eagle3_checkpoint(tmp_path, "specforge", llama4, zero=True)
+    target = with_head_bias(llama4, {j: (0.0 if j in ids.tolist() else -30.0)
+                                     for j in range(V)})
+    target.lm_head.weight.zero_()
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=3, continuation_tokens=6, simulate=True, seed=1)
+    assert r.alpha == pytest.approx(1.0, abs=1e-6) and r.empirical_alpha == 1.0
+    assert r.draft_vocab_coverage == pytest.approx(1.0, abs=1e-9)
+
+
+MEDUSA_LAYOUTS = ["medusa", "fd-pt", "fd-st", "full", "vllm", "vllm-map"]  # heads of their own
+
+
+@pytest.mark.parametrize("fmt", MEDUSA_LAYOUTS)
+def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plain, tmp_path):
+    """Every layout whose heads have output heads of their own loads as the same heads;
+    per-head teacher-forced alpha and the simulation (T = 1) equal the paper's heads run on
+    plain tensors (medusa_draft) through reference_loop; the chain never claims more than
+    1 + heads tokens."""
+    t = make_medusa_checkpoint(tmp_path, fmt, target=llama)
+    drafter = sd.head_drafter(str(tmp_path), llama)
+    assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(llama, drafter, seqs, sampling=s, device=CPU, gamma=5,
+                              continuation_tokens=5, seed=2, batch_size=3)
+    want = head_step_alphas(llama, medusa_draft(llama, t), seqs, s, 5, 2, 3)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    assert r.drafted_by == ["head 1", "head 2", "head 3", "-", "-"]
+    assert all(row.tokens_per_cycle <= 4 + 1e-9 for row in r.gamma_table)
+    ref = reference_loop(llama, medusa_draft(llama, t), seqs, s, 3, 10, seed=4)
+    got = simulate(llama, drafter, seqs, s, 3, 10, seed=4, batch_size=4)
+    for i, row in enumerate(ref):
+        assert counts(got[i]) == row, i
+
+
+def test_every_medusa_layout_gives_the_same_numbers(llama, tok_plain, tmp_path):
+    """One set of heads (blocks of their own, every output head the target's lm_head, so that
+    the shared and the Medusa-2 layouts hold it too) saved in each layout FasterDecoding and
+    vLLM publish: each loads (the full model's base tensors are not read) and gives the same
+    report, number for number, both routes, in one process."""
+    g = torch.Generator().manual_seed(3)
+    t = {(k, x): 0.3 * torch.randn(32, 32, generator=g) if x == "w0" else
+         0.1 * torch.randn(32, generator=g) for k in range(3) for x in ("w0", "b0")}
+    t.update({(k, "head"): llama.lm_head.weight.detach().clone() for k in range(3)})
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    reports = {}
+    for fmt in MEDUSA_LAYOUTS + ["fd-v2", "vllm-shared"]:
+        make_medusa_checkpoint(tmp_path / fmt, fmt, t=t, target=llama)
+        drafter = sd.head_drafter(str(tmp_path / fmt), llama)
+        assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3, fmt
+        assert all(k.startswith(("blocks.", "lm_heads.")) for k in drafter.net.state_dict())
+        reports[fmt] = numbers(sd.measure_acceptance(
+            llama, drafter, seqs, sampling=sd.SamplingParams(0.8), device=CPU, gamma=3,
+            continuation_tokens=6, seed=2, simulate=True, draft_name="m"))
+        reports[fmt].pop("cost_ratio"), reports[fmt].pop("est_speedup")  # (own heads count)
+    for fmt, r in reports.items():
+        assert {k: v for k, v in r.items() if "speedup" not in k and "run_key" not in k} == {
+            k: v for k, v in reports["medusa"].items()
+            if "speedup" not in k and "run_key" not in k}, fmt
+
+
+def bigram_llama(seed: int = 4, hidden: int = 64):
+    """A Llama whose attention outputs are zeroed: its state at a position is a function of
+    that position's token alone (a bigram model), wider than the vocabulary so that a linear
+    map of the states can reach any argmax."""
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=4, max_position_embeddings=256,
+                                     bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                     initializer_range=0.3, tie_word_embeddings=False))
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return m.eval().requires_grad_(False)
+
+
+def exact_medusa_heads(target, heads: int = 3):
+    """Medusa tensors (identity blocks) whose heads reproduce a bigram target's greedy chain:
+    from the state of token x, head k's argmax is g^(k+2)(x), g the target's argmax map
+    (solved exactly: the states of the V tokens are independent)."""
+    with torch.no_grad():
+        states = target.model(input_ids=torch.arange(V)[:, None]).last_hidden_state[:, 0]
+        g = target.lm_head(states).argmax(-1)  # (V,) next token after x
+    pinv = torch.linalg.pinv(states.double().T)  # (V, H): pinv @ states.T = I
+    t, ahead = {}, g.clone()
+    for k in range(heads):
+        ahead = g[ahead]  # g^(k+2)
+        t[k, "w0"], t[k, "b0"] = torch.zeros(states.shape[1], states.shape[1]), \
+            torch.zeros(states.shape[1])
+        t[k, "head"] = (20.0 * nn.functional.one_hot(ahead, V).double().T @ pinv).float()
+    return t
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_medusa_heads_that_reproduce_the_target_accept_everything(temperature, tok_plain,
+                                                                  tmp_path):
+    """alpha = 1 in both routes for heads that are exactly right, drafting after the target's
+    first token as the engines do. T = 0: a bigram target whose greedy chain the heads
+    reproduce from the state before the pending token (scored from the last prompt token on,
+    as before issue 24, most prompts' first draft is rejected: step 1's teacher-forced alpha
+    was 0.932 here). T > 0: a target whose law is the same at every
+    position (all token embeddings equal), heads that are its own lm_head."""
+    if temperature == 0:
+        target = bigram_llama()
+        t = exact_medusa_heads(target)
+    else:
+        target = bigram_llama(hidden=32)
+        with torch.no_grad():
+            target.model.embed_tokens.weight[:] = target.model.embed_tokens.weight[0]
+        t = {(k, x): torch.zeros(32, 32) if x == "w0" else torch.zeros(32) for k in range(3)
+             for x in ("w0", "b0")}
+        t.update({(k, "head"): target.lm_head.weight.detach().clone() for k in range(3)})
+    make_medusa_checkpoint(tmp_path, "fd-st", hidden=t[0, "w0"].shape[0], t=t)
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
+                              device=CPU, gamma=3, continuation_tokens=10, seed=3,
+                              simulate=True, separate_continuation=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
+    assert r.alpha == pytest.approx(1.0, abs=1e-6)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.alpha_by_draft_offset == [1.0] * 3
+    line = next(x for x in sd.format_report(r).splitlines() if "drafted by" in x)
+    assert line.split()[2:5] == ["H1", "H2", "H3"]  # one column each (not "head 1head 2")
+
+
+def test_medusa_checkpoints_that_do_not_fit_are_one_line(llama, tmp_path):
+    make_medusa_checkpoint(tmp_path / "wide", "fd-pt", hidden=16)
+    with pytest.raises(ValueError, match="width 16 do not fit"):
+        sd.head_drafter(str(tmp_path / "wide"), llama)
+    make_medusa_checkpoint(tmp_path / "map", "vllm-map")
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(tmp_path / "map" / "model.safetensors"))
+    w = {k: v[:40] if k.startswith("lm_heads") else v for k, v in w.items() if k != "token_map"}
+    save_file(w, str(tmp_path / "map" / "model.safetensors"))
+    with pytest.raises(ValueError, match="40 tokens without a token_map"):
+        sd.head_drafter(str(tmp_path / "map"), llama)
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "config.json").write_text('{"medusa_num_heads": 2}')
+    torch.save({"x": torch.zeros(2)}, tmp_path / "none" / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="holds no .* weights specdec reads"):
+        sd.head_drafter(str(tmp_path / "none"), llama)
+    torch.save({"0.1.weight": torch.zeros(V, 32)}, tmp_path / "none" / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="no residual blocks"):
+        sd.head_drafter(str(tmp_path / "none"), llama)
+
+
+def test_cli_measures_eagle3_and_medusa_heads_and_refuses_heads_for_another_target(
+        capsys, tmp_path, model_dirs, data_txt, llama):
+    """--draft PATH recognises each by its config; a head that does not fit the target (fc
+    width, d2t past the vocabulary, a draft vocabulary without d2t, Medusa width) is one line,
+    exit 2."""
+    from safetensors.torch import load_file, save_file
+    target = model_dirs["target"]  # 2 layers: EAGLE-3 heads name their layers (0, 1, 1)
+    base = sd.load_model_and_tokenizer(target, "cpu", progress=False)[0]
+    make_eagle3_checkpoint(tmp_path / "eagle", "speculators", base)
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
+    (tmp_path / "eagle" / "config.json").write_text(json.dumps(cfg))
+    make_medusa_checkpoint(tmp_path / "medusa", "medusa")
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, ["--target", target, "--draft", str(tmp_path / "eagle"),
+                                     "--draft", str(tmp_path / "medusa"), "--data", data_txt,
+                                     "--simulate", "--continuation-tokens", "6", "--quiet",
+                                     "--json", str(out)])
+    assert rc == 0, err
+    eagle, medusa = json.loads(out.read_text())
+    assert eagle["draft_vocab_coverage"] < 1 and medusa["drafted_by"][:3] == [
+        "head 1", "head 2", "head 3"] and "draft vocabulary covers" in text
+
+    def broken(name, change):
+        folder = tmp_path / name
+        import shutil
+        shutil.copytree(tmp_path / ("medusa" if name.startswith("medusa") else "eagle"), folder)
+        path = next(folder.glob("*.safetensors"))
+        w = load_file(str(path))
+        change(w)
+        save_file(w, str(path))
+        return str(folder)
+    cases = {
+        broken("fc", lambda w: w.update({"fc.weight": torch.zeros(32, 90)})): "fc reads",
+        broken("d2t", lambda w: w.update({"d2t": w["d2t"] + 40})): "past the target",
+        broken("nomap", lambda w: w.pop("d2t")): "without the d2t",
+        broken("medusa-wide", lambda w: w.update(
+            {"medusa_head.0.1.weight": torch.zeros(V, 64)})): "do not fit",
+    }
+    for folder, word in cases.items():
+        rc, _, err = run_cli(capsys, ["--target", target, "--draft", folder, "--data",
+                                      data_txt, "--quiet"])
+        assert rc == 2 and err.count("\n") == 1 and word in err, (folder, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
+
+
+PARD_MASK = V - 1  # the stand-ins' mask token: '-', in no prompt below
+
+
+def pard_draft(model, mask=PARD_MASK):
+    """PARD as its paper and AMD-AGI/PARD's pard_infer run it, as draft(prefix, drafted):
+    the whole context, then one mask token per draft already made, through the model with no
+    cache; the last position's logits. The drafts themselves are never read."""
+    return lambda prefix, drafted: last_logits(model, list(prefix) + [mask] * len(drafted))
+
+
+def rope_rows(x, positions, theta):
+    """Rotary embedding, written out: x (T, heads, d) at positions (T,)."""
+    d = x.shape[-1]
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs],
+                                                                        -1).sin().float()
+    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos[:, None] + half * sin[:, None]
+
+
+def dflash_layer(w, i, x, ctx, ctx_pos, pos, heads, kv_heads, dim, theta):
+    """DFlash's layer i, plain (z-lab's Qwen3DFlashDecoderLayer written from tensors): the
+    block x (n, H) at positions pos attends the context ctx (S, H) at ctx_pos and itself, both
+    ways, no mask; keys and values of both through the layer's own projections."""
+    p = f"layers.{i}."
+    h = rms(x, w[p + "input_layernorm.weight"])
+    both = torch.cat([ctx, h])  # (S + n, H)
+    q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(len(h), heads, dim),
+            w[p + "self_attn.q_norm.weight"])
+    k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(len(both), kv_heads, dim),
+            w[p + "self_attn.k_norm.weight"])
+    v = (both @ w[p + "self_attn.v_proj.weight"].T).view(len(both), kv_heads, dim)
+    q, k = rope_rows(q, pos, theta), rope_rows(k, torch.cat([ctx_pos, pos]), theta)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+    attn = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(len(h), heads * dim)
+    r = x + attn @ w[p + "self_attn.o_proj.weight"].T
+    y = rms(r, w[p + "post_attention_layernorm.weight"])
+    return r + (nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
+                * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+
+
+@torch.no_grad()
+def dflash_draft(target, w, c):
+    """DFlash as z-lab's dflash_generate runs it, as draft(prefix, drafted), no cache: the
+    target over the prefix but its last token (the pending one), its states at c["ids"]
+    (hidden_states[i + 1]) through fc and hidden_norm are the context; the block [pending,
+    mask x (size - 1)] at the positions from the pending one's, through every layer, norm,
+    the target's head; offset len(drafted) + 1 is the block's entry len(drafted) + 1."""
+    embed, blocks = target.get_input_embeddings().weight, {}
+
+    def logits(prefix, drafted):
+        if tuple(prefix) not in blocks:  # one block per cycle (its offsets asked in turn)
+            blocks[tuple(prefix)] = block(prefix)
+        return blocks[tuple(prefix)][len(drafted) + 1]
+
+    def block(prefix):
+        n = len(prefix) - 1
+        hs = target.model(input_ids=torch.tensor([prefix[:-1]]),
+                          output_hidden_states=True).hidden_states
+        ctx = rms(torch.cat([hs[i + 1][0] for i in c["ids"]], -1) @ w["fc.weight"].T,
+                  w["hidden_norm.weight"])
+        x = embed[torch.tensor([prefix[-1]] + [c["mask"]] * (c["size"] - 1))]
+        for i in range(c["layers"]):
+            x = dflash_layer(w, i, x, ctx, torch.arange(n), n + torch.arange(c["size"]),
+                             c["heads"], c["kv_heads"], c["dim"], c["theta"])
+        return target.lm_head(rms(x, w["norm.weight"]))
+    return logits
+
+
+DFLASH = dict(ids=[0, 2], size=4, mask=PARD_MASK, layers=2, heads=4, kv_heads=2, dim=8,
+              theta=10000.0)  # a 4-layer target's draft: the smallest, two drafted layers
+
+
+def dflash_tensors(c, seed=0):
+    """DFlash weights from a seeded generator, named as z-lab's checkpoints name them."""
+    g = torch.Generator().manual_seed(seed)
+    h, q, kv = 32, c["heads"] * c["dim"], c["kv_heads"] * c["dim"]
+
+    def r(*shape):
+        return 0.3 * torch.randn(*shape, generator=g)
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+    w = {"fc.weight": r(h, len(c["ids"]) * h), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h)}
+    for i in range(c["layers"]):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+                  p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+                  p + "self_attn.q_norm.weight": norm(c["dim"]),
+                  p + "self_attn.k_norm.weight": norm(c["dim"]),
+                  p + "mlp.gate_proj.weight": r(64, h), p + "mlp.up_proj.weight": r(64, h),
+                  p + "mlp.down_proj.weight": r(h, 64), p + "input_layernorm.weight": norm(h),
+                  p + "post_attention_layernorm.weight": norm(h)})
+    return w
+
+
+def save_dflash(folder, fmt, w, c, **config):
+    """A DFlash checkpoint as its makers publish it: "zlab" (z-lab's: a Qwen3 config,
+    architectures DFlashDraftModel, auto_map to their code, dflash_config {mask_token_id,
+    target_layer_ids}, num_target_layers; weights fc, hidden_norm, layers.*, norm) or
+    "transformers" (transformers' own MuseGlimmerAssistantModel, save_pretrained: the keys at
+    the top, encoder.fc and encoder.output_norm_enc) -> that model ("transformers"), or None."""
+    from safetensors.torch import save_file
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=c["layers"],
+                  num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                  head_dim=c["dim"], rms_norm_eps=1e-6, max_position_embeddings=256,
+                  block_size=c["size"], **config)
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "zlab":
+        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3",
+                   auto_map={"AutoModel": "dflash.DFlashDraftModel"}, vocab_size=V,
+                   rope_theta=c["theta"], rope_scaling=None, attention_bias=False,
+                   num_target_layers=4, layer_types=["full_attention"] * c["layers"],
+                   dflash_config={"mask_token_id": c["mask"], "target_layer_ids": c["ids"]})
+        cfg.update(common)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        save_file({k: v.contiguous() for k, v in w.items()},
+                  os.path.join(folder, "model.safetensors"))
+        return None
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    model = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(
+        mask_token_id=c["mask"], target_layer_ids=c["ids"],
+        layer_types=["full_attention"] * c["layers"], bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": c["theta"]},
+        **common)).eval()
+    renamed = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
+               k.replace("hidden_norm.", "encoder.output_norm_enc.", 1)
+               if k.startswith("hidden_norm.") else k: v for k, v in w.items()}
+    model.load_state_dict(renamed)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def biased4():
+    """A 4-layer Llama stand-in whose head favours three tokens: its greedy choice is among
+    them, but which one depends on the text, so a draft through the same head is accepted
+    often enough that (drafted, accepted) counts say something."""
+    return with_head_bias(make_llama(3, layers=4), {5: 3.0, 9: 3.0, 13: 3.0})
+
+
+@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
+def test_pard_simulation_is_the_no_cache_loop_with_mask_tokens(key, gamma, biased4, tok_plain):
+    """The batched, cached PARD session (the accepted drafts, the pending token and gamma - 1
+    masks in one forward, the masks' slots dropped after) against the paper's loop
+    (reference_loop) driving pard_draft, which runs the whole context plus its masks every
+    cycle with no cache: the same tokens and cycles, prompt by prompt, at T = 0 and T > 0 (one
+    random stream each). The draft is the target's first layer, so blocks are accepted in part
+    and in whole."""
+    draft = sd.early_exit_draft(biased4, 1)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS[:2], tok_plain)
+    want = reference_loop(biased4, pard_draft(draft), seqs, SAMPLINGS[key], gamma, 12, seed=3)
+    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, SAMPLINGS[key],
+                   gamma, 12, seed=3, batch_size=4)
+    for i, row in enumerate(want):
+        assert counts(got[i]) == row, i
+    assert sum(row["accepted"] for row in want) >= 10
+
+
+@pytest.mark.parametrize("key", ["t1", "greedy"])
+def test_pard_teacher_forced_alpha_by_offset_is_the_papers_block(key, biased4, tok_plain):
+    """Per offset j, teacher-forced alpha from one pass of masks over the continuation equals
+    pard_draft (no cache: the context up to t, then j - 1 masks) against the target at t + j - 1,
+    and the report chains them into tokens per cycle (the product of the offsets' alphas) and
+    prints them as its primary figure. gamma 1 (no mask at all, the smallest configuration)
+    is the draft model itself: the simulation equals reference_loop with the plain model."""
+    draft, s = sd.early_exit_draft(biased4, 1), SAMPLINGS[key]
+    seqs = sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
+    r = sd.measure_acceptance(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs,
+                              sampling=s, device=CPU, gamma=3, continuation_tokens=9, seed=2,
+                              batch_size=2)
+    want = head_step_alphas(biased4, pard_draft(draft), seqs, s, 9, 2, 8)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    a = r.alpha_by_head
+    assert r.tokens_per_cycle == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
+    text = sd.format_report(r)
+    assert "alpha by draft offset 1..8" in text and "alpha by step" not in text
+    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, s, 1, 10, seed=4)
+    for i, row in enumerate(reference_loop(biased4, draft, seqs, s, 1, 10, seed=4)):
+        assert counts(got[i]) == row, i
+
+
+def position_gpt2(seed: int = 5):
+    """A GPT-2 whose every position predicts a known token whatever the text: token
+    embeddings and the blocks' outputs zeroed, so its state at position m is its position
+    embedding alone, and the head maps it to a law of its own (sharp enough that the greedy
+    choice changes with m). As its own PARD draft, mask j after a context ending at t sits at
+    t + j and predicts exactly what the target predicts there, at any temperature."""
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                   bos_token_id=None, eos_token_id=None, initializer_range=0.3,
+                                   tie_word_embeddings=False))
+    with torch.no_grad():
+        m.transformer.wte.weight.zero_()
+        for block in m.transformer.h:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.zero_()
+                proj.bias.zero_()
+        m.lm_head.weight.mul_(3.0)
+    return m.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_pard_draft_whose_masks_reproduce_the_target_accepts_everything(temperature,
+                                                                          tok_plain):
+    """alpha = 1 at every offset in both routes, tokens per cycle = gamma + 1, for a draft
+    whose mask positions reproduce the target (position_gpt2 as its own PARD draft), and no
+    gamma of the table claims more than gamma + 1 tokens a cycle. Planted: masks placed one
+    position further (t + j + 1) give alpha 0.05-0.15 at offsets 2.. here (simulated 0.5)."""
+    target = position_gpt2()
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, sd.PardDrafter("pard", target, PARD_MASK), seqs,
+                              sampling=sd.SamplingParams(temperature), device=CPU, gamma=4,
+                              continuation_tokens=12, seed=1, simulate=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * 8, abs=1e-6)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.alpha_by_draft_offset == [1.0] * 4
+    assert all(row.tokens_per_cycle <= row.gamma + 1 + 1e-9 for row in r.gamma_table)
+    assert r.gamma_table[3].tokens_per_cycle == pytest.approx(5.0)
+
+
+def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tmp_path,
+                                                                      model_dirs, data_txt):
+    """A causal LM whose config names pard_token is recognised by --draft PATH; the same
+    model given with --pard-mask gives the same numbers. The cost is one draft pass a cycle:
+    the speedup divides by cost_ratio + 1 at every gamma. A mask token outside the
+    vocabulary (an id, a token the tokenizer lacks, a checkpoint's), or the flag without a
+    draft model, is one line and exit 2."""
+    pard = tmp_path / "pard"
+    base = sd.load_model_and_tokenizer(model_dirs["draft"], "cpu", progress=False)
+    base[0].config.pard_token = PARD_MASK
+    base[0].save_pretrained(pard)
+    base[1].save_pretrained(pard)
+    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet", "--gamma", "3",
+              "--continuation-tokens", "8", "--simulate"]
+    got = {}
+    for name, argv in (("checkpoint", ["--draft", str(pard)]),
+                       ("flag", ["--draft", model_dirs["draft"], "--pard-mask", str(PARD_MASK)])):
+        rc, text, err = run_cli(capsys, common + argv + ["--json", str(tmp_path / "r.json")])
+        assert rc == 0, err
+        got[name] = json.loads((tmp_path / "r.json").read_text())
+        assert "alpha by draft offset" in text and "one draft pass" in text
+    rc, _, err = run_cli(capsys, common + ["--draft-layers", "1", "--pard-mask", str(PARD_MASK),
+                                           "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["draft"].endswith(
+        f"[first 1 layers] [PARD, mask {PARD_MASK}]"), err
+    one, two = got["checkpoint"], got["flag"]
+    assert two["draft"].endswith(f"[PARD, mask {PARD_MASK}]") and one["one_draft_pass"]
+    assert one["alpha_by_head"] == two["alpha_by_head"] and len(one["alpha_by_head"]) == 8
+    assert one["accepted_tokens"] == two["accepted_tokens"]
+    for row in one["gamma_table"]:
+        assert row["est_speedup"] == pytest.approx(row["tokens_per_cycle"]
+                                                   / (one["cost_ratio"] + 1), rel=1e-9)
+    two_modes = make_llama(1)  # a PARD-2 draft: measured in its target-independent mode
+    two_modes.config.pard_token, two_modes.config.pard2_target_layers = PARD_MASK, [1, 2]
+    assert sd.PardDrafter.from_model("p2", sd.Loaded(two_modes), two_modes,
+                                     sd.DraftOptions()).name == \
+        "p2 [PARD-2, target-independent mode]"
+    cfg = json.loads((pard / "config.json").read_text())
+    cfg["pard_token"] = 99
+    (pard / "config.json").write_text(json.dumps(cfg))
+    for argv, word in ((["--draft", str(pard)], "not in the draft's vocabulary"),
+                       (["--draft", model_dirs["draft"], "--pard-mask", "99"], "ids 0..47"),
+                       (["--draft", model_dirs["draft"], "--pard-mask", "<mask>"], "no such token"),
+                       (["--draft", "ngram", "--pard-mask", "1"], "runs a draft model")):
+        rc, _, err = run_cli(capsys, common + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
+
+
+def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_plain,
+                                                                dflash_folders, monkeypatch):
+    """--cost-ratio measure times one draft pass that drafts the largest block of the run
+    (PARD: 8 tokens from one forward), and every gamma's speedup divides by cost_ratio +
+    its verify: proposing more costs nothing at the draft; auto counts one pass of the
+    draft's parameters."""
+    timed, real = [], sd.PardSession.propose
+
+    def counted(self, pending, npos, u):
+        timed.append(self.drafting.steps)
+        return real(self, pending, npos, u)
+    monkeypatch.setattr(sd.PardSession, "propose", counted)
+    seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
+    for drafter in (sd.PardDrafter("pard", sd.early_exit_draft(biased4, 1), PARD_MASK),
+                    sd.head_drafter(dflash_folders[1]["zlab"], biased4)):
+        r = sd.measure_acceptance(biased4, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
+                                  gamma=2, continuation_tokens=4, cost_ratio="measure")
+        drafted = min(8, drafter.can.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
+        assert r.one_draft_pass and r.costs["draft_step_s"] > 0
+        assert r.costs["draft_tokens"] == drafted
+        assert f"draft pass of {drafted}" in r.cost_ratio_source
+        raw = r.costs["verify_cost"]
+        for row in r.gamma_table:
+            k = min(row.gamma, drafted)  # a block of 4 proposes 3 at a larger gamma
+            verify = max([1.0] + [raw[g] for g in range(1, k + 1)])
+            assert row.est_speedup == pytest.approx(row.tokens_per_cycle
+                                                    / (r.cost_ratio + verify), rel=1e-9)
+        auto = sd.cost_model(biased4, drafter, sd.Settings(), seqs, CPU)
+        assert auto.per_cycle and auto.ratio == drafter.param_cost(biased4)[0] > 0
+    assert timed == [8] * 9  # two warm-up rounds and seven timed, each one pass of 8
+
+
+@pytest.fixture(scope="session")
+def dflash_folders(tmp_path_factory):
+    """One set of DFlash tensors saved in both published layouts -> (tensors, folders, the
+    transformers model)."""
+    root = tmp_path_factory.mktemp("dflash")
+    w = dflash_tensors(DFLASH, seed=1)
+    save_dflash(root / "zlab", "zlab", w, DFLASH)
+    model = save_dflash(root / "transformers", "transformers", w, DFLASH)
+    return w, {f: str(root / f) for f in ("zlab", "transformers")}, model
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1"])
+def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_plain,
+                                                             dflash_folders):
+    """z-lab's layout and transformers' load as the same draft; per offset, teacher-forced
+    alpha equals dflash_draft (no cache: the target over the whole prefix, then the block),
+    and the simulation equals reference_loop driving it, prompt by prompt, at T = 0 and T = 1.
+    The whole block (block_size - 1 drafts) runs whatever gamma is."""
+    w, folders, _ = dflash_folders
+    s, seqs = SAMPLINGS[key], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    plain = dflash_draft(biased4, w, DFLASH)
+    want = head_step_alphas(biased4, plain, seqs, s, 7, 2, 3)
+    reports = []
+    for fmt, folder in folders.items():
+        d = sd.head_drafter(folder, biased4)
+        assert isinstance(d, sd.DFlashDrafter) and d.can.max_gamma == 3 and d.can.target_layers == (1, 3), fmt
+        reports.append(sd.measure_acceptance(biased4, d, seqs, sampling=s, device=CPU, gamma=2,
+                                             continuation_tokens=7, seed=2, batch_size=3))
+        assert reports[-1].alpha_by_head == pytest.approx([sum(a) / len(a) for a in want],
+                                                          abs=1e-5), fmt
+    assert [{k: v for k, v in numbers(r).items() if "run_key" not in k} for r in reports] == [
+        {k: v for k, v in numbers(reports[0]).items() if "run_key" not in k}] * 2
+    got = simulate(biased4, sd.head_drafter(folders["zlab"], biased4), seqs, s, 2, 12, seed=3,
+                   batch_size=3)
+    ref = reference_loop(biased4, plain, seqs, s, 2, 12, seed=3)
+    for i, row in enumerate(ref):
+        assert counts(got[i]) == row, i
+    assert sum(row["accepted"] for row in ref) >= 5
+
+
+@pytest.mark.parametrize("ids,size", [([1, 3], 4), ([2], 2)])
+def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4, tok_plain,
+                                                             tmp_path):
+    """A draft that reads the target's last layer (its output: the final, normed states, as
+    output_hidden_states holds them) and the smallest block (block_size 2: one draft a pass,
+    one layer read): per-offset teacher-forced alpha and the simulation equal dflash_draft
+    through reference_loop (T = 1)."""
+    c = dict(DFLASH, ids=ids, size=size, layers=len(ids))
+    w = dflash_tensors(c, seed=4)
+    save_dflash(tmp_path, "zlab", w, c)
+    drafter = sd.head_drafter(str(tmp_path), biased4)
+    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
+    plain = dflash_draft(biased4, w, c)
+    r = sd.measure_acceptance(biased4, drafter, seqs, sampling=s, device=CPU, gamma=size - 1,
+                              continuation_tokens=6, seed=2)
+    want = head_step_alphas(biased4, plain, seqs, s, 6, 2, size - 1)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    got = simulate(biased4, drafter, seqs, s, size - 1, 10, seed=3)
+    for i, row in enumerate(reference_loop(biased4, plain, seqs, s, size - 1, 10, seed=3)):
+        assert counts(got[i]) == row, i
+
+
+def test_dflash_greedy_simulation_is_transformers_dflash(biased4, tok_plain, dflash_folders,
+                                                         monkeypatch):
+    """The oracle is transformers' own DFlash generation (speculation_type "dflash", its
+    MuseGlimmerAssistantModel over the same tensors), which, like the engines and specdec,
+    takes the first token from the target's prefill: the same tokens and, cycle by cycle, the
+    same (drafted, accepted) counts (but the last, which transformers cuts at the budget)."""
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+    _, folders, model = dflash_folders
+    drafter = sd.head_drafter(folders["transformers"], biased4)
+    accepted = 0
+    for out, theirs, row, ours in transformers_from_the_prefill(
+            monkeypatch, DFlashTokenCandidateGenerator, biased4, drafter,
+            EAGLE_PROMPTS, tok_plain, 3, budget=24, assistant_model=model,
+            speculation_type="dflash", pad_token_id=V):
+        assert row.tokens == out
+        assert ours[:len(theirs) - 1] == theirs[:-1]
+        accepted += sum(n for _, n in theirs)
+    assert accepted >= 10
+
+
+def copy_pair(scale: float = 100.0):
+    """A target that writes its last token again (its layers' outputs zeroed, its head its
+    own embedding rows of one length, times `scale`: sharp enough that T = 0.8 samples it too)
+    and a one-layer DFlash draft, made by hand, whose masks copy the block's first token: only
+    real tokens have keys (embedding dimension 0), only masks queries (dimension 1), in a RoPE
+    pair that barely turns (rope_theta 1e16), so each mask attends the block's first token
+    alone, and reads its embedding through v and o_proj. -> (target, tensors, config)."""
+    target = make_llama(6, layers=4)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = torch.randn(V, 32, generator=g)
+        e[:, 0], e[:, 1] = 0.5, 0.0
+        e[PARD_MASK] = 0.0
+        e[PARD_MASK, 1] = 1.0
+        e = e / e.norm(dim=-1, keepdim=True)
+        target.model.embed_tokens.weight.copy_(e)
+        target.lm_head.weight.copy_(scale * e)
+    c = dict(DFLASH, layers=1, kv_heads=4, theta=1e16)
+    pair = torch.zeros(32)
+    pair[[3, 7, 11, 15, 19, 23, 27, 31]] = 1.0  # each head's slowest RoPE pair (dims 3, 7)
+    w = {k: torch.zeros_like(v) for k, v in dflash_tensors(c).items()}
+    w.update({k: torch.ones_like(v) for k, v in w.items() if "norm" in k})
+    p = "layers.0.self_attn."
+    w[p + "q_proj.weight"][:, 1] = pair  # masks ask...
+    w[p + "k_proj.weight"][:, 0] = pair  # ...real tokens answer (a mask's key is zero)
+    w[p + "q_norm.weight"].fill_(10.0)
+    w[p + "k_norm.weight"].fill_(10.0)
+    w[p + "v_proj.weight"] = torch.eye(32)
+    w[p + "o_proj.weight"] = 10.0 * torch.eye(32)
+    return target.eval(), w, c
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_dflash_draft_that_reproduces_the_target_accepts_everything(temperature, tok_plain,
+                                                                      tmp_path):
+    """alpha = 1 at every offset in both routes for a DFlash draft whose masks reproduce the
+    target (copy_pair); tokens per cycle = gamma + 1, and no row of the best-gamma table claims
+    more than min(gamma, block_size - 1) + 1 (a block of 4 drafts 3). Planted: a real token
+    (id 7) in the block in place of the mask token gives alpha 0.08 at every offset."""
+    target, w, c = copy_pair()
+    save_dflash(tmp_path, "zlab", w, c)
+    drafter = sd.head_drafter(str(tmp_path), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
+                              device=CPU, gamma=3, continuation_tokens=10, seed=1,
+                              simulate=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.alpha_by_draft_offset == [1.0] * 3 and r.tokens_per_cycle == pytest.approx(4.0)
+    assert all(row.tokens_per_cycle <= min(row.gamma, 3) + 1 + 1e-9 for row in r.gamma_table)
+    assert r.one_draft_pass and "a cycle (one draft pass drafts any gamma)" in sd.format_report(r)
+
+
+def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, capsys,
+                                                         model_dirs, data_txt, tok_plain):
+    """Target layers that do not exist (or a target of another depth), a mask token outside
+    the target's vocabulary, sliding-window layers (which engines run with code of their own),
+    a block too small for gamma, weights specdec cannot build: each one line (exit 2 on the
+    command line); the checkpoint's own code never runs."""
+    w = dflash_tensors(DFLASH)
+    cases = {"layers": (dict(DFLASH, ids=[0, 9]), {}, "target layers [0, 9]"),
+             "depth": (DFLASH, {"num_target_layers": 36}, "a target of 36 layers"),
+             "mask": (dict(DFLASH, mask=300), {}, "not in the target's vocabulary"),
+             "sliding": (DFLASH, {"use_sliding_window": True}, "sliding"),
+             "nosize": (dict(DFLASH, size=None), {}, "without block_size")}
+    for name, (c, extra, word) in cases.items():
+        save_dflash(tmp_path / name, "zlab", w, c)
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        cfg.update(extra)
+        if c["size"] is None:
+            cfg.pop("block_size")
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(sd.UsageError, match=re.escape(word)):
+            sd.head_drafter(str(tmp_path / name), biased4)
+    save_dflash(tmp_path / "odd", "zlab", {**w, "extra.weight": torch.zeros(2)}, DFLASH)
+    with pytest.raises(sd.UsageError, match="its own code .* which specdec does not run"):
+        sd.head_drafter(str(tmp_path / "odd"), biased4)
+    loaded = make_llama(0)  # a DFlash config a hub id loaded as a causal LM: not run as one
+    loaded.config.dflash_config = {"mask_token_id": PARD_MASK}
+    with pytest.raises(sd.UsageError, match="huggingface-cli download"):
+        sd.DFlashDrafter.from_model("z-lab/x-DFlash", sd.Loaded(loaded), biased4,
+                                    sd.DraftOptions())
+    save_dflash(tmp_path / "ok", "zlab", w, DFLASH)
+    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
+    with pytest.raises(sd.UsageError, match="--gamma 4: .* drafts at most 3 tokens a pass"):
+        sd.measure_acceptance(biased4, sd.head_drafter(str(tmp_path / "ok"), biased4), seqs,
+                              device=CPU, gamma=4, continuation_tokens=4)
+    save_dflash(tmp_path / "two", "zlab", w, dict(DFLASH, ids=[0, 1]),
+                num_target_layers=2)  # the CLI's 2-layer target: layers 0 and 1 exist
+    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet"]
+    for argv, word in ((["--draft", str(tmp_path / "two"), "--gamma", "5"], "at most 3"),
+                       (["--draft", str(tmp_path / "layers")], "target layers [0, 9]")):
+        rc, _, err = run_cli(capsys, common + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
+    rc, text, err = run_cli(capsys, common + ["--draft", str(tmp_path / "two"), "--gamma", "3",
+                                              "--simulate", "--continuation-tokens", "6"])
+    assert rc == 0 and "alpha by draft offset 1..3" in text, err
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
+#
+# Two real tokenizers built here over one text: the target's a GPT-2-style byte-level BPE, the
+# draft's a SentencePiece-style BPE (Metaspace, '▁' for a space). Their pre-tokenisers differ,
+# so their merges do: vocabularies of different sizes, ids that differ, each with texts the
+# other lacks (test_the_two_tokenizers_really_differ). Two tiny Llamas are trained a few steps
+# on the text, each in its own tokens (the draft smaller and shorter): they write text, agree
+# often and not always.
+
+
+VOCAB_TEXT = ("the quick brown fox jumps over the lazy dog. speculative decoding drafts tokens "
+              "and the target verifies them. a draft with another tokenizer reads the text its "
+              "own way.")
+
+
+def bpe_tokenizer(size: int, metaspace: bool):
+    """A BPE tokenizer trained on VOCAB_TEXT: byte-level (GPT-2's marks, every byte a token)
+    or Metaspace (SentencePiece's '▁', the text's characters)."""
+    from tokenizers import decoders, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    if metaspace:
+        tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = sorted(set(VOCAB_TEXT) | {"▁"})
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder, alphabet = decoders.ByteLevel(), pre_tokenizers.ByteLevel.alphabet()
+    tk.train_from_iterator([VOCAB_TEXT] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<|eos|>"], initial_alphabet=alphabet,
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|eos|>")
+
+
+def trained_llama(tok, seed: int, layers: int, steps: int):
+    """A tiny Llama over tok's vocabulary, trained `steps` Adam steps on VOCAB_TEXT twice over
+    (windows of 24 tokens, seeded): it writes the text back, more or less well."""
+    model = make_llama(seed, vocab=len(tok), layers=layers).train().requires_grad_(True)
+    ids = torch.tensor(tok(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"])
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        x = torch.stack([ids[a:a + 24] for a in torch.randint(len(ids) - 24, (8,), generator=g)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
+
+
+class Foreign(NamedTuple):
+    tok_t: Any  # the target's tokenizer (byte-level)
+    tok_d: Any  # the draft's (Metaspace)
+    target: Any
+    draft: Any  # over tok_d's vocabulary
+
+
+@pytest.fixture(scope="session")
+def foreign():
+    tok_t, tok_d = bpe_tokenizer(320, False), bpe_tokenizer(90, True)
+    return Foreign(tok_t, tok_d, trained_llama(tok_t, 0, 2, 200),
+                   trained_llama(tok_d, 1, 1, 60))
+
+
+FOREIGN_PROMPTS = ["the quick", "a draft with", "speculative", "the target", "the lazy dog",
+                   "tokens and", "reads the", "brown fox", "verifies them.", "own way", "the"]
+
+
+def oracle_shared(tok_t, tok_d) -> dict[int, int]:
+    """The shared vocabulary by hand, for these two tokenizers: a token's text is its string
+    with the space mark ('Ġ' or '▁') read as a space (their other characters are the text's
+    own); target id -> draft id, each text at its lowest id."""
+    def texts(tok, mark):
+        out: dict[str, int] = {}
+        for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+            if piece != "<|eos|>" and all(c == mark or c in VOCAB_TEXT for c in piece):
+                out.setdefault(piece.replace(mark, " "), i)
+        return out
+    on_t, on_d = texts(tok_t, "Ġ"), texts(tok_d, "▁")
+    shared = {on_t[k]: on_d[k] for k in on_t.keys() & on_d.keys()}
+    shared[tok_t.eos_token_id] = tok_d.eos_token_id  # the one special token, in both
+    return shared
+
+
+def test_the_two_tokenizers_really_differ(foreign):
+    """Not a nested pair (a smaller vocabulary trained the same way keeps the larger one's
+    ids): different sizes, different ids for the same text, texts on each side the other
+    lacks; both give the text back. The shared vocabulary is the oracle's."""
+    t, d = foreign.tok_t, foreign.tok_d
+    for tok in (t, d):
+        assert tok.decode(tok(VOCAB_TEXT)["input_ids"]) == VOCAB_TEXT
+    assert t(VOCAB_TEXT)["input_ids"] != d(VOCAB_TEXT)["input_ids"]
+    shared = oracle_shared(t, d)
+    assert len(t) == 320 and len(d) == 90 and 40 <= len(shared) < len(d)
+    assert sum(a != b for a, b in shared.items()) > 0.9 * len(shared)  # ids differ
+    assert len(shared) < len(d)  # the draft has texts the target lacks (and the target many)
+    v = sd.SharedVocab(t, d, len(t), len(d))
+    assert dict(zip(v.target_ids.tolist(), v.draft_ids.tolist())) == shared
+    assert not v.same
+
+
+def oracle_tli_alphas(foreign, seqs, conts, s: "sd.SamplingParams"):
+    """Per prompt: the sums of alpha_t and of p_t's mass on the shared vocabulary, by brute
+    force. At each scored position t (predicting the continuation's token t + 1, from its
+    second on) the draft reads row[:t + 1] token by token (the shared ones as its own token,
+    the others' text re-tokenised), runs alone over it, no cache; q~ = the processed
+    distribution of its logits restricted to the shared tokens; alpha_t = sum over the
+    shared tokens of min(p_t, q~_t), in float64 Python loops."""
+    t, d = foreign.tok_t, foreign.tok_d
+    shared = oracle_shared(t, d)
+    order = sorted(shared)  # target ids of the shared tokens
+    out = []
+    for q, c in zip(seqs, conts):
+        row = q.ids + c
+        alphas, masses = 0.0, 0.0
+        for pos in range(len(q.ids), len(row) - 1):
+            reading = []
+            for tok_id in row[:pos + 1]:
+                reading += ([shared[tok_id]] if tok_id in shared else
+                            d(t.decode([tok_id]), add_special_tokens=False)["input_ids"])
+            with torch.no_grad():
+                lp = foreign.target(torch.tensor([row[:pos + 1]])).logits[0, -1]
+                lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+            p = bf_processed(lp, s)
+            q_shared = bf_processed([lq[shared[i]] for i in order], s)
+            alphas += sum(min(p[i], qi) for i, qi in zip(order, q_shared))
+            masses += sum(p[i] for i in order)
+        out.append((alphas, masses))
+    return out
+
+
+@pytest.mark.parametrize("key", ["t1", "topk_topp", "greedy"])
+def test_tli_teacher_forced_alpha_matches_brute_force(key, foreign):
+    """TLI's teacher-forced alpha and p's mass on the shared vocabulary, per prompt, equal the
+    brute-force oracle's on the continuations the target wrote (1e-5: float32 against
+    float64)."""
+    s = SAMPLINGS[key]
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    r = sd.measure_drafts(foreign.target, [tli], seqs, sampling=s, device=CPU, gamma=3,
+                          continuation_tokens=6, batch_size=3)[0]
+    conts = continuations(foreign.target, seqs, s, 6, vocab=len(foreign.tok_t))
+    want = oracle_tli_alphas(foreign, seqs, conts, s)
+    got = sorted(r.run.per_prompt, key=lambda row: row["index"])
+    for row, (alpha_sum, mass_sum) in zip(got, want):
+        assert row["alpha_sum"] == pytest.approx(alpha_sum, rel=1e-5, abs=1e-6)
+        assert row["coverage_sum"] == pytest.approx(mass_sum, rel=1e-5, abs=1e-6)
+    assert 0.2 < r.alpha < 0.98 and 0.5 < r.draft_vocab_coverage < 1  # not a trivial pair
+    assert r.run.cross_vocab["method"] == "TLI"
+    assert r.run.cross_vocab["p_mass_shared"] == r.draft_vocab_coverage
+    assert r.run.cross_vocab["shared_tokens"] == len(oracle_shared(foreign.tok_t, foreign.tok_d))
+
+
+@torch.no_grad()
+def tli_cycle_law(foreign, prompt, s, f=1.0):
+    """Brute force, float64, after the prompt's most likely prefill token v: (v, the target's
+    law of the next token, the law of the first cycle's token when the acceptance test uses
+    f * q~ for the q~ the proposal was drawn from: f < 1 is a q~ not renormalised over the
+    shared tokens, which held the share f of the draft's mass)."""
+    t, d, vocab = foreign.tok_t, foreign.tok_d, len(foreign.tok_t)
+    v = int(torch.tensor(bf_processed(last_logits(foreign.target, prompt, vocab), s)).argmax())
+    ctx = list(prompt) + [v]
+    shared = oracle_shared(t, d)
+    reading = [x for tok_id in ctx for x in ([shared[tok_id]] if tok_id in shared else
+                                             d(t.decode([tok_id]), add_special_tokens=False)[
+                                                 "input_ids"])]
+    p = torch.tensor(bf_processed(last_logits(foreign.target, ctx, vocab), s),
+                     dtype=torch.float64)
+    lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
+    q = torch.zeros(vocab, dtype=torch.float64)
+    q[sorted(shared)] = torch.tensor(bf_processed([lq[shared[i]] for i in sorted(shared)], s),
+                                     dtype=torch.float64)
+    take = q * torch.where(q > 0, (p / (f * q).clamp_min(1e-300)).clamp(max=1.0), 0.0)
+    left = (p - f * q).clamp_min(0)
+    return v, p, take + (1 - take.sum()) * left / left.sum()
+
+
+def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
+    """The first cycle's token, from 3,000 runs of one prompt (those after its most likely
+    prefill token, about 2,500), follows the target's law: chi-square against it.
+
+    Power, found by planting the error: the acceptance test run with 0.9 q~ (a q~ not
+    renormalised over the shared tokens, as if they held 90% of the draft's mass). Its law,
+    enumerated (tli_cycle_law), sits at chi-square noncentrality above 45 from the target's
+    for this many draws, against a critical value of 24 (7 d.f., p = 1e-3): power above
+    0.95; the planted run is rejected. 0.95 q~ (noncentrality 12) is not caught."""
+    s, n = sd.SamplingParams(1.0), 3000
+    prompt = foreign.tok_t("a draft")["input_ids"]
+    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+
+    def first_cycle_tokens(v):
+        rows = sd.run_simulation(foreign.target, tli, [sd.TokenSequence(prompt)] * n,
+                                 sd.LoopConfig(s, 1, 2, len(foreign.tok_t), frozenset(), CPU, 3),
+                                 batch_size=n)
+        got = [rows[i].tokens[1] for i in range(n) if rows[i].tokens[0] == v]
+        return torch.bincount(torch.tensor(got), minlength=len(foreign.tok_t))
+    v, p, planted = tli_cycle_law(foreign, prompt, s, f=0.9)
+    got = first_cycle_tokens(v)
+    assert sd.acceptance(p, tli_cycle_law(foreign, prompt, s)[2]).item() > 0.99  # (the law)
+    assert noncentrality(int(got.sum()), planted, p) > 45
+    assert chi2_pvalue(got, p) > 1e-3
+    real = sd.SharedVocab.on_target
+    monkeypatch.setattr(sd.SharedVocab, "on_target",
+                        lambda self, q, vocab: 0.9 * real(self, q, vocab))
+    assert chi2_pvalue(first_cycle_tokens(v), p) < 1e-3
+
+
+def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(foreign,
+                                                                            monkeypatch):
+    """SLEM against transformers' own generate(assistant_model=, tokenizer=,
+    assistant_tokenizer=) at T = 0 (its AssistedCandidateGeneratorDifferentTokenizers): per
+    prompt the same tokens, and cycle by cycle the same (target tokens proposed, accepted).
+    transformers drafts the first token itself where specdec takes it from the target's
+    prefill, so it runs on the prompt plus that token, one token less to go; it crops its last
+    block at max_new_tokens, so the cycles before it are compared. The assistant is set to a
+    constant block of gamma and no confidence cut; the two vocabulary sizes differ, as
+    transformers requires, and the pad id is one no model writes (transformers masks the
+    assistant's inputs equal to it)."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
+    draft = uag_draft(foreign.draft, gamma)
+    slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
+    compared, accepted, partial, long_blocks = 0, 0, 0, 0
+    for text in FOREIGN_PROMPTS:
+        ids = foreign.tok_t(text)["input_ids"]
+        ours.clear()
+        row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
+        mine = ours[id(row)]
+        theirs.clear()
+        x = torch.tensor([ids + row.tokens[:1]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = foreign.target.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=budget - 1,
+                assistant_model=draft, tokenizer=foreign.tok_t,
+                assistant_tokenizer=foreign.tok_d, pad_token_id=vocab + 7)[0, x.shape[1]:]
+        assert row.tokens == row.tokens[:1] + out.tolist()
+        assert row.tokens[0] == int(last_logits(foreign.target, ids, vocab).argmax())
+        whole = whole_cycles(mine, budget)
+        assert whole >= 5 and mine[:whole] == theirs[:whole], (text, mine, theirs)
+        compared += whole
+        accepted += sum(n for _, n in mine[:whole])
+        partial += sum(0 < n < k for k, n in mine[:whole])
+        long_blocks += sum(k > gamma for k, _ in mine[:whole])
+    assert compared >= 60 and accepted >= 60 and partial >= 3
+    assert long_blocks >= 3  # blocks of more target tokens than the draft wrote: counted so
+
+
+def uag_draft(model, gamma: int):
+    """A copy of a draft model set up as transformers' assistant for a comparison: a constant
+    block of gamma, no confidence cut (its default 0.4 stops a block when the draft is
+    unsure, which specdec's SLEM does not)."""
+    draft = copy.deepcopy(model)
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return draft
+
+
+def whole_cycles(cycles: list[tuple[int, int]], budget: int) -> int:
+    """How many of specdec's (proposed, accepted) cycles end inside the budget (after the
+    prefill's token): transformers crops the block that would pass it."""
+    done, whole = 1, 0
+    for k, n in cycles:
+        if done + k + 1 > budget:
+            break
+        done, whole = done + n + 1, whole + 1
+    return whole
+
+
+@pytest.fixture(scope="module")
+def eos_writing_draft(foreign):
+    """The foreign draft, its head changed so that it writes its own EOS (<|eos|>, id 0 of its
+    vocabulary) wherever it would have written '▁the': a draft whose text ends mid-block."""
+    draft = copy.deepcopy(foreign.draft)
+    head = draft.get_output_embeddings().weight
+    the = foreign.tok_d.convert_tokens_to_ids("▁the")
+    assert foreign.tok_d.eos_token_id == 0 and the != 0
+    head.data[0] = head.data[the] * 1.01  # (its logit: above '▁the''s wherever that one leads)
+    return draft
+
+
+def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writing_draft,
+                                                             monkeypatch):
+    """transformers' assistant stops at the target's EOS ids read as ids of its own
+    vocabulary, not at its own EOS: with the target's EOS an id the draft's vocabulary lacks
+    (the last id of 320 that the target never writes here; the draft has 90) it writes on past
+    its own <|eos|>, whose text decoding drops. Per prompt, cycle for cycle: SLEM's default
+    (stop="target") equals transformers told that EOS; stop="own" equals transformers told
+    [0, that EOS] (id 0 is <|eos|> in both vocabularies, so its assistant then stops at its own
+    EOS too, and the target never writes 0); and the two differ (oracle: transformers' own
+    generate, each way)."""
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
+    written = {t for text in FOREIGN_PROMPTS for t in foreign.target.generate(
+        torch.tensor([foreign.tok_t(text)["input_ids"]]), do_sample=False,
+        max_new_tokens=budget, pad_token_id=vocab + 7)[0].tolist()}
+    end = max(set(range(90, vocab)) - written)  # (an accepted EOS is counted apart: not here)
+    draft = uag_draft(eos_writing_draft, gamma)
+    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
+    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset([end]), CPU)
+    runs = {}
+    for stop, told in (("target", [end]), ("own", [0, end])):
+        slem = sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
+                              foreign.tok_d, stop=stop)
+        for text in FOREIGN_PROMPTS:
+            ids = foreign.tok_t(text)["input_ids"]
+            ours.clear()
+            row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
+            mine = ours[id(row)]
+            theirs.clear()
+            x = torch.tensor([ids + row.tokens[:1]])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = foreign.target.generate(
+                    x, attention_mask=torch.ones_like(x), do_sample=False,
+                    max_new_tokens=budget - 1, assistant_model=draft, tokenizer=foreign.tok_t,
+                    assistant_tokenizer=foreign.tok_d, eos_token_id=told,
+                    pad_token_id=vocab + 7)[0, x.shape[1]:].tolist()
+            assert row.tokens == row.tokens[:1] + out and 0 not in out
+            whole = whole_cycles(mine, budget)
+            assert whole >= 4 and mine[:whole] == theirs[:whole], (stop, text, mine, theirs)
+            runs[stop, text] = mine[:whole]
+    assert sum(runs["target", t] != runs["own", t] for t in FOREIGN_PROMPTS) >= 3
+    own, target = (sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
+                                  foreign.tok_d, stop=stop) for stop in ("own", "target"))
+    assert own.written([5, 0, 7]) == [5, 0] and target.written([5, 0, 7]) == [5, 0, 7]
+    assert target.for_run(frozenset([end]), [gamma]).written([5, end, 7]) == [5, end]
+
+
+def test_slem_draft_cache_is_cropped_as_transformers_crops_it(foreign):
+    """transformers crops the assistant's cache to its input's length less 2 and less the ids
+    its window replaced (_update_past_and_masks): when a window replaces ids and appends 3 or
+    more, entries of the replaced ids stay and the draft attends to them. Driven by one
+    script of committed target text (a fixed text, several tokens a cycle, whatever was
+    proposed), cycle for cycle: SLEM's default (cache="transformers") proposes what
+    transformers' own candidate generator proposes; cache="exact" what that generator proposes
+    with its cache dropped before each block (it then reads its whole input afresh); and the
+    two differ where stale entries were kept."""
+    from transformers import GenerationConfig
+    from transformers.generation.candidate_generator import \
+        AssistedCandidateGeneratorDifferentTokenizers as Universal
+    gamma, vocab = 3, len(foreign.tok_t)
+    text = foreign.tok_t(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"]
+    prompt, steps = text[:12], [8, 1] * 6  # (8 at once: windows that append many ids)
+    runs = {}
+    for cache, dropped in (("transformers", False), ("exact", True)):
+        hf = Universal(torch.tensor([prompt]), uag_draft(foreign.draft, gamma),
+                       foreign.tok_t, foreign.tok_d,
+                       GenerationConfig(max_length=10_000, min_length=0,
+                                        pad_token_id=vocab + 7), {})
+        if dropped:  # (the oracle of an exact reading: no cache, the whole input fed)
+            real = hf._update_past_and_masks
+            hf._update_past_and_masks = lambda ids, *a, **k: (
+                hf.assistant_kwargs.pop("cache", None), real(ids, *a, **k))[1]
+        slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t,
+                              foreign.tok_d, cache=cache)
+        session = slem.start([list(prompt)], None, sd.Drafting(SAMPLINGS["greedy"], gamma, vocab,
+                                                               CPU))
+        done, got = len(prompt), []
+        for n in steps:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cand, _ = hf.get_candidates(torch.tensor([text[:done]]))
+            p = session.propose(torch.zeros(1, dtype=torch.long), torch.zeros(1), None)
+            mine = p.tokens[0, :int(p.count[0])].tolist()
+            assert mine == cand[0, done:].tolist(), (cache, len(got), mine, cand[0, done:])
+            got.append(mine)
+            session.advance(None, [text[done:done + n]], None)
+            done += n
+        runs[cache] = got
+    assert sum(a != b for a, b in zip(runs["transformers"], runs["exact"])) >= 2  # (stale)
+
+
+def numbers_of(report) -> dict:
+    """Every number of a report, the draft's name and the translation's record aside."""
+    out = report.to_dict()
+    for k in ("draft", "drafter", "run_key", "run_key_parts", "cross_vocab",
+              "draft_vocab_coverage"):
+        out.pop(k)
+    for row in out["per_prompt"]:
+        row.pop("coverage_sum")
+    return out
+
+
+@pytest.mark.parametrize("key", ["greedy", "t1", "topk_topp"])
+def test_a_pair_of_one_tokenizer_gives_todays_numbers_whichever_method_is_forced(key, foreign):
+    """With the target's tokenizer on both sides nothing is translated: TLI gives every number
+    of the draft model measured as today (both routes, bit for bit: the same forwards, the
+    shared vocabulary all of it), and SLEM the simulated ones of today's argmax proposal
+    (its draft writes its argmax: under --proposal argmax the rules are the same)."""
+    s = SAMPLINGS[key]
+    tok = foreign.tok_t
+    target, draft = foreign.target, sd.early_exit_draft(foreign.target, 1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:5], tok)
+    kw = dict(device=CPU, gamma=3, continuation_tokens=12, simulate=True, batch_size=2)
+    today = sd.measure_drafts(target, [("d", draft)], seqs, sampling=s, **kw)[0]
+    tli = sd.measure_drafts(target, [sd.TliDrafter("d", draft, target, tok, tok)], seqs,
+                            sampling=s, **kw)[0]
+    assert numbers_of(tli) == numbers_of(today)
+    assert tli.run.cross_vocab["same_tokenizer"]
+    assert tli.draft_vocab_coverage == pytest.approx(1, abs=1e-6)
+    argmax = sd.measure_drafts(target, [("d", draft)], seqs, sampling=argmax_rule(s), **kw)[0]
+    slem = sd.measure_drafts(target, [sd.SlemDrafter("d", draft, target, tok, tok)], seqs,
+                             sampling=s, **kw)[0]
+    assert asdict_equal(slem.simulated, argmax.simulated)
+    assert slem.alpha is None and slem.gamma_table == []  # no teacher-forced form
+    assert 0 < argmax.simulated.alpha < 1
+
+
+@pytest.fixture(scope="session")
+def foreign_dirs(tmp_path_factory, foreign):
+    """target/ and draft/ saved as users have them (weights and tokenizer), draft-no-tok/
+    (the draft's weights alone), thin/ (a draft whose tokenizer shares little with the
+    target's: upper-case text)."""
+    root = tmp_path_factory.mktemp("foreign")
+    dirs = {}
+    for name, model, tok in [("target", foreign.target, foreign.tok_t),
+                             ("draft", foreign.draft, foreign.tok_d),
+                             ("draft-no-tok", foreign.draft, None)]:
+        model.save_pretrained(root / name)
+        if tok is not None:
+            tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp_path, foreign,
+                                                                     foreign_dirs):
+    """Tokenizers that disagree are no longer refused: TLI by default, SLEM when asked, the
+    header says which, with the shared vocabulary's size and p's mass in it; the numbers are
+    the library's. SLEM's speedup counts gamma draft steps a cycle, whatever number of target
+    tokens it proposed."""
+    data = tmp_path / "p.txt"
+    data.write_text("\n".join(FOREIGN_PROMPTS[:4]) + "\n", "utf-8")
+    base = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data", data,
+            "--chat-template", "off", "--temperature", "0", "--gamma", "3",
+            "--continuation-tokens", "12", "--simulate", "--quiet", "--cost-ratio", "0.1"]
+    rc, out, _ = run_cli(capsys, base + ["--json", tmp_path / "tli.json"])
+    assert rc == 0 and "draft's own tokenizer: TLI (token-level intersection" in out
+    got = json.loads((tmp_path / "tli.json").read_text("utf-8"))
+    shared = len(oracle_shared(foreign.tok_t, foreign.tok_d))
+    assert got["cross_vocab"]["method"] == "TLI" and got["cross_vocab"]["shared_tokens"] == shared
+    assert f"shared vocabulary {shared} tokens (target 320, draft 90)" in out
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
+    lib = sd.measure_drafts(foreign.target, [sd.TliDrafter(
+        foreign_dirs["draft"] + " (TLI)", foreign.draft, foreign.target, foreign.tok_t,
+        foreign.tok_d)], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
+        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
+    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--json",
+                                         tmp_path / "slem.json"])
+    assert rc == 0 and "teacher-forced (distributional): none for SLEM" in out
+    got = json.loads((tmp_path / "slem.json").read_text("utf-8"))
+    assert got["cross_vocab"]["method"] == "SLEM" and got["alpha"] is None
+    assert got["cross_vocab"]["most_target_tokens_per_cycle"] == 3 * sd.SLEM_WIDTH
+    assert got["empirical_est_speedup"] == pytest.approx(
+        got["empirical_tokens_per_cycle"] / (3 * 0.1 + 1), rel=1e-12)
+    assert "as transformers' universal assisted generation runs it" in out
+    assert (got["cross_vocab"]["stop"], got["cross_vocab"]["cache"]) == ("target", "transformers")
+    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--slem-stop", "own",
+                                         "--slem-cache", "exact", "--json", tmp_path / "own.json"])
+    got = json.loads((tmp_path / "own.json").read_text("utf-8"))
+    assert rc == 0 and "unlike transformers: its block ends at its own EOS" in out
+    assert "unlike transformers: it reads exactly its input" in out
+    assert got["draft"].endswith("(SLEM, stop=own, cache=exact)")
+    lib = sd.measure_drafts(foreign.target, [sd.SlemDrafter(
+        "d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d, stop="own",
+        cache="exact")], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
+        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
+
+
+@pytest.mark.parametrize("more,word", [
+    (["--cross-vocab", "slem"], "add --simulate"),  # SLEM has no teacher-forced form
+    (["--slem-stop", "own", "--simulate"], "--slem-stop applies to --cross-vocab slem"),
+    (["--draft", "draft-no-tok"], "no tokenizer of its own"),
+])
+def test_cli_drafts_with_another_tokenizer_bad_input_is_one_line(more, word, capsys, tmp_path,
+                                                                 foreign_dirs):
+    data = tmp_path / "p.txt"
+    data.write_text("the quick\n", "utf-8")
+    argv = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data",
+            data, "--quiet"] + more
+    if "draft-no-tok" in more:
+        argv = argv[:4] + argv[6:]
+        argv[3] = foreign_dirs["draft-no-tok"]
+    rc, out, err = run_cli(capsys, argv)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and word in err, err
+
+
+def test_a_thin_shared_vocabulary_is_a_warning_with_its_number(foreign):
+    """A draft whose tokenizer shares next to nothing with the target's (whole words, split at
+    spaces: only words at the start of a text match the target's tokens) is measured, with a
+    note that says how little of p's mass its vocabulary holds."""
+    from tokenizers import pre_tokenizers
+    words = ["[UNK]"] + sorted(set(sd.DECODE_PROBE.split()))
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    thin = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    draft = make_llama(3, vocab=len(thin), layers=1)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:2], foreign.tok_t)
+    r = sd.measure_drafts(foreign.target, [sd.TliDrafter("thin", draft, foreign.target,
+                                                         foreign.tok_t, thin)], seqs,
+                          sampling=sd.SamplingParams(1.0), device=CPU, continuation_tokens=6)[0]
+    mass = r.run.cross_vocab["p_mass_shared"]
+    assert mass == r.draft_vocab_coverage < 0.1
+    assert r.run.notes[0] == (f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, "
+                              f"under 10%: TLI can accept no more than that")
+    assert r.alpha <= mass + 1e-6  # nothing off the shared vocabulary is ever accepted
+
+
+@pytest.mark.parametrize("kind", ["TliDrafter", "SlemDrafter"])
+def test_measured_cost_times_a_step_of_the_drafts_own_tokens(kind, foreign):
+    """--cost-ratio measure opens the draft's session as the loop does (its reading of the
+    text included) and times one step of its own tokens: a time, and a ratio no lower than
+    its parameter share (clamp_costs)."""
+    d = getattr(sd, kind)("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
+    seqs = sd.build_sequences(FOREIGN_PROMPTS[:1], foreign.tok_t)
+    cost = sd.cost_model(foreign.target, d, sd.Settings(gamma=2, cost_ratio="measure"), seqs,
+                         CPU)
+    assert cost.timings["draft_step_s"] > 0
+    assert cost.ratio >= d.param_cost(foreign.target)[0] > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5664,6 +6997,70 @@ def test_parse_max_memory_and_rank_gpus():
         [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [sd.rank_gpus(sd.Launch(r, 8, r, 8), 8) for r in range(8)] == [[r] for r in range(8)]
     assert sd.rank_gpus(sd.Launch(3, 4, 3, 4), 2) == [1]
+
+
+# ----------------------------------------------------------------------------------------------
+# pictures and files
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's signature and IHDR chunk, read by hand."""
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_draws_a_png_and_changes_no_number(sim_report, tmp_path, llama, llama2, seqs):
+    before = json.dumps(sim_report.to_dict(), sort_keys=True)
+    sd.plot_reports([sim_report], str(tmp_path / "one.png"))
+    assert png_size(tmp_path / "one.png") == (1200, 800)
+    assert json.dumps(sim_report.to_dict(), sort_keys=True) == before
+    several = [r for t in (0.0, 1.0) for r in sd.measure_drafts(
+        llama, [("a", llama2), ("b", llama)], seqs, sampling=sd.SamplingParams(t), device=CPU,
+        continuation_tokens=4, simulate=True)]
+    sd.plot_reports(several, str(tmp_path / "many.png"))
+    assert png_size(tmp_path / "many.png") == (1200, 800)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.png", "one.png"]  # no temps
+
+
+def test_cli_plot_writes_the_picture_and_the_same_json(capsys, tmp_path, model_dirs,
+                                                       data_txt):
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--simulate", "--continuation-tokens", "6", "--quiet"]
+    rc, out, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "a.json")])
+    rc2, out2, _ = run_cli(capsys, argv + ["--json", str(tmp_path / "b.json"), "--plot",
+                                           str(tmp_path / "run.png")])
+    assert rc == rc2 == 0 and out == out2
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+    assert png_size(tmp_path / "run.png") == (1200, 800)
+    for bad, word in (("run.jpg", "should end in .png"), ("no/such/run.png", "does not exist")):
+        rc, out, err = run_cli(capsys, argv + ["--plot", str(tmp_path / bad)])
+        assert rc == 2 and out == "" and word in err
+
+
+def test_json_is_written_atomically_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    path.write_text("old", "utf-8")
+    sd.write_json_atomic(str(path), {"a": 1})
+    assert json.loads(path.read_text("utf-8")) == {"a": 1}
+
+    def broken(f):  # a write that fails half way (a full disk)
+        f.write(b'{"half": ')
+        raise OSError("disk full")
+    with pytest.raises(OSError):
+        sd.write_atomic(str(path), broken)
+    assert json.loads(path.read_text("utf-8")) == {"a": 1}  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary left
+
+
+def test_a_failed_run_leaves_an_earlier_json_untouched(tmp_path, capsys, model_dirs, data_txt):
+    path = tmp_path / "r.json"
+    path.write_text('{"earlier": true}', "utf-8")
+    rc, _, err = run_cli(capsys, ["--target", model_dirs["target"], "--draft",
+                                  model_dirs["badtok"], "--data", data_txt, "--json", path]
+                         + CLI_COMMON)
+    assert rc == 2 and "cannot decode" in err
+    assert json.loads(path.read_text("utf-8")) == {"earlier": True}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6636,1044 +8033,7 @@ def test_pip_install_gives_a_specdec_command(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# drafters: parallel drafters (PARD, DFlash), a whole block from one draft pass
-
-
-PARD_MASK = V - 1  # the stand-ins' mask token: '-', in no prompt below
-
-
-def pard_draft(model, mask=PARD_MASK):
-    """PARD as its paper and AMD-AGI/PARD's pard_infer run it, as draft(prefix, drafted):
-    the whole context, then one mask token per draft already made, through the model with no
-    cache; the last position's logits. The drafts themselves are never read."""
-    return lambda prefix, drafted: last_logits(model, list(prefix) + [mask] * len(drafted))
-
-
-def rope_rows(x, positions, theta):
-    """Rotary embedding, written out: x (T, heads, d) at positions (T,)."""
-    d = x.shape[-1]
-    freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
-    cos, sin = torch.cat([freqs, freqs], -1).cos().float(), torch.cat([freqs, freqs],
-                                                                        -1).sin().float()
-    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-    return x * cos[:, None] + half * sin[:, None]
-
-
-def dflash_layer(w, i, x, ctx, ctx_pos, pos, heads, kv_heads, dim, theta):
-    """DFlash's layer i, plain (z-lab's Qwen3DFlashDecoderLayer written from tensors): the
-    block x (n, H) at positions pos attends the context ctx (S, H) at ctx_pos and itself, both
-    ways, no mask; keys and values of both through the layer's own projections."""
-    p = f"layers.{i}."
-    h = rms(x, w[p + "input_layernorm.weight"])
-    both = torch.cat([ctx, h])  # (S + n, H)
-    q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(len(h), heads, dim),
-            w[p + "self_attn.q_norm.weight"])
-    k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(len(both), kv_heads, dim),
-            w[p + "self_attn.k_norm.weight"])
-    v = (both @ w[p + "self_attn.v_proj.weight"].T).view(len(both), kv_heads, dim)
-    q, k = rope_rows(q, pos, theta), rope_rows(k, torch.cat([ctx_pos, pos]), theta)
-    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-    score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
-    attn = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(len(h), heads * dim)
-    r = x + attn @ w[p + "self_attn.o_proj.weight"].T
-    y = rms(r, w[p + "post_attention_layernorm.weight"])
-    return r + (nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
-                * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-
-
-@torch.no_grad()
-def dflash_draft(target, w, c):
-    """DFlash as z-lab's dflash_generate runs it, as draft(prefix, drafted), no cache: the
-    target over the prefix but its last token (the pending one), its states at c["ids"]
-    (hidden_states[i + 1]) through fc and hidden_norm are the context; the block [pending,
-    mask x (size - 1)] at the positions from the pending one's, through every layer, norm,
-    the target's head; offset len(drafted) + 1 is the block's entry len(drafted) + 1."""
-    embed, blocks = target.get_input_embeddings().weight, {}
-
-    def logits(prefix, drafted):
-        if tuple(prefix) not in blocks:  # one block per cycle (its offsets asked in turn)
-            blocks[tuple(prefix)] = block(prefix)
-        return blocks[tuple(prefix)][len(drafted) + 1]
-
-    def block(prefix):
-        n = len(prefix) - 1
-        hs = target.model(input_ids=torch.tensor([prefix[:-1]]),
-                          output_hidden_states=True).hidden_states
-        ctx = rms(torch.cat([hs[i + 1][0] for i in c["ids"]], -1) @ w["fc.weight"].T,
-                  w["hidden_norm.weight"])
-        x = embed[torch.tensor([prefix[-1]] + [c["mask"]] * (c["size"] - 1))]
-        for i in range(c["layers"]):
-            x = dflash_layer(w, i, x, ctx, torch.arange(n), n + torch.arange(c["size"]),
-                             c["heads"], c["kv_heads"], c["dim"], c["theta"])
-        return target.lm_head(rms(x, w["norm.weight"]))
-    return logits
-
-
-DFLASH = dict(ids=[0, 2], size=4, mask=PARD_MASK, layers=2, heads=4, kv_heads=2, dim=8,
-              theta=10000.0)  # a 4-layer target's draft: the smallest, two drafted layers
-
-
-def dflash_tensors(c, seed=0):
-    """DFlash weights from a seeded generator, named as z-lab's checkpoints name them."""
-    g = torch.Generator().manual_seed(seed)
-    h, q, kv = 32, c["heads"] * c["dim"], c["kv_heads"] * c["dim"]
-
-    def r(*shape):
-        return 0.3 * torch.randn(*shape, generator=g)
-
-    def norm(n):
-        return 1 + 0.1 * torch.randn(n, generator=g)
-    w = {"fc.weight": r(h, len(c["ids"]) * h), "hidden_norm.weight": norm(h),
-         "norm.weight": norm(h)}
-    for i in range(c["layers"]):
-        p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
-                  p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
-                  p + "self_attn.q_norm.weight": norm(c["dim"]),
-                  p + "self_attn.k_norm.weight": norm(c["dim"]),
-                  p + "mlp.gate_proj.weight": r(64, h), p + "mlp.up_proj.weight": r(64, h),
-                  p + "mlp.down_proj.weight": r(h, 64), p + "input_layernorm.weight": norm(h),
-                  p + "post_attention_layernorm.weight": norm(h)})
-    return w
-
-
-def save_dflash(folder, fmt, w, c, **config):
-    """A DFlash checkpoint as its makers publish it: "zlab" (z-lab's: a Qwen3 config,
-    architectures DFlashDraftModel, auto_map to their code, dflash_config {mask_token_id,
-    target_layer_ids}, num_target_layers; weights fc, hidden_norm, layers.*, norm) or
-    "transformers" (transformers' own MuseGlimmerAssistantModel, save_pretrained: the keys at
-    the top, encoder.fc and encoder.output_norm_enc) -> that model ("transformers"), or None."""
-    from safetensors.torch import save_file
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=c["layers"],
-                  num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-                  head_dim=c["dim"], rms_norm_eps=1e-6, max_position_embeddings=256,
-                  block_size=c["size"], **config)
-    os.makedirs(folder, exist_ok=True)
-    if fmt == "zlab":
-        cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3",
-                   auto_map={"AutoModel": "dflash.DFlashDraftModel"}, vocab_size=V,
-                   rope_theta=c["theta"], rope_scaling=None, attention_bias=False,
-                   num_target_layers=4, layer_types=["full_attention"] * c["layers"],
-                   dflash_config={"mask_token_id": c["mask"], "target_layer_ids": c["ids"]})
-        cfg.update(common)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        save_file({k: v.contiguous() for k, v in w.items()},
-                  os.path.join(folder, "model.safetensors"))
-        return None
-    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
-    model = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(
-        mask_token_id=c["mask"], target_layer_ids=c["ids"],
-        layer_types=["full_attention"] * c["layers"], bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": c["theta"]},
-        **common)).eval()
-    renamed = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
-               k.replace("hidden_norm.", "encoder.output_norm_enc.", 1)
-               if k.startswith("hidden_norm.") else k: v for k, v in w.items()}
-    model.load_state_dict(renamed)
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="session")
-def biased4():
-    """A 4-layer Llama stand-in whose head favours three tokens: its greedy choice is among
-    them, but which one depends on the text, so a draft through the same head is accepted
-    often enough that (drafted, accepted) counts say something."""
-    return with_head_bias(make_llama(3, layers=4), {5: 3.0, 9: 3.0, 13: 3.0})
-
-
-@pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
-def test_pard_simulation_is_the_no_cache_loop_with_mask_tokens(key, gamma, biased4, tok_plain):
-    """The batched, cached PARD session (the accepted drafts, the pending token and gamma - 1
-    masks in one forward, the masks' slots dropped after) against the paper's loop
-    (reference_loop) driving pard_draft, which runs the whole context plus its masks every
-    cycle with no cache: the same tokens and cycles, prompt by prompt, at T = 0 and T > 0 (one
-    random stream each). The draft is the target's first layer, so blocks are accepted in part
-    and in whole."""
-    draft = sd.early_exit_draft(biased4, 1)
-    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS[:2], tok_plain)
-    want = reference_loop(biased4, pard_draft(draft), seqs, SAMPLINGS[key], gamma, 12, seed=3)
-    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, SAMPLINGS[key],
-                   gamma, 12, seed=3, batch_size=4)
-    for i, row in enumerate(want):
-        assert counts(got[i]) == row, i
-    assert sum(row["accepted"] for row in want) >= 10
-
-
-@pytest.mark.parametrize("key", ["t1", "greedy"])
-def test_pard_teacher_forced_alpha_by_offset_is_the_papers_block(key, biased4, tok_plain):
-    """Per offset j, teacher-forced alpha from one pass of masks over the continuation equals
-    pard_draft (no cache: the context up to t, then j - 1 masks) against the target at t + j - 1,
-    and the report chains them into tokens per cycle (the product of the offsets' alphas) and
-    prints them as its primary figure. gamma 1 (no mask at all, the smallest configuration)
-    is the draft model itself: the simulation equals reference_loop with the plain model."""
-    draft, s = sd.early_exit_draft(biased4, 1), SAMPLINGS[key]
-    seqs = sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
-    r = sd.measure_acceptance(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs,
-                              sampling=s, device=CPU, gamma=3, continuation_tokens=9, seed=2,
-                              batch_size=2)
-    want = head_step_alphas(biased4, pard_draft(draft), seqs, s, 9, 2, 8)
-    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
-    a = r.alpha_by_head
-    assert r.tokens_per_cycle == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
-    text = sd.format_report(r)
-    assert "alpha by draft offset 1..8" in text and "alpha by step" not in text
-    got = simulate(biased4, sd.PardDrafter("pard", draft, PARD_MASK), seqs, s, 1, 10, seed=4)
-    for i, row in enumerate(reference_loop(biased4, draft, seqs, s, 1, 10, seed=4)):
-        assert counts(got[i]) == row, i
-
-
-def position_gpt2(seed: int = 5):
-    """A GPT-2 whose every position predicts a known token whatever the text: token
-    embeddings and the blocks' outputs zeroed, so its state at position m is its position
-    embedding alone, and the head maps it to a law of its own (sharp enough that the greedy
-    choice changes with m). As its own PARD draft, mask j after a context ending at t sits at
-    t + j and predicts exactly what the target predicts there, at any temperature."""
-    torch.manual_seed(seed)
-    m = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                   bos_token_id=None, eos_token_id=None, initializer_range=0.3,
-                                   tie_word_embeddings=False))
-    with torch.no_grad():
-        m.transformer.wte.weight.zero_()
-        for block in m.transformer.h:
-            for proj in (block.attn.c_proj, block.mlp.c_proj):
-                proj.weight.zero_()
-                proj.bias.zero_()
-        m.lm_head.weight.mul_(3.0)
-    return m.eval().requires_grad_(False)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_pard_draft_whose_masks_reproduce_the_target_accepts_everything(temperature,
-                                                                          tok_plain):
-    """alpha = 1 at every offset in both routes, tokens per cycle = gamma + 1, for a draft
-    whose mask positions reproduce the target (position_gpt2 as its own PARD draft), and no
-    gamma of the table claims more than gamma + 1 tokens a cycle. Planted: masks placed one
-    position further (t + j + 1) give alpha 0.05-0.15 at offsets 2.. here (simulated 0.5)."""
-    target = position_gpt2()
-    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, sd.PardDrafter("pard", target, PARD_MASK), seqs,
-                              sampling=sd.SamplingParams(temperature), device=CPU, gamma=4,
-                              continuation_tokens=12, seed=1, simulate=True)
-    assert r.alpha_by_head == pytest.approx([1.0] * 8, abs=1e-6)
-    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
-    assert r.alpha_by_draft_offset == [1.0] * 4
-    assert all(row.tokens_per_cycle <= row.gamma + 1 + 1e-9 for row in r.gamma_table)
-    assert r.gamma_table[3].tokens_per_cycle == pytest.approx(5.0)
-
-
-def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tmp_path,
-                                                                      model_dirs, data_txt):
-    """A causal LM whose config names pard_token is recognised by --draft PATH; the same
-    model given with --pard-mask gives the same numbers. The cost is one draft pass a cycle:
-    the speedup divides by cost_ratio + 1 at every gamma. A mask token outside the
-    vocabulary (an id, a token the tokenizer lacks, a checkpoint's), or the flag without a
-    draft model, is one line and exit 2."""
-    pard = tmp_path / "pard"
-    base = sd.load_model_and_tokenizer(model_dirs["draft"], "cpu", progress=False)
-    base[0].config.pard_token = PARD_MASK
-    base[0].save_pretrained(pard)
-    base[1].save_pretrained(pard)
-    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet", "--gamma", "3",
-              "--continuation-tokens", "8", "--simulate"]
-    got = {}
-    for name, argv in (("checkpoint", ["--draft", str(pard)]),
-                       ("flag", ["--draft", model_dirs["draft"], "--pard-mask", str(PARD_MASK)])):
-        rc, text, err = run_cli(capsys, common + argv + ["--json", str(tmp_path / "r.json")])
-        assert rc == 0, err
-        got[name] = json.loads((tmp_path / "r.json").read_text())
-        assert "alpha by draft offset" in text and "one draft pass" in text
-    rc, _, err = run_cli(capsys, common + ["--draft-layers", "1", "--pard-mask", str(PARD_MASK),
-                                           "--json", str(tmp_path / "r.json")])
-    assert rc == 0 and json.loads((tmp_path / "r.json").read_text())["draft"].endswith(
-        f"[first 1 layers] [PARD, mask {PARD_MASK}]"), err
-    one, two = got["checkpoint"], got["flag"]
-    assert two["draft"].endswith(f"[PARD, mask {PARD_MASK}]") and one["one_draft_pass"]
-    assert one["alpha_by_head"] == two["alpha_by_head"] and len(one["alpha_by_head"]) == 8
-    assert one["accepted_tokens"] == two["accepted_tokens"]
-    for row in one["gamma_table"]:
-        assert row["est_speedup"] == pytest.approx(row["tokens_per_cycle"]
-                                                   / (one["cost_ratio"] + 1), rel=1e-9)
-    two_modes = make_llama(1)  # a PARD-2 draft: measured in its target-independent mode
-    two_modes.config.pard_token, two_modes.config.pard2_target_layers = PARD_MASK, [1, 2]
-    assert sd.PardDrafter.from_model("p2", sd.Loaded(two_modes), two_modes,
-                                     sd.DraftOptions()).name == \
-        "p2 [PARD-2, target-independent mode]"
-    cfg = json.loads((pard / "config.json").read_text())
-    cfg["pard_token"] = 99
-    (pard / "config.json").write_text(json.dumps(cfg))
-    for argv, word in ((["--draft", str(pard)], "not in the draft's vocabulary"),
-                       (["--draft", model_dirs["draft"], "--pard-mask", "99"], "ids 0..47"),
-                       (["--draft", model_dirs["draft"], "--pard-mask", "<mask>"], "no such token"),
-                       (["--draft", "ngram", "--pard-mask", "1"], "runs a draft model")):
-        rc, _, err = run_cli(capsys, common + argv)
-        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
-
-
-def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_plain,
-                                                                dflash_folders, monkeypatch):
-    """--cost-ratio measure times one draft pass that drafts the largest block of the run
-    (PARD: 8 tokens from one forward), and every gamma's speedup divides by cost_ratio +
-    its verify: proposing more costs nothing at the draft; auto counts one pass of the
-    draft's parameters."""
-    timed, real = [], sd.PardSession.propose
-
-    def counted(self, pending, npos, u):
-        timed.append(self.drafting.steps)
-        return real(self, pending, npos, u)
-    monkeypatch.setattr(sd.PardSession, "propose", counted)
-    seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
-    for drafter in (sd.PardDrafter("pard", sd.early_exit_draft(biased4, 1), PARD_MASK),
-                    sd.head_drafter(dflash_folders[1]["zlab"], biased4)):
-        r = sd.measure_acceptance(biased4, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
-                                  gamma=2, continuation_tokens=4, cost_ratio="measure")
-        drafted = min(8, drafter.can.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
-        assert r.one_draft_pass and r.costs["draft_step_s"] > 0
-        assert r.costs["draft_tokens"] == drafted
-        assert f"draft pass of {drafted}" in r.cost_ratio_source
-        raw = r.costs["verify_cost"]
-        for row in r.gamma_table:
-            k = min(row.gamma, drafted)  # a block of 4 proposes 3 at a larger gamma
-            verify = max([1.0] + [raw[g] for g in range(1, k + 1)])
-            assert row.est_speedup == pytest.approx(row.tokens_per_cycle
-                                                    / (r.cost_ratio + verify), rel=1e-9)
-        auto = sd.cost_model(biased4, drafter, sd.Settings(), seqs, CPU)
-        assert auto.per_cycle and auto.ratio == drafter.param_cost(biased4)[0] > 0
-    assert timed == [8] * 9  # two warm-up rounds and seven timed, each one pass of 8
-
-
-@pytest.fixture(scope="session")
-def dflash_folders(tmp_path_factory):
-    """One set of DFlash tensors saved in both published layouts -> (tensors, folders, the
-    transformers model)."""
-    root = tmp_path_factory.mktemp("dflash")
-    w = dflash_tensors(DFLASH, seed=1)
-    save_dflash(root / "zlab", "zlab", w, DFLASH)
-    model = save_dflash(root / "transformers", "transformers", w, DFLASH)
-    return w, {f: str(root / f) for f in ("zlab", "transformers")}, model
-
-
-@pytest.mark.parametrize("key", ["greedy", "t1"])
-def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_plain,
-                                                             dflash_folders):
-    """z-lab's layout and transformers' load as the same draft; per offset, teacher-forced
-    alpha equals dflash_draft (no cache: the target over the whole prefix, then the block),
-    and the simulation equals reference_loop driving it, prompt by prompt, at T = 0 and T = 1.
-    The whole block (block_size - 1 drafts) runs whatever gamma is."""
-    w, folders, _ = dflash_folders
-    s, seqs = SAMPLINGS[key], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    plain = dflash_draft(biased4, w, DFLASH)
-    want = head_step_alphas(biased4, plain, seqs, s, 7, 2, 3)
-    reports = []
-    for fmt, folder in folders.items():
-        d = sd.head_drafter(folder, biased4)
-        assert isinstance(d, sd.DFlashDrafter) and d.can.max_gamma == 3 and d.can.target_layers == (1, 3), fmt
-        reports.append(sd.measure_acceptance(biased4, d, seqs, sampling=s, device=CPU, gamma=2,
-                                             continuation_tokens=7, seed=2, batch_size=3))
-        assert reports[-1].alpha_by_head == pytest.approx([sum(a) / len(a) for a in want],
-                                                          abs=1e-5), fmt
-    assert [{k: v for k, v in numbers(r).items() if "run_key" not in k} for r in reports] == [
-        {k: v for k, v in numbers(reports[0]).items() if "run_key" not in k}] * 2
-    got = simulate(biased4, sd.head_drafter(folders["zlab"], biased4), seqs, s, 2, 12, seed=3,
-                   batch_size=3)
-    ref = reference_loop(biased4, plain, seqs, s, 2, 12, seed=3)
-    for i, row in enumerate(ref):
-        assert counts(got[i]) == row, i
-    assert sum(row["accepted"] for row in ref) >= 5
-
-
-@pytest.mark.parametrize("ids,size", [([1, 3], 4), ([2], 2)])
-def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4, tok_plain,
-                                                             tmp_path):
-    """A draft that reads the target's last layer (its output: the final, normed states, as
-    output_hidden_states holds them) and the smallest block (block_size 2: one draft a pass,
-    one layer read): per-offset teacher-forced alpha and the simulation equal dflash_draft
-    through reference_loop (T = 1)."""
-    c = dict(DFLASH, ids=ids, size=size, layers=len(ids))
-    w = dflash_tensors(c, seed=4)
-    save_dflash(tmp_path, "zlab", w, c)
-    drafter = sd.head_drafter(str(tmp_path), biased4)
-    s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS[:3], tok_plain)
-    plain = dflash_draft(biased4, w, c)
-    r = sd.measure_acceptance(biased4, drafter, seqs, sampling=s, device=CPU, gamma=size - 1,
-                              continuation_tokens=6, seed=2)
-    want = head_step_alphas(biased4, plain, seqs, s, 6, 2, size - 1)
-    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
-    got = simulate(biased4, drafter, seqs, s, size - 1, 10, seed=3)
-    for i, row in enumerate(reference_loop(biased4, plain, seqs, s, size - 1, 10, seed=3)):
-        assert counts(got[i]) == row, i
-
-
-def test_dflash_greedy_simulation_is_transformers_dflash(biased4, tok_plain, dflash_folders,
-                                                         monkeypatch):
-    """The oracle is transformers' own DFlash generation (speculation_type "dflash", its
-    MuseGlimmerAssistantModel over the same tensors), which, like the engines and specdec,
-    takes the first token from the target's prefill: the same tokens and, cycle by cycle, the
-    same (drafted, accepted) counts (but the last, which transformers cuts at the budget)."""
-    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
-    _, folders, model = dflash_folders
-    drafter = sd.head_drafter(folders["transformers"], biased4)
-    accepted = 0
-    for out, theirs, row, ours in transformers_from_the_prefill(
-            monkeypatch, DFlashTokenCandidateGenerator, biased4, drafter,
-            EAGLE_PROMPTS, tok_plain, 3, budget=24, assistant_model=model,
-            speculation_type="dflash", pad_token_id=V):
-        assert row.tokens == out
-        assert ours[:len(theirs) - 1] == theirs[:-1]
-        accepted += sum(n for _, n in theirs)
-    assert accepted >= 10
-
-
-def copy_pair(scale: float = 100.0):
-    """A target that writes its last token again (its layers' outputs zeroed, its head its
-    own embedding rows of one length, times `scale`: sharp enough that T = 0.8 samples it too)
-    and a one-layer DFlash draft, made by hand, whose masks copy the block's first token: only
-    real tokens have keys (embedding dimension 0), only masks queries (dimension 1), in a RoPE
-    pair that barely turns (rope_theta 1e16), so each mask attends the block's first token
-    alone, and reads its embedding through v and o_proj. -> (target, tensors, config)."""
-    target = make_llama(6, layers=4)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        e = torch.randn(V, 32, generator=g)
-        e[:, 0], e[:, 1] = 0.5, 0.0
-        e[PARD_MASK] = 0.0
-        e[PARD_MASK, 1] = 1.0
-        e = e / e.norm(dim=-1, keepdim=True)
-        target.model.embed_tokens.weight.copy_(e)
-        target.lm_head.weight.copy_(scale * e)
-    c = dict(DFLASH, layers=1, kv_heads=4, theta=1e16)
-    pair = torch.zeros(32)
-    pair[[3, 7, 11, 15, 19, 23, 27, 31]] = 1.0  # each head's slowest RoPE pair (dims 3, 7)
-    w = {k: torch.zeros_like(v) for k, v in dflash_tensors(c).items()}
-    w.update({k: torch.ones_like(v) for k, v in w.items() if "norm" in k})
-    p = "layers.0.self_attn."
-    w[p + "q_proj.weight"][:, 1] = pair  # masks ask...
-    w[p + "k_proj.weight"][:, 0] = pair  # ...real tokens answer (a mask's key is zero)
-    w[p + "q_norm.weight"].fill_(10.0)
-    w[p + "k_norm.weight"].fill_(10.0)
-    w[p + "v_proj.weight"] = torch.eye(32)
-    w[p + "o_proj.weight"] = 10.0 * torch.eye(32)
-    return target.eval(), w, c
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_dflash_draft_that_reproduces_the_target_accepts_everything(temperature, tok_plain,
-                                                                      tmp_path):
-    """alpha = 1 at every offset in both routes for a DFlash draft whose masks reproduce the
-    target (copy_pair); tokens per cycle = gamma + 1, and no row of the best-gamma table claims
-    more than min(gamma, block_size - 1) + 1 (a block of 4 drafts 3). Planted: a real token
-    (id 7) in the block in place of the mask token gives alpha 0.08 at every offset."""
-    target, w, c = copy_pair()
-    save_dflash(tmp_path, "zlab", w, c)
-    drafter = sd.head_drafter(str(tmp_path), target)
-    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
-                              device=CPU, gamma=3, continuation_tokens=10, seed=1,
-                              simulate=True)
-    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
-    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
-    assert r.alpha_by_draft_offset == [1.0] * 3 and r.tokens_per_cycle == pytest.approx(4.0)
-    assert all(row.tokens_per_cycle <= min(row.gamma, 3) + 1 + 1e-9 for row in r.gamma_table)
-    assert r.one_draft_pass and "a cycle (one draft pass drafts any gamma)" in sd.format_report(r)
-
-
-def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, capsys,
-                                                         model_dirs, data_txt, tok_plain):
-    """Target layers that do not exist (or a target of another depth), a mask token outside
-    the target's vocabulary, sliding-window layers (which engines run with code of their own),
-    a block too small for gamma, weights specdec cannot build: each one line (exit 2 on the
-    command line); the checkpoint's own code never runs."""
-    w = dflash_tensors(DFLASH)
-    cases = {"layers": (dict(DFLASH, ids=[0, 9]), {}, "target layers [0, 9]"),
-             "depth": (DFLASH, {"num_target_layers": 36}, "a target of 36 layers"),
-             "mask": (dict(DFLASH, mask=300), {}, "not in the target's vocabulary"),
-             "sliding": (DFLASH, {"use_sliding_window": True}, "sliding"),
-             "nosize": (dict(DFLASH, size=None), {}, "without block_size")}
-    for name, (c, extra, word) in cases.items():
-        save_dflash(tmp_path / name, "zlab", w, c)
-        cfg = json.loads((tmp_path / name / "config.json").read_text())
-        cfg.update(extra)
-        if c["size"] is None:
-            cfg.pop("block_size")
-        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(sd.UsageError, match=re.escape(word)):
-            sd.head_drafter(str(tmp_path / name), biased4)
-    save_dflash(tmp_path / "odd", "zlab", {**w, "extra.weight": torch.zeros(2)}, DFLASH)
-    with pytest.raises(sd.UsageError, match="its own code .* which specdec does not run"):
-        sd.head_drafter(str(tmp_path / "odd"), biased4)
-    loaded = make_llama(0)  # a DFlash config a hub id loaded as a causal LM: not run as one
-    loaded.config.dflash_config = {"mask_token_id": PARD_MASK}
-    with pytest.raises(sd.UsageError, match="huggingface-cli download"):
-        sd.DFlashDrafter.from_model("z-lab/x-DFlash", sd.Loaded(loaded), biased4,
-                                    sd.DraftOptions())
-    save_dflash(tmp_path / "ok", "zlab", w, DFLASH)
-    seqs = sd.build_sequences(EAGLE_PROMPTS, tok_plain)
-    with pytest.raises(sd.UsageError, match="--gamma 4: .* drafts at most 3 tokens a pass"):
-        sd.measure_acceptance(biased4, sd.head_drafter(str(tmp_path / "ok"), biased4), seqs,
-                              device=CPU, gamma=4, continuation_tokens=4)
-    save_dflash(tmp_path / "two", "zlab", w, dict(DFLASH, ids=[0, 1]),
-                num_target_layers=2)  # the CLI's 2-layer target: layers 0 and 1 exist
-    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet"]
-    for argv, word in ((["--draft", str(tmp_path / "two"), "--gamma", "5"], "at most 3"),
-                       (["--draft", str(tmp_path / "layers")], "target layers [0, 9]")):
-        rc, _, err = run_cli(capsys, common + argv)
-        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
-    rc, text, err = run_cli(capsys, common + ["--draft", str(tmp_path / "two"), "--gamma", "3",
-                                              "--simulate", "--continuation-tokens", "6"])
-    assert rc == 0 and "alpha by draft offset 1..3" in text, err
-
-
-# drafters in another vocabulary: TLI and SLEM, a draft model with a tokenizer of its own
-#
-# Two real tokenizers built here over one text: the target's a GPT-2-style byte-level BPE, the
-# draft's a SentencePiece-style BPE (Metaspace, '▁' for a space). Their pre-tokenisers differ,
-# so their merges do: vocabularies of different sizes, ids that differ, each with texts the
-# other lacks (test_the_two_tokenizers_really_differ). Two tiny Llamas are trained a few steps
-# on the text, each in its own tokens (the draft smaller and shorter): they write text, agree
-# often and not always.
-
-
-VOCAB_TEXT = ("the quick brown fox jumps over the lazy dog. speculative decoding drafts tokens "
-              "and the target verifies them. a draft with another tokenizer reads the text its "
-              "own way.")
-
-
-def bpe_tokenizer(size: int, metaspace: bool):
-    """A BPE tokenizer trained on VOCAB_TEXT: byte-level (GPT-2's marks, every byte a token)
-    or Metaspace (SentencePiece's '▁', the text's characters)."""
-    from tokenizers import decoders, pre_tokenizers, trainers
-    tk = Tokenizer(models.BPE())
-    if metaspace:
-        tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-        alphabet = sorted(set(VOCAB_TEXT) | {"▁"})
-    else:
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tk.decoder, alphabet = decoders.ByteLevel(), pre_tokenizers.ByteLevel.alphabet()
-    tk.train_from_iterator([VOCAB_TEXT] * 50, trainer=trainers.BpeTrainer(
-        vocab_size=size, special_tokens=["<|eos|>"], initial_alphabet=alphabet,
-        show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|eos|>")
-
-
-def trained_llama(tok, seed: int, layers: int, steps: int):
-    """A tiny Llama over tok's vocabulary, trained `steps` Adam steps on VOCAB_TEXT twice over
-    (windows of 24 tokens, seeded): it writes the text back, more or less well."""
-    model = make_llama(seed, vocab=len(tok), layers=layers).train().requires_grad_(True)
-    ids = torch.tensor(tok(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"])
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        x = torch.stack([ids[a:a + 24] for a in torch.randint(len(ids) - 24, (8,), generator=g)])
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval().requires_grad_(False)
-
-
-class Foreign(NamedTuple):
-    tok_t: Any  # the target's tokenizer (byte-level)
-    tok_d: Any  # the draft's (Metaspace)
-    target: Any
-    draft: Any  # over tok_d's vocabulary
-
-
-@pytest.fixture(scope="session")
-def foreign():
-    tok_t, tok_d = bpe_tokenizer(320, False), bpe_tokenizer(90, True)
-    return Foreign(tok_t, tok_d, trained_llama(tok_t, 0, 2, 200),
-                   trained_llama(tok_d, 1, 1, 60))
-
-
-FOREIGN_PROMPTS = ["the quick", "a draft with", "speculative", "the target", "the lazy dog",
-                   "tokens and", "reads the", "brown fox", "verifies them.", "own way", "the"]
-
-
-def oracle_shared(tok_t, tok_d) -> dict[int, int]:
-    """The shared vocabulary by hand, for these two tokenizers: a token's text is its string
-    with the space mark ('Ġ' or '▁') read as a space (their other characters are the text's
-    own); target id -> draft id, each text at its lowest id."""
-    def texts(tok, mark):
-        out: dict[str, int] = {}
-        for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
-            if piece != "<|eos|>" and all(c == mark or c in VOCAB_TEXT for c in piece):
-                out.setdefault(piece.replace(mark, " "), i)
-        return out
-    on_t, on_d = texts(tok_t, "Ġ"), texts(tok_d, "▁")
-    shared = {on_t[k]: on_d[k] for k in on_t.keys() & on_d.keys()}
-    shared[tok_t.eos_token_id] = tok_d.eos_token_id  # the one special token, in both
-    return shared
-
-
-def test_the_two_tokenizers_really_differ(foreign):
-    """Not a nested pair (a smaller vocabulary trained the same way keeps the larger one's
-    ids): different sizes, different ids for the same text, texts on each side the other
-    lacks; both give the text back. The shared vocabulary is the oracle's."""
-    t, d = foreign.tok_t, foreign.tok_d
-    for tok in (t, d):
-        assert tok.decode(tok(VOCAB_TEXT)["input_ids"]) == VOCAB_TEXT
-    assert t(VOCAB_TEXT)["input_ids"] != d(VOCAB_TEXT)["input_ids"]
-    shared = oracle_shared(t, d)
-    assert len(t) == 320 and len(d) == 90 and 40 <= len(shared) < len(d)
-    assert sum(a != b for a, b in shared.items()) > 0.9 * len(shared)  # ids differ
-    assert len(shared) < len(d)  # the draft has texts the target lacks (and the target many)
-    v = sd.SharedVocab(t, d, len(t), len(d))
-    assert dict(zip(v.target_ids.tolist(), v.draft_ids.tolist())) == shared
-    assert not v.same
-
-
-def oracle_tli_alphas(foreign, seqs, conts, s: "sd.SamplingParams"):
-    """Per prompt: the sums of alpha_t and of p_t's mass on the shared vocabulary, by brute
-    force. At each scored position t (predicting the continuation's token t + 1, from its
-    second on) the draft reads row[:t + 1] token by token (the shared ones as its own token,
-    the others' text re-tokenised), runs alone over it, no cache; q~ = the processed
-    distribution of its logits restricted to the shared tokens; alpha_t = sum over the
-    shared tokens of min(p_t, q~_t), in float64 Python loops."""
-    t, d = foreign.tok_t, foreign.tok_d
-    shared = oracle_shared(t, d)
-    order = sorted(shared)  # target ids of the shared tokens
-    out = []
-    for q, c in zip(seqs, conts):
-        row = q.ids + c
-        alphas, masses = 0.0, 0.0
-        for pos in range(len(q.ids), len(row) - 1):
-            reading = []
-            for tok_id in row[:pos + 1]:
-                reading += ([shared[tok_id]] if tok_id in shared else
-                            d(t.decode([tok_id]), add_special_tokens=False)["input_ids"])
-            with torch.no_grad():
-                lp = foreign.target(torch.tensor([row[:pos + 1]])).logits[0, -1]
-                lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
-            p = bf_processed(lp, s)
-            q_shared = bf_processed([lq[shared[i]] for i in order], s)
-            alphas += sum(min(p[i], qi) for i, qi in zip(order, q_shared))
-            masses += sum(p[i] for i in order)
-        out.append((alphas, masses))
-    return out
-
-
-@pytest.mark.parametrize("key", ["t1", "topk_topp", "greedy"])
-def test_tli_teacher_forced_alpha_matches_brute_force(key, foreign):
-    """TLI's teacher-forced alpha and p's mass on the shared vocabulary, per prompt, equal the
-    brute-force oracle's on the continuations the target wrote (1e-5: float32 against
-    float64)."""
-    s = SAMPLINGS[key]
-    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
-    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
-    r = sd.measure_drafts(foreign.target, [tli], seqs, sampling=s, device=CPU, gamma=3,
-                          continuation_tokens=6, batch_size=3)[0]
-    conts = continuations(foreign.target, seqs, s, 6, vocab=len(foreign.tok_t))
-    want = oracle_tli_alphas(foreign, seqs, conts, s)
-    got = sorted(r.run.per_prompt, key=lambda row: row["index"])
-    for row, (alpha_sum, mass_sum) in zip(got, want):
-        assert row["alpha_sum"] == pytest.approx(alpha_sum, rel=1e-5, abs=1e-6)
-        assert row["coverage_sum"] == pytest.approx(mass_sum, rel=1e-5, abs=1e-6)
-    assert 0.2 < r.alpha < 0.98 and 0.5 < r.draft_vocab_coverage < 1  # not a trivial pair
-    assert r.run.cross_vocab["method"] == "TLI"
-    assert r.run.cross_vocab["p_mass_shared"] == r.draft_vocab_coverage
-    assert r.run.cross_vocab["shared_tokens"] == len(oracle_shared(foreign.tok_t, foreign.tok_d))
-
-
-@torch.no_grad()
-def tli_cycle_law(foreign, prompt, s, f=1.0):
-    """Brute force, float64, after the prompt's most likely prefill token v: (v, the target's
-    law of the next token, the law of the first cycle's token when the acceptance test uses
-    f * q~ for the q~ the proposal was drawn from: f < 1 is a q~ not renormalised over the
-    shared tokens, which held the share f of the draft's mass)."""
-    t, d, vocab = foreign.tok_t, foreign.tok_d, len(foreign.tok_t)
-    v = int(torch.tensor(bf_processed(last_logits(foreign.target, prompt, vocab), s)).argmax())
-    ctx = list(prompt) + [v]
-    shared = oracle_shared(t, d)
-    reading = [x for tok_id in ctx for x in ([shared[tok_id]] if tok_id in shared else
-                                             d(t.decode([tok_id]), add_special_tokens=False)[
-                                                 "input_ids"])]
-    p = torch.tensor(bf_processed(last_logits(foreign.target, ctx, vocab), s),
-                     dtype=torch.float64)
-    lq = foreign.draft(torch.tensor([reading])).logits[0, -1]
-    q = torch.zeros(vocab, dtype=torch.float64)
-    q[sorted(shared)] = torch.tensor(bf_processed([lq[shared[i]] for i in sorted(shared)], s),
-                                     dtype=torch.float64)
-    take = q * torch.where(q > 0, (p / (f * q).clamp_min(1e-300)).clamp(max=1.0), 0.0)
-    left = (p - f * q).clamp_min(0)
-    return v, p, take + (1 - take.sum()) * left / left.sum()
-
-
-def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
-    """The first cycle's token, from 3,000 runs of one prompt (those after its most likely
-    prefill token, about 2,500), follows the target's law: chi-square against it.
-
-    Power, found by planting the error: the acceptance test run with 0.9 q~ (a q~ not
-    renormalised over the shared tokens, as if they held 90% of the draft's mass). Its law,
-    enumerated (tli_cycle_law), sits at chi-square noncentrality above 45 from the target's
-    for this many draws, against a critical value of 24 (7 d.f., p = 1e-3): power above
-    0.95; the planted run is rejected. 0.95 q~ (noncentrality 12) is not caught."""
-    s, n = sd.SamplingParams(1.0), 3000
-    prompt = foreign.tok_t("a draft")["input_ids"]
-    tli = sd.TliDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
-
-    def first_cycle_tokens(v):
-        rows = sd.run_simulation(foreign.target, tli, [sd.TokenSequence(prompt)] * n,
-                                 sd.LoopConfig(s, 1, 2, len(foreign.tok_t), frozenset(), CPU, 3),
-                                 batch_size=n)
-        got = [rows[i].tokens[1] for i in range(n) if rows[i].tokens[0] == v]
-        return torch.bincount(torch.tensor(got), minlength=len(foreign.tok_t))
-    v, p, planted = tli_cycle_law(foreign, prompt, s, f=0.9)
-    got = first_cycle_tokens(v)
-    assert sd.acceptance(p, tli_cycle_law(foreign, prompt, s)[2]).item() > 0.99  # (the law)
-    assert noncentrality(int(got.sum()), planted, p) > 45
-    assert chi2_pvalue(got, p) > 1e-3
-    real = sd.SharedVocab.on_target
-    monkeypatch.setattr(sd.SharedVocab, "on_target",
-                        lambda self, q, vocab: 0.9 * real(self, q, vocab))
-    assert chi2_pvalue(first_cycle_tokens(v), p) < 1e-3
-
-
-def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(foreign,
-                                                                            monkeypatch):
-    """SLEM against transformers' own generate(assistant_model=, tokenizer=,
-    assistant_tokenizer=) at T = 0 (its AssistedCandidateGeneratorDifferentTokenizers): per
-    prompt the same tokens, and cycle by cycle the same (target tokens proposed, accepted).
-    transformers drafts the first token itself where specdec takes it from the target's
-    prefill, so it runs on the prompt plus that token, one token less to go; it crops its last
-    block at max_new_tokens, so the cycles before it are compared. The assistant is set to a
-    constant block of gamma and no confidence cut; the two vocabulary sizes differ, as
-    transformers requires, and the pad id is one no model writes (transformers masks the
-    assistant's inputs equal to it)."""
-    from transformers.generation.candidate_generator import \
-        AssistedCandidateGeneratorDifferentTokenizers as Universal
-    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
-    draft = uag_draft(foreign.draft, gamma)
-    slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
-    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
-    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset(), CPU)
-    compared, accepted, partial, long_blocks = 0, 0, 0, 0
-    for text in FOREIGN_PROMPTS:
-        ids = foreign.tok_t(text)["input_ids"]
-        ours.clear()
-        row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
-        mine = ours[id(row)]
-        theirs.clear()
-        x = torch.tensor([ids + row.tokens[:1]])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = foreign.target.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=budget - 1,
-                assistant_model=draft, tokenizer=foreign.tok_t,
-                assistant_tokenizer=foreign.tok_d, pad_token_id=vocab + 7)[0, x.shape[1]:]
-        assert row.tokens == row.tokens[:1] + out.tolist()
-        assert row.tokens[0] == int(last_logits(foreign.target, ids, vocab).argmax())
-        whole = whole_cycles(mine, budget)
-        assert whole >= 5 and mine[:whole] == theirs[:whole], (text, mine, theirs)
-        compared += whole
-        accepted += sum(n for _, n in mine[:whole])
-        partial += sum(0 < n < k for k, n in mine[:whole])
-        long_blocks += sum(k > gamma for k, _ in mine[:whole])
-    assert compared >= 60 and accepted >= 60 and partial >= 3
-    assert long_blocks >= 3  # blocks of more target tokens than the draft wrote: counted so
-
-
-def uag_draft(model, gamma: int):
-    """A copy of a draft model set up as transformers' assistant for a comparison: a constant
-    block of gamma, no confidence cut (its default 0.4 stops a block when the draft is
-    unsure, which specdec's SLEM does not)."""
-    draft = copy.deepcopy(model)
-    draft.generation_config.num_assistant_tokens = gamma
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    return draft
-
-
-def whole_cycles(cycles: list[tuple[int, int]], budget: int) -> int:
-    """How many of specdec's (proposed, accepted) cycles end inside the budget (after the
-    prefill's token): transformers crops the block that would pass it."""
-    done, whole = 1, 0
-    for k, n in cycles:
-        if done + k + 1 > budget:
-            break
-        done, whole = done + n + 1, whole + 1
-    return whole
-
-
-@pytest.fixture(scope="module")
-def eos_writing_draft(foreign):
-    """The foreign draft, its head changed so that it writes its own EOS (<|eos|>, id 0 of its
-    vocabulary) wherever it would have written '▁the': a draft whose text ends mid-block."""
-    draft = copy.deepcopy(foreign.draft)
-    head = draft.get_output_embeddings().weight
-    the = foreign.tok_d.convert_tokens_to_ids("▁the")
-    assert foreign.tok_d.eos_token_id == 0 and the != 0
-    head.data[0] = head.data[the] * 1.01  # (its logit: above '▁the''s wherever that one leads)
-    return draft
-
-
-def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writing_draft,
-                                                             monkeypatch):
-    """transformers' assistant stops at the target's EOS ids read as ids of its own
-    vocabulary, not at its own EOS: with the target's EOS an id the draft's vocabulary lacks
-    (the last id of 320 that the target never writes here; the draft has 90) it writes on past
-    its own <|eos|>, whose text decoding drops. Per prompt, cycle for cycle: SLEM's default
-    (stop="target") equals transformers told that EOS; stop="own" equals transformers told
-    [0, that EOS] (id 0 is <|eos|> in both vocabularies, so its assistant then stops at its own
-    EOS too, and the target never writes 0); and the two differ (oracle: transformers' own
-    generate, each way)."""
-    from transformers.generation.candidate_generator import \
-        AssistedCandidateGeneratorDifferentTokenizers as Universal
-    gamma, budget, vocab = 3, 24, len(foreign.tok_t)
-    written = {t for text in FOREIGN_PROMPTS for t in foreign.target.generate(
-        torch.tensor([foreign.tok_t(text)["input_ids"]]), do_sample=False,
-        max_new_tokens=budget, pad_token_id=vocab + 7)[0].tolist()}
-    end = max(set(range(90, vocab)) - written)  # (an accepted EOS is counted apart: not here)
-    draft = uag_draft(eos_writing_draft, gamma)
-    theirs, ours = hf_cycles(monkeypatch, Universal), logged_cycles(monkeypatch)
-    config = sd.LoopConfig(SAMPLINGS["greedy"], gamma, budget, vocab, frozenset([end]), CPU)
-    runs = {}
-    for stop, told in (("target", [end]), ("own", [0, end])):
-        slem = sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
-                              foreign.tok_d, stop=stop)
-        for text in FOREIGN_PROMPTS:
-            ids = foreign.tok_t(text)["input_ids"]
-            ours.clear()
-            row = sd.run_simulation(foreign.target, slem, [sd.TokenSequence(ids)], config)[0]
-            mine = ours[id(row)]
-            theirs.clear()
-            x = torch.tensor([ids + row.tokens[:1]])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out = foreign.target.generate(
-                    x, attention_mask=torch.ones_like(x), do_sample=False,
-                    max_new_tokens=budget - 1, assistant_model=draft, tokenizer=foreign.tok_t,
-                    assistant_tokenizer=foreign.tok_d, eos_token_id=told,
-                    pad_token_id=vocab + 7)[0, x.shape[1]:].tolist()
-            assert row.tokens == row.tokens[:1] + out and 0 not in out
-            whole = whole_cycles(mine, budget)
-            assert whole >= 4 and mine[:whole] == theirs[:whole], (stop, text, mine, theirs)
-            runs[stop, text] = mine[:whole]
-    assert sum(runs["target", t] != runs["own", t] for t in FOREIGN_PROMPTS) >= 3
-    own, target = (sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
-                                  foreign.tok_d, stop=stop) for stop in ("own", "target"))
-    assert own.written([5, 0, 7]) == [5, 0] and target.written([5, 0, 7]) == [5, 0, 7]
-    assert target.for_run(frozenset([end]), [gamma]).written([5, end, 7]) == [5, end]
-
-
-def test_slem_draft_cache_is_cropped_as_transformers_crops_it(foreign):
-    """transformers crops the assistant's cache to its input's length less 2 and less the ids
-    its window replaced (_update_past_and_masks): when a window replaces ids and appends 3 or
-    more, entries of the replaced ids stay and the draft attends to them. Driven by one
-    script of committed target text (a fixed text, several tokens a cycle, whatever was
-    proposed), cycle for cycle: SLEM's default (cache="transformers") proposes what
-    transformers' own candidate generator proposes; cache="exact" what that generator proposes
-    with its cache dropped before each block (it then reads its whole input afresh); and the
-    two differ where stale entries were kept."""
-    from transformers import GenerationConfig
-    from transformers.generation.candidate_generator import \
-        AssistedCandidateGeneratorDifferentTokenizers as Universal
-    gamma, vocab = 3, len(foreign.tok_t)
-    text = foreign.tok_t(VOCAB_TEXT + " " + VOCAB_TEXT)["input_ids"]
-    prompt, steps = text[:12], [8, 1] * 6  # (8 at once: windows that append many ids)
-    runs = {}
-    for cache, dropped in (("transformers", False), ("exact", True)):
-        hf = Universal(torch.tensor([prompt]), uag_draft(foreign.draft, gamma),
-                       foreign.tok_t, foreign.tok_d,
-                       GenerationConfig(max_length=10_000, min_length=0,
-                                        pad_token_id=vocab + 7), {})
-        if dropped:  # (the oracle of an exact reading: no cache, the whole input fed)
-            real = hf._update_past_and_masks
-            hf._update_past_and_masks = lambda ids, *a, **k: (
-                hf.assistant_kwargs.pop("cache", None), real(ids, *a, **k))[1]
-        slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t,
-                              foreign.tok_d, cache=cache)
-        session = slem.start([list(prompt)], None, sd.Drafting(SAMPLINGS["greedy"], gamma, vocab,
-                                                               CPU))
-        done, got = len(prompt), []
-        for n in steps:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cand, _ = hf.get_candidates(torch.tensor([text[:done]]))
-            p = session.propose(torch.zeros(1, dtype=torch.long), torch.zeros(1), None)
-            mine = p.tokens[0, :int(p.count[0])].tolist()
-            assert mine == cand[0, done:].tolist(), (cache, len(got), mine, cand[0, done:])
-            got.append(mine)
-            session.advance(None, [text[done:done + n]], None)
-            done += n
-        runs[cache] = got
-    assert sum(a != b for a, b in zip(runs["transformers"], runs["exact"])) >= 2  # (stale)
-
-
-def numbers_of(report) -> dict:
-    """Every number of a report, the draft's name and the translation's record aside."""
-    out = report.to_dict()
-    for k in ("draft", "drafter", "run_key", "run_key_parts", "cross_vocab",
-              "draft_vocab_coverage"):
-        out.pop(k)
-    for row in out["per_prompt"]:
-        row.pop("coverage_sum")
-    return out
-
-
-@pytest.mark.parametrize("key", ["greedy", "t1", "topk_topp"])
-def test_a_pair_of_one_tokenizer_gives_todays_numbers_whichever_method_is_forced(key, foreign):
-    """With the target's tokenizer on both sides nothing is translated: TLI gives every number
-    of the draft model measured as today (both routes, bit for bit: the same forwards, the
-    shared vocabulary all of it), and SLEM the simulated ones of today's argmax proposal
-    (its draft writes its argmax: under --proposal argmax the rules are the same)."""
-    s = SAMPLINGS[key]
-    tok = foreign.tok_t
-    target, draft = foreign.target, sd.early_exit_draft(foreign.target, 1)
-    seqs = sd.build_sequences(FOREIGN_PROMPTS[:5], tok)
-    kw = dict(device=CPU, gamma=3, continuation_tokens=12, simulate=True, batch_size=2)
-    today = sd.measure_drafts(target, [("d", draft)], seqs, sampling=s, **kw)[0]
-    tli = sd.measure_drafts(target, [sd.TliDrafter("d", draft, target, tok, tok)], seqs,
-                            sampling=s, **kw)[0]
-    assert numbers_of(tli) == numbers_of(today)
-    assert tli.run.cross_vocab["same_tokenizer"]
-    assert tli.draft_vocab_coverage == pytest.approx(1, abs=1e-6)
-    argmax = sd.measure_drafts(target, [("d", draft)], seqs, sampling=argmax_rule(s), **kw)[0]
-    slem = sd.measure_drafts(target, [sd.SlemDrafter("d", draft, target, tok, tok)], seqs,
-                             sampling=s, **kw)[0]
-    assert asdict_equal(slem.simulated, argmax.simulated)
-    assert slem.alpha is None and slem.gamma_table == []  # no teacher-forced form
-    assert 0 < argmax.simulated.alpha < 1
-
-
-@pytest.fixture(scope="session")
-def foreign_dirs(tmp_path_factory, foreign):
-    """target/ and draft/ saved as users have them (weights and tokenizer), draft-no-tok/
-    (the draft's weights alone), thin/ (a draft whose tokenizer shares little with the
-    target's: upper-case text)."""
-    root = tmp_path_factory.mktemp("foreign")
-    dirs = {}
-    for name, model, tok in [("target", foreign.target, foreign.tok_t),
-                             ("draft", foreign.draft, foreign.tok_d),
-                             ("draft-no-tok", foreign.draft, None)]:
-        model.save_pretrained(root / name)
-        if tok is not None:
-            tok.save_pretrained(root / name)
-        dirs[name] = str(root / name)
-    return dirs
-
-
-def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp_path, foreign,
-                                                                     foreign_dirs):
-    """Tokenizers that disagree are no longer refused: TLI by default, SLEM when asked, the
-    header says which, with the shared vocabulary's size and p's mass in it; the numbers are
-    the library's. SLEM's speedup counts gamma draft steps a cycle, whatever number of target
-    tokens it proposed."""
-    data = tmp_path / "p.txt"
-    data.write_text("\n".join(FOREIGN_PROMPTS[:4]) + "\n", "utf-8")
-    base = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data", data,
-            "--chat-template", "off", "--temperature", "0", "--gamma", "3",
-            "--continuation-tokens", "12", "--simulate", "--quiet", "--cost-ratio", "0.1"]
-    rc, out, _ = run_cli(capsys, base + ["--json", tmp_path / "tli.json"])
-    assert rc == 0 and "draft's own tokenizer: TLI (token-level intersection" in out
-    got = json.loads((tmp_path / "tli.json").read_text("utf-8"))
-    shared = len(oracle_shared(foreign.tok_t, foreign.tok_d))
-    assert got["cross_vocab"]["method"] == "TLI" and got["cross_vocab"]["shared_tokens"] == shared
-    assert f"shared vocabulary {shared} tokens (target 320, draft 90)" in out
-    seqs = sd.build_sequences(FOREIGN_PROMPTS[:4], foreign.tok_t)
-    lib = sd.measure_drafts(foreign.target, [sd.TliDrafter(
-        foreign_dirs["draft"] + " (TLI)", foreign.draft, foreign.target, foreign.tok_t,
-        foreign.tok_d)], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
-        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
-    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
-    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--json",
-                                         tmp_path / "slem.json"])
-    assert rc == 0 and "teacher-forced (distributional): none for SLEM" in out
-    got = json.loads((tmp_path / "slem.json").read_text("utf-8"))
-    assert got["cross_vocab"]["method"] == "SLEM" and got["alpha"] is None
-    assert got["cross_vocab"]["most_target_tokens_per_cycle"] == 3 * sd.SLEM_WIDTH
-    assert got["empirical_est_speedup"] == pytest.approx(
-        got["empirical_tokens_per_cycle"] / (3 * 0.1 + 1), rel=1e-12)
-    assert "as transformers' universal assisted generation runs it" in out
-    assert (got["cross_vocab"]["stop"], got["cross_vocab"]["cache"]) == ("target", "transformers")
-    rc, out, _ = run_cli(capsys, base + ["--cross-vocab", "slem", "--slem-stop", "own",
-                                         "--slem-cache", "exact", "--json", tmp_path / "own.json"])
-    got = json.loads((tmp_path / "own.json").read_text("utf-8"))
-    assert rc == 0 and "unlike transformers: its block ends at its own EOS" in out
-    assert "unlike transformers: it reads exactly its input" in out
-    assert got["draft"].endswith("(SLEM, stop=own, cache=exact)")
-    lib = sd.measure_drafts(foreign.target, [sd.SlemDrafter(
-        "d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d, stop="own",
-        cache="exact")], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
-        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
-    assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
-
-
-@pytest.mark.parametrize("more,word", [
-    (["--cross-vocab", "slem"], "add --simulate"),  # SLEM has no teacher-forced form
-    (["--slem-stop", "own", "--simulate"], "--slem-stop applies to --cross-vocab slem"),
-    (["--draft", "draft-no-tok"], "no tokenizer of its own"),
-])
-def test_cli_drafts_with_another_tokenizer_bad_input_is_one_line(more, word, capsys, tmp_path,
-                                                                 foreign_dirs):
-    data = tmp_path / "p.txt"
-    data.write_text("the quick\n", "utf-8")
-    argv = ["--target", foreign_dirs["target"], "--draft", foreign_dirs["draft"], "--data",
-            data, "--quiet"] + more
-    if "draft-no-tok" in more:
-        argv = argv[:4] + argv[6:]
-        argv[3] = foreign_dirs["draft-no-tok"]
-    rc, out, err = run_cli(capsys, argv)
-    assert rc == 2 and out == "" and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1 and word in err, err
-
-
-def test_a_thin_shared_vocabulary_is_a_warning_with_its_number(foreign):
-    """A draft whose tokenizer shares next to nothing with the target's (whole words, split at
-    spaces: only words at the start of a text match the target's tokens) is measured, with a
-    note that says how little of p's mass its vocabulary holds."""
-    from tokenizers import pre_tokenizers
-    words = ["[UNK]"] + sorted(set(sd.DECODE_PROBE.split()))
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    thin = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
-    draft = make_llama(3, vocab=len(thin), layers=1)
-    seqs = sd.build_sequences(FOREIGN_PROMPTS[:2], foreign.tok_t)
-    r = sd.measure_drafts(foreign.target, [sd.TliDrafter("thin", draft, foreign.target,
-                                                         foreign.tok_t, thin)], seqs,
-                          sampling=sd.SamplingParams(1.0), device=CPU, continuation_tokens=6)[0]
-    mass = r.run.cross_vocab["p_mass_shared"]
-    assert mass == r.draft_vocab_coverage < 0.1
-    assert r.run.notes[0] == (f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, "
-                              f"under 10%: TLI can accept no more than that")
-    assert r.alpha <= mass + 1e-6  # nothing off the shared vocabulary is ever accepted
-
-
-
-@pytest.mark.parametrize("kind", ["TliDrafter", "SlemDrafter"])
-def test_measured_cost_times_a_step_of_the_drafts_own_tokens(kind, foreign):
-    """--cost-ratio measure opens the draft's session as the loop does (its reading of the
-    text included) and times one step of its own tokens: a time, and a ratio no lower than
-    its parameter share (clamp_costs)."""
-    d = getattr(sd, kind)("d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d)
-    seqs = sd.build_sequences(FOREIGN_PROMPTS[:1], foreign.tok_t)
-    cost = sd.cost_model(foreign.target, d, sd.Settings(gamma=2, cost_ratio="measure"), seqs,
-                         CPU)
-    assert cost.timings["draft_step_s"] > 0
-    assert cost.ratio >= d.param_cost(foreign.target)[0] > 0
-
-# ----------------------------------------------------------------------------------------------
 # integration: the real SmolLM2-135M-Instruct (GGUF) and its early-exit self-drafts
-
-
-GGUF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
-                    "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-needs_gguf = pytest.mark.skipif(not os.path.isfile(GGUF), reason=(
-    "real-model test: ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf is absent (it ships "
-    "with the project's shared folder, not with a checkout)"))
-
-
-@pytest.fixture(scope="module")
-def smol():
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    target, tok, dev = sd.load_model_and_tokenizer(GGUF, device="cpu", progress=False)
-    seqs = sd.build_sequences(sd.load_texts("builtin"), tok, max_samples=6)
-    return target, tok, dev, seqs
 
 
 @needs_gguf
@@ -7762,17 +8122,6 @@ def test_smollm2_as_its_own_pard_draft_is_exact_at_offset_one(smol):
     assert r.alpha_by_head[0] == pytest.approx(1.0, abs=1e-6)
     assert r.alpha_by_draft_offset[0] == 1.0 and max(r.alpha_by_head[1:]) < 0.5
     assert 2.0 <= r.empirical_tokens_per_cycle < 3.0 and r.one_draft_pass
-
-
-QWEN = os.environ.get("SPECDEC_QWEN_GGUF") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
-    "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf")  # (SPECDEC_QWEN_GGUF: where a user fetched it)
-
-
-needs_qwen = pytest.mark.skipif(not (os.path.isfile(QWEN) and os.path.isfile(GGUF)), reason=(
-    "real-pair test: Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf is absent from ../shared/models "
-    "and SPECDEC_QWEN_GGUF (fetch it: `python benchmarks/fetch_qwen_gguf.py DIR`, then "
-    "SPECDEC_QWEN_GGUF=DIR/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf), or SmolLM2's GGUF is"))
 
 
 def accepted_to_budget(cycles: list[tuple[int, int]], budget: int) -> int:
@@ -7909,352 +8258,3 @@ def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_run
                 break
             done, whole = done + n + 1, whole + 1
         assert whole >= 2 and mine[:whole] == theirs[:whole], (mine, theirs)
-
-
-# ----------------------------------------------------------------------------------------------
-# drafts that stop when unsure (--confidence-rule, --confidence-threshold)
-
-
-def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma, budget,
-                             pad):
-    """specdec's --confidence-rule transformers at T = 0, and transformers' own assisted
-    generation with each threshold, set as --engine-config transformers writes it (on the
-    draft's generation_config, a constant block), scikit-learn hidden so that it stays fixed;
-    transformers runs on the prompt plus the target's first token (specdec takes it from the
-    prefill, as the engines do), one token less to go. Asserts, prompt by prompt, the same
-    tokens emitted and the same verify steps, drafted and accepted tokens as the engines count
-    them (no draft past the token budget). -> the blocks the rule cut, over every run."""
-    from transformers.generation import candidate_generator as cg
-    monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
-    theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
-    r = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
-                              gamma=gamma, continuation_tokens=budget, simulate=True,
-                              eos=set(), stopping=("transformers", thresholds))
-    cuts = 0
-    for k, threshold in enumerate(thresholds):
-        r.unsure.best_threshold = threshold  # (the line for this threshold)
-        entry = sd.engine_config(r, "transformers")[0]
-        assert entry["generation_config"]["assistant_confidence_threshold"] == threshold
-        for key, value in entry["generation_config"].items():
-            setattr(draft.generation_config, key, value)
-        for q, row in zip(seqs, r.per_prompt):
-            ours = row["stopped"][k]
-            theirs.clear()
-            x = torch.tensor([q.ids + [int(last_logits(target, q.ids).argmax())]])
-            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=budget - 1, assistant_model=draft,
-                                  pad_token_id=pad)[0, x.shape[1]:]
-            assert ours["generated"] == 1 + len(out) == budget
-            drafting = [(n, a) for n, a in theirs if n]
-            assert (ours["verify_steps"], ours["drafted"], ours["drafted_accepted"]) == (
-                len(drafting), sum(n for n, _ in drafting), sum(a for _, a in drafting)), (
-                threshold, q.ids, theirs)
-            cuts += ours["unsure_cuts"]
-    return cuts
-
-
-def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
-        llama, tok_plain, monkeypatch):
-    """The oracle is transformers' own assisted generation with assistant_confidence_threshold
-    (assisted_with_confidence): at T = 0 it equals specdec's --confidence-rule transformers
-    prompt by prompt. EOS: transformers counts an accepted EOS draft as the target's own token
-    (it lowers the match count when a candidate ends in EOS), the engines count it accepted;
-    neither model here has an EOS id (pad_token_id V, an id no model writes), so the two
-    conventions cannot differ. The draft is the target's first layer, sure of some tokens and
-    not of others: the thresholds cut blocks at every offset."""
-    cuts = assisted_with_confidence(monkeypatch, llama, sd.early_exit_draft(llama, 1),
-                                    sd.build_sequences(REPEATS + PROMPTS, tok_plain),
-                                    [0.1, 0.3, 0.6], 4, 16, V)
-    assert cuts >= 20  # the rule ended blocks early, and often
-
-
-def llamacpp_reference(target, draft, ids, gamma, budget, p_min, temperature, gen):
-    """llama-server's speculative decoding with a draft-simple draft, written from its source
-    (docs/engines.md): the target samples the first token from the prompt; each cycle the draft
-    proposes its argmax while the argmax's probability over its 10 likeliest tokens at
-    temperature 1 is p_min or more, at most gamma tokens and the tokens left less one; the
-    target samples at each drafted position and keeps the drafts while they equal its sample,
-    then adds its own. No caches: each step reads the whole text. -> (tokens, verify steps,
-    drafted, accepted)."""
-    def sample(model, text):
-        logits = model(torch.tensor([text])).logits[0, -1].double()
-        if temperature == 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1,
-                                     generator=gen))
-    out, steps, drafted, accepted = [sample(target, ids)], 0, 0, 0
-    while len(out) < budget:
-        block = []
-        while len(block) < min(gamma, budget - len(out) - 1):
-            logits = draft(torch.tensor([ids + out + block])).logits[0, -1].double()
-            top = logits.sort(descending=True).values[:10]
-            if 1 / torch.exp(top - top[0]).sum() < p_min:
-                break
-            block.append(int(logits.argmax()))
-        new = []
-        for d in block:
-            new.append(sample(target, ids + out + new))
-            if new[-1] != d:
-                break
-        if new == block:  # every draft kept: the target's own token after them
-            new.append(sample(target, ids + out + new))
-        steps, drafted, accepted = steps + bool(block), drafted + len(block), \
-            accepted + len(new) - 1
-        out += new[:budget - len(out)]
-    return out, steps, drafted, accepted
-
-
-def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_zero(llama, tok_plain):
-    """--confidence-rule llamacpp against a plain loop of llama.cpp's rule (llamacpp_reference)
-    at T = 0: prompt by prompt the same tokens, verify steps, drafted and accepted tokens.
-    Threshold 0.3 leaves some first positions unsure (blocks of none)."""
-    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
-    seqs = sd.build_sequences(REPEATS + PROMPTS, tok_plain)
-    r = sd.measure_acceptance(llama, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
-                              gamma=gamma, continuation_tokens=budget, simulate=True, eos=set(),
-                              stopping=("llamacpp", [0.3, 0.6]))
-    empty = 0
-    for k, threshold in enumerate((0.3, 0.6)):
-        for q, row in zip(seqs, r.per_prompt):
-            ours = row["stopped"][k]
-            theirs = llamacpp_reference(llama, draft, q.ids, gamma, budget, threshold, 0, None)
-            assert (ours["generated"], ours["verify_steps"], ours["drafted"],
-                    ours["drafted_accepted"]) == (len(theirs[0]), *theirs[1:])
-            empty += ours["proposed"][0]
-    assert empty >= 5 and sum(row["stopped"][1]["unsure_cuts"] for row in r.per_prompt) >= 20
-
-
-def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_above_zero(llama,
-                                                                               tok_plain):
-    """At T = 0.8 (--proposal argmax, llama.cpp's) the simulation and the plain loop draw
-    apart: per prompt (each emits 16 tokens), their mean verify steps, drafted and accepted
-    tokens agree within 4 standard errors (two samples of 36 prompts). Planted errors, and the
-    largest |z| they gave: the unsure token kept (transformers' way) 25; the confidence read at
-    the request's temperature instead of 1, 7.5; the confidence 14% too high (the threshold
-    0.35 for 0.4), 5.7. Not caught: the confidence 11% too low (0.45 for 0.4), z = 2.9."""
-    draft, gamma, budget = sd.early_exit_draft(llama, 1), 4, 16
-    texts = [a + " " + b for a in REPEATS + PROMPTS for b in ("one", "two", "3")]
-    seqs = sd.build_sequences(texts, tok_plain)
-    sampling = sd.SamplingParams(0.8, proposal="argmax")
-    r = sd.measure_acceptance(llama, draft, seqs, sampling=sampling, device=CPU, gamma=gamma,
-                              continuation_tokens=budget, simulate=True, eos=set(), seed=3,
-                              stopping=("llamacpp", [0.4]))
-    ours = [[row["stopped"][0][k] for k in ("verify_steps", "drafted", "drafted_accepted")]
-            for row in r.per_prompt]
-    gen = torch.Generator().manual_seed(5)
-    theirs = [llamacpp_reference(llama, draft, q.ids, gamma, budget, 0.4, 0.8, gen)[1:]
-              for q in seqs]
-    a, b = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
-    z = (a.mean(0) - b.mean(0)) / (a.var(0) / len(a) + b.var(0) / len(b)).sqrt()
-    assert z.abs().max() < 4, z
-    assert b[:, 0].sum() >= 50  # (cycles drafted: the rule let blocks through)
-
-
-def test_threshold_zero_gives_todays_numbers(llama, llama2, seqs):
-    """A rule at threshold 0 stops nothing: the report's numbers are those of a run without it
-    (simulated bit for bit: the same draws), and its row is the fixed block's, the positional
-    estimator's (to float rounding: the closed form sums in another order)."""
-    for sampling, rule in ((SAMPLINGS["t1"], "transformers"), (SAMPLINGS["greedy"], "llamacpp")):
-        kw = dict(sampling=sampling, device=CPU, gamma=3, continuation_tokens=8, simulate=True,
-                  seed=2)
-        plain = sd.measure_acceptance(llama, llama2, seqs, **kw)
-        r = sd.measure_acceptance(llama, llama2, seqs, stopping=(rule, [0, 0.2]), **kw)
-        a, b = plain.to_dict(), r.to_dict()
-        for key in a:
-            if key not in ("per_prompt", "run_key", "run_key_parts"):
-                assert a[key] == b[key], key
-        row = r.unsure.rows[0]
-        assert row.threshold == 0 and row.cut_by_threshold == 0 and row.drafted_per_cycle == 3
-        assert row.tokens_per_cycle == pytest.approx(
-            r.teacher_forced.expected_accepted_positional + 1, rel=1e-12)
-        assert (row.sim_tokens_per_cycle, row.sim_accept_rate, row.sim_cut_by_threshold) == (
-            r.simulated.tokens_per_cycle, r.simulated.accept_rate, 0)
-        assert row.est_speedup == pytest.approx(  # gamma draft steps and one verify
-            row.tokens_per_cycle / (3 * r.run.cost_ratio + r.run.verify_cost), rel=1e-12)
-
-
-def unsure_by_enumeration(p, q, conf, gamma, rule, threshold):
-    """E[drafted] and E[accepted], summed over every cycle start whose gamma window fits, by
-    enumerating every drafted sequence and every accept/reject pattern: offset k of a cycle
-    from t drafts from q[t + k - 1] and is accepted with min(1, p/q) there; conf[t][v] is the
-    rule's confidence in token v at t. transformers keeps the unsure token and stops after it;
-    llama.cpp stops before it."""
-    n, vocab = len(p), len(p[0])
-    drafted = accepted = 0.0
-    for t in range(n - gamma + 1):
-        for tokens in itertools.product(range(vocab), repeat=gamma):
-            chance = math.prod(q[t + k][d] for k, d in enumerate(tokens))
-            if chance == 0:
-                continue
-            length = gamma
-            for k, d in enumerate(tokens):
-                if conf[t + k][d] < threshold:
-                    length = k + 1 if rule == "transformers" else k
-                    break
-            ok = [min(1.0, p[t + k][d] / q[t + k][d]) for k, d in enumerate(tokens[:length])]
-            for bits in itertools.product((0, 1), repeat=length):
-                run = next((k for k, b in enumerate(bits) if not b), length)
-                drafted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
-                    * length
-                accepted += chance * math.prod(a if b else 1 - a for a, b in zip(ok, bits)) \
-                    * run
-    return drafted, accepted
-
-
-@pytest.mark.parametrize("temperature,rule,proposal", [
-    (0.0, "transformers", "sample"), (0.8, "transformers", "sample"),
-    (0.8, "transformers", "argmax"), (0.0, "llamacpp", "sample"), (0.8, "llamacpp", "argmax")])
-def test_the_closed_form_of_drafts_that_stop_when_unsure_is_the_enumeration(
-        temperature, rule, proposal):
-    """The teacher-forced sums (position_stats, PromptResult) against the enumeration of a tiny
-    case: 7 positions, 4 tokens, a block of 3, thresholds that cut at every offset; and the
-    calibration's drafts and acceptances per tenth of confidence, summed by hand."""
-    g = torch.Generator().manual_seed(4)
-    n, vocab, gamma = 7, 4, 3
-    lp, lq = torch.randn(n, vocab, generator=g) * 2, torch.randn(n, vocab, generator=g) * 2
-    sampling = sd.SamplingParams(temperature, proposal=proposal)
-
-    def dist(logits):  # the distribution each model draws from, written out
-        if temperature == 0:
-            return torch.nn.functional.one_hot(logits.argmax(-1), vocab).double()
-        return torch.softmax(logits.double() / temperature, -1)
-    p, q = dist(lp), dist(lq)
-    if proposal == "argmax":
-        q = torch.nn.functional.one_hot(lq.argmax(-1), vocab).double()
-    if rule == "llamacpp":  # the argmax's share of its 4 (< 10) tokens at temperature 1
-        top = torch.softmax(lq.double(), -1).max(-1).values
-        conf = top[:, None].expand(n, vocab)
-    else:  # the token's probability in the draft's distribution (greedy: the raw softmax)
-        conf = torch.softmax(lq.double(), -1) if temperature == 0 else \
-            torch.softmax(lq.double() / temperature, -1)
-    thresholds = (0.0, 0.4, 0.7, 0.9)
-    stopping = sd.Stopping(rule, thresholds)
-    scores = sd.Scores(lq, torch.ones(n, dtype=torch.bool), sd.q_head(lambda x: x, sampling,
-                                                                     vocab))
-    stats = sd.position_stats(lambda a, b: lp[a:b], scores,
-                              sd.Scoring(sampling, vocab, 0, stopping))
-    r = sd.PromptResult.of(0, None, [stats], sd.Settings(gamma=gamma, stopping=stopping),
-                           proposal)
-    assert r.unsure_starts == n - gamma + 1
-    cut = 0
-    for k, threshold in enumerate(thresholds):
-        drafted, accepted = unsure_by_enumeration(p.tolist(), q.tolist(), conf.tolist(), gamma,
-                                                  rule, threshold)
-        assert sum(r.unsure_drafted[k]) == pytest.approx(drafted, rel=1e-5, abs=1e-6)
-        assert r.unsure_accepted[k] == pytest.approx(accepted, rel=1e-5, abs=1e-6)
-        cut += drafted < gamma * (n - gamma + 1) - 0.5
-    assert cut >= 2  # the thresholds cut blocks
-    bins = (conf * 10).long().clamp(0, 9)
-    mass = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(), q.flatten())
-    took = torch.zeros(10, dtype=torch.float64).index_add(0, bins.flatten(),
-                                                          torch.minimum(p, q).flatten())
-    assert r.calibration[0] == pytest.approx(mass.tolist(), abs=1e-6)
-    assert r.calibration[1] == pytest.approx(took.tolist(), abs=1e-6)
-
-
-@pytest.mark.parametrize("rule", ["transformers", "llamacpp"])
-def test_identical_models_accept_every_draft_and_a_sure_one_drafts_whole_blocks(rule, llama,
-                                                                               seqs):
-    """A draft identical to the target at T = 0 has every draft accepted under any threshold,
-    both routes; one sure of every token (its head's logits scaled a hundredfold: the argmax's
-    probability rounds to 1) drafts gamma every cycle under any threshold below 1, and no
-    estimate passes gamma drafted or gamma + 1 tokens per cycle."""
-    sharp = copy.deepcopy(llama)
-    with torch.no_grad():
-        sharp.lm_head.weight.mul_(100)
-    for model in (llama, sharp):
-        r = sd.measure_acceptance(model, model, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
-                                  gamma=3, continuation_tokens=10, simulate=True,
-                                  stopping=(rule, [0.2, 0.6, 0.99]))
-        for row in r.unsure.rows:
-            assert row.accept_rate == pytest.approx(1.0) or row.drafted_per_cycle == 0
-            assert row.sim_accept_rate == 1.0 or row.sim_drafted_per_cycle == 0  # (llama.cpp's
-            # rule drafts nothing where the draft is never that sure)
-            assert row.drafted_per_cycle <= 3 + 1e-9 and row.sim_drafted_per_cycle <= 3
-            assert row.tokens_per_cycle <= 4 + 1e-9 and row.sim_tokens_per_cycle <= 4
-            if model is sharp:
-                assert row.drafted_per_cycle == pytest.approx(3) and row.cut_by_threshold < 1e-9
-                assert row.sim_drafted_per_cycle == 3 and row.sim_cut_by_threshold == 0
-        cal = r.unsure.calibration
-        assert all(a is None or a == pytest.approx(1.0) for a in cal.accept_rate)
-        if model is sharp:
-            assert cal.sim_examined[-1] == sum(cal.sim_examined) > 0
-
-
-@pytest.mark.parametrize("args,word", [
-    (["--confidence-threshold", "1.5", "--confidence-rule", "transformers"], "in [0, 1]"),
-    (["--confidence-threshold", "-0.1", "--confidence-rule", "llamacpp"], "in [0, 1]"),
-    (["--confidence-threshold", "nan", "--confidence-rule", "llamacpp"], "in [0, 1]"),
-    (["--confidence-threshold", "a", "--confidence-rule", "llamacpp"], "comma list"),
-    (["--confidence-rule", "transformers"], "needs --confidence-threshold"),
-    (["--confidence-threshold", "0.4"], "needs --confidence-rule"),
-    (["--confidence-threshold", "0.4", "--confidence-rule", "transformers", "--draft", "ngram"],
-     "no distribution"),
-    (["--confidence-threshold", "0.4", "--confidence-rule", "llamacpp", "--temperature", "0.7"],
-     "--proposal argmax"),
-])
-def test_cli_refuses_bad_confidence_thresholds_in_one_line(args, word, capsys, model_dirs,
-                                                           data_txt):
-    argv = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
-            "--continuation-tokens", "4"]
-    if "--draft" not in args:
-        argv += ["--draft", model_dirs["draft"]]
-    rc, _, err = run_cli(capsys, argv + args)
-    assert rc == 2 and err.count("\n") == 1 and word in err, err
-    with pytest.raises(SystemExit) as e:  # (argparse's own refusal: exit 2, one line)
-        run_cli(capsys, argv + ["--confidence-threshold", "0.4", "--confidence-rule", "vllm"])
-    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
-
-
-def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
-        capsys, tmp_path, model_dirs, data_txt, monkeypatch):
-    """--confidence-threshold with --simulate: the report's rows and calibration, the JSON's
-    "stopping" (read back into the same report), the calibration drawn by --plot, the best
-    threshold in llama.cpp's --spec-draft-p-min and transformers' settings, and a run
-    interrupted and resumed gives the JSON of one run."""
-    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
-            data_txt, "--continuation-tokens", "8", "--batch-size", "2", "--quiet",
-            "--temperature", "0", "--simulate", "--confidence-rule", "llamacpp",
-            "--confidence-threshold",
-            "0,0.2,0.3", "--engine-config", "llamacpp"]
-    rc, out, err = run_cli(capsys, argv + ["--json", str(tmp_path / "whole.json"), "--plot",
-                                           str(tmp_path / "run.png")])
-    assert rc == 0, err
-    assert "drafts that stop when unsure, --confidence-rule llamacpp" in out
-    assert "calibration: acceptance by the draft's confidence" in out
-    whole = json.loads((tmp_path / "whole.json").read_text())
-    stop = whole["stopping"]
-    assert [row["threshold"] for row in stop["rows"]] == [0, 0.2, 0.3]
-    assert sum(row["best"] for row in stop["rows"]) == 1
-    best = stop["best_threshold"]
-    assert f"--spec-draft-p-min {best:g}" in out
-    assert png_size(tmp_path / "run.png") == (1200, 800)
-    back = sd.AcceptanceReport.from_dict(whole)
-    assert sd.format_report(back) in out
-    path = str(tmp_path / "run.json")
-    interrupt_after(monkeypatch, 2)  # the second batch
-    rc, _, _ = run_cli(capsys, argv + ["--json", path, "--resume"])
-    monkeypatch.undo()
-    assert rc == 130
-    rc, _, err = run_cli(capsys, argv + ["--json", path, "--resume"])
-    assert rc == 0, err
-    assert json.loads(open(path).read()) == whole
-    rc, out, err = run_cli(capsys, argv[:-6] + [
-        "--confidence-rule", "transformers", "--confidence-threshold", "0.2,0.5",
-        "--engine-config", "transformers"])
-    assert rc == 0, err
-    assert "draft.generation_config.update(num_assistant_tokens=4, " \
-           "num_assistant_tokens_schedule='constant', assistant_confidence_threshold=" in out
-
-
-@needs_gguf
-@pytest.mark.slow
-def test_smollm2_drafts_that_stop_when_unsure_are_transformers_own(smol, monkeypatch):
-    """SmolLM2 with its first 24 layers as the draft, gamma 8: assisted_with_confidence at
-    thresholds 0.2, 0.4 (transformers' default) and 0.8, on the builtin prompts (EOS off on
-    both sides, as in the unit test)."""
-    target, _, _, seqs = smol
-    draft = sd.early_exit_draft(target, 24)
-    cuts = assisted_with_confidence(monkeypatch, target, draft, seqs[:4], [0.2, 0.4, 0.8], 8,
-                                    24, sd.vocab_width(target) + 7)
-    assert cuts >= 10
