@@ -122,7 +122,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
     "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
-    "TliDrafter", "SlemDrafter",
+    "TliDrafter", "SlemDrafter", "SlemWay",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -6601,6 +6601,18 @@ SLEM_CACHES = ("transformers", "exact")  # the draft's cache cropped as transfor
 # entries of replaced ids left in (default), or exactly its input
 
 
+class SlemWay(NamedTuple):
+    """Two things transformers' SLEM does that one's own might not (SlemDrafter's way): by
+    default transformers' (--slem-stop, --slem-cache)."""
+
+    stop: str = "target"  # SLEM_STOPS
+    cache: str = "transformers"  # SLEM_CACHES
+
+    def changed(self) -> list[str]:
+        """Where it is unlike transformers, as "key=value"."""
+        return [f"{k}={v}" for k, v, d in zip(self._fields, self, SlemWay()) if v != d]
+
+
 def longest_run(old: Sequence[int], new: Sequence[int]) -> tuple[int, int] | None:
     """Where a re-tokenised window `new` continues the ids `old` it overlaps, as transformers
     aligns them (_get_tokens_diag): the longest run new[i:i + n] == old[j:j + n], the first by
@@ -6649,7 +6661,7 @@ class SlemSession(ReadingSession):
         # the window replaced (_update_past_and_masks), whatever ids it held there: entries of
         # replaced ids can stay (cache="exact": the longest prefix it holds that is the input)
         keep = ([len(a) - 2 - replaced for a, replaced in patched]
-                if d.cache == "transformers" and not d.vocab.same else None)
+                if d.way.cache == "transformers" and not d.vocab.same else None)
         logits = self.sync(inputs, keep)
         at, ds = self.positions(), []
         finite = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
@@ -6704,24 +6716,25 @@ class SlemDrafter(OtherVocabDrafter):
     with the target's tokens, which no single position's p and q determine (simulated_only).
 
     Two things transformers does that a SLEM of one's own might not, each kept by default and
-    changed by an option: the draft's block stops at the target's EOS ids read as the draft's
-    ids (stop="target"; "own": at the draft's own EOS, where its text ends), and its cache is
-    cropped by a count that can leave entries of ids the window replaced (cache="transformers";
-    "exact": it reads exactly its input). With one tokenizer neither applies."""
+    changed by an option (way: SlemWay): the draft's block stops at the target's EOS ids read as
+    the draft's ids (stop="target"; "own": at the draft's own EOS, where its text ends), and its
+    cache is cropped by a count that can leave entries of ids the window replaced
+    (cache="transformers"; "exact": it reads exactly its input). With one tokenizer neither
+    applies."""
 
     method = "SLEM"
     can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
-                 draft_tokenizer: Any, stop: str = "target", cache: str = "transformers"):
+                 draft_tokenizer: Any, way: SlemWay = SlemWay()):
         super().__init__(name, model, target, target_tokenizer, draft_tokenizer)
-        for option, value, allowed in (("stop", stop, SLEM_STOPS),
-                                       ("cache", cache, SLEM_CACHES)):
+        for option, value, allowed in zip(way._fields, way, (SLEM_STOPS, SLEM_CACHES)):
             if value not in allowed:
                 raise UsageError(f"SLEM {option} must be one of {', '.join(allowed)}, got "
                                  f"{value!r}")
         self.factor = 1 if self.vocab.same else SLEM_WIDTH
-        self.stop, self.cache = stop, cache
+        self.way = way
+        stop = way.stop
         # where the draft's block ends. transformers' assistant stops at the target's EOS ids
         # (the run's, for_run), read as ids of the draft's vocabulary: it writes on past its
         # own EOS. stop="own": at the draft's own EOS ids, where its text ends
@@ -6729,24 +6742,22 @@ class SlemDrafter(OtherVocabDrafter):
                                   eos_ids(target))
 
     def for_run(self, eos, gammas):
-        if self.stop == "own" or eos == self.stop_ids:
+        if self.way.stop == "own" or eos == self.stop_ids:
             return self
         told = copy.copy(self)
         told.stop_ids = frozenset(eos)
         return told
 
     def translation(self):
-        return {**super().translation(), "stop": self.stop, "cache": self.cache}
+        return {**super().translation(), **self.way._asdict()}
 
     @classmethod
     def from_model(cls, name, loaded, target, options):
         if vocabulary_method(loaded, target, options) != "slem":
             return None
-        changed = [f"{k}={v}" for k, v, default in (("stop", options.slem_stop, "target"),
-                                                     ("cache", options.slem_cache,
-                                                      "transformers")) if v != default]
-        found = cls(f"{name} ({', '.join([cls.method] + changed)})", loaded.model, target,
-                    options.tokenizer, loaded.tokenizer, options.slem_stop, options.slem_cache)
+        way = SlemWay(options.slem_stop, options.slem_cache)
+        found = cls(f"{name} ({', '.join([cls.method] + way.changed())})", loaded.model, target,
+                    options.tokenizer, loaded.tokenizer, way)
         found.checkpoint = loaded.path  # (its kind's constructors take no path)
         return found
 

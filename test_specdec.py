@@ -6376,7 +6376,7 @@ def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writin
     runs = {}
     for stop, told in (("target", [end]), ("own", [0, end])):
         slem = sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
-                              foreign.tok_d, stop=stop)
+                              foreign.tok_d, sd.SlemWay(stop=stop))
         for text in FOREIGN_PROMPTS:
             ids = foreign.tok_t(text)["input_ids"]
             ours.clear()
@@ -6397,7 +6397,8 @@ def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writin
             runs[stop, text] = mine[:whole]
     assert sum(runs["target", t] != runs["own", t] for t in FOREIGN_PROMPTS) >= 3
     own, target = (sd.SlemDrafter("d", eos_writing_draft, foreign.target, foreign.tok_t,
-                                  foreign.tok_d, stop=stop) for stop in ("own", "target"))
+                                  foreign.tok_d, sd.SlemWay(stop=stop))
+                   for stop in ("own", "target"))
     assert own.written([5, 0, 7]) == [5, 0] and target.written([5, 0, 7]) == [5, 0, 7]
     assert target.for_run(frozenset([end]), [gamma]).written([5, end, 7]) == [5, end]
 
@@ -6428,7 +6429,7 @@ def test_slem_draft_cache_is_cropped_as_transformers_crops_it(foreign):
             hf._update_past_and_masks = lambda ids, *a, **k: (
                 hf.assistant_kwargs.pop("cache", None), real(ids, *a, **k))[1]
         slem = sd.SlemDrafter("d", foreign.draft, foreign.target, foreign.tok_t,
-                              foreign.tok_d, cache=cache)
+                              foreign.tok_d, sd.SlemWay(cache=cache))
         session = slem.start([list(prompt)], None, sd.Drafting(SAMPLINGS["greedy"], gamma, vocab,
                                                                CPU))
         done, got = len(prompt), []
@@ -6539,9 +6540,9 @@ def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp
     assert "unlike transformers: it reads exactly its input" in out
     assert got["draft"].endswith("(SLEM, stop=own, cache=exact)")
     lib = sd.measure_drafts(foreign.target, [sd.SlemDrafter(
-        "d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d, stop="own",
-        cache="exact")], seqs, sampling=sd.SamplingParams(0.0), device=CPU, gamma=3,
-        continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
+        "d", foreign.draft, foreign.target, foreign.tok_t, foreign.tok_d,
+        sd.SlemWay("own", "exact"))], seqs, sampling=sd.SamplingParams(0.0), device=CPU,
+        gamma=3, continuation_tokens=12, simulate=True, cost_ratio=0.1)[0]
     assert json_differences(got["per_prompt"], lib.run.per_prompt) == []
 
 

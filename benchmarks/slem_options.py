@@ -2,7 +2,8 @@
 Qwen2.5-Coder-0.5B-Instruct (target) and SmolLM2-135M-Instruct (draft), the 38 builtin prompts
 as plain text, T = 0, gamma 4, 32 tokens, batches of 8; SLEM as transformers runs it, then
 --slem-stop own, then --slem-cache exact. Prints each one's totals and the prompts where it
-differs from the default. About 20 minutes on two cores (most of it the Qwen target).
+differs from the default, and checks that the default's text is the target's own greedy text
+(generate, one prompt at a time) on every prompt. About 25 minutes on two cores.
 
     python benchmarks/fetch_qwen_gguf.py DIR
     python benchmarks/slem_options.py DIR/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf \
@@ -10,6 +11,8 @@ differs from the default. About 20 minutes on two cores (most of it the Qwen tar
 """
 import argparse
 import sys
+
+import torch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +32,7 @@ def main() -> None:
     for stop, cache in (("target", "transformers"), ("own", "transformers"),
                         ("target", "exact")):
         slem = sd.SlemDrafter(f"stop={stop}, cache={cache}", draft, target, tok, tok_d,
-                              stop=stop, cache=cache)
+                              sd.SlemWay(stop, cache))
         r = sd.measure_drafts(target, [slem], seqs, sampling=sd.SamplingParams(0.0),
                               device="cpu", gamma=4, continuation_tokens=32, simulate=True,
                               batch_size=8, eos=sd.eos_ids(target, tok))[0]
@@ -43,6 +46,22 @@ def main() -> None:
             if (p["accepted"], p["cycles"]) != (q["accepted"], q["cycles"]):
                 print(f"    prompt {p['index']}: (accepted, cycles) ({p['accepted']}, "
                       f"{p['cycles']}) -> ({q['accepted']}, {q['cycles']})")
+    slem = sd.SlemDrafter("default", draft, target, tok, tok_d)
+    eos = frozenset(sd.eos_ids(target, tok))
+    config = sd.LoopConfig(sd.SamplingParams(0.0), 4, 32, sd.vocab_width(target), eos,
+                           torch.device("cpu"))
+    same = 0
+    for i in range(0, len(seqs), 8):
+        rows = sd.run_simulation(target, slem, seqs[i:i + 8], config)
+        for j, row in enumerate(rows):
+            x = torch.tensor([list(seqs[i + j].ids)])
+            greedy = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=32, eos_token_id=sorted(eos))
+            greedy = greedy[0, x.shape[1]:].tolist()
+            same += row.tokens == greedy
+            if row.tokens != greedy:
+                print(f"    prompt {i + j}: the text is not the target's greedy text")
+    print(f"the default's text is the target's greedy text on {same} of {len(seqs)} prompts")
 
 
 if __name__ == "__main__":
