@@ -168,6 +168,8 @@ def interval(rows: list[dict], num: str, den: str, plus: float = 0.0) -> tuple[f
 def compare(a: argparse.Namespace) -> int:
     target, tok, device = sd.load_model_and_tokenizer(a.target, "cpu", "float32", progress=False)
     draft_file = a.draft or f"{a.target.removesuffix('.gguf')}.first{a.draft_layers}.gguf"
+    if not a.draft and not os.access(os.path.dirname(os.path.abspath(draft_file)), os.W_OK):
+        draft_file = str(Path(a.logs) / os.path.basename(draft_file))  # (a read-only folder)
     if not os.path.exists(draft_file):
         print(f"writing the draft GGUF {draft_file}", file=sys.stderr)
         write_draft(a.target, a.draft_layers, draft_file)
