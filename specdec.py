@@ -4056,21 +4056,24 @@ def _transformers_entry(r: AcceptanceReport) -> dict[str, Any]:
         return {"generate": {"prompt_lookup_num_tokens": run.gamma,
                              "max_matching_ngram_size": max(d["ngram"]), **sample},
                 "note": "prompt lookup: no assistant, no confidence threshold"}
-    if d["kind"] not in ("draft model", "TLI"):
+    if d["kind"] not in ("draft model", "early exit", "TLI"):
         return {"unsupported": f"the threshold is read by the assistant generators alone "
                                f"(draft model, early exit, other tokenizers); transformers' "
                                f"{d['kind']} generator runs on its own"}
     u = r.unsure
     threshold = u.best_threshold if u and u.rule == "transformers" and \
         u.best_threshold is not None else 0
-    early = d.get("layers")
-    generate = {"assistant_early_exit": early} if early is not None else \
-        {"assistant_model": "DRAFT"}
+    early = d.get("layers")  # the target's own first layers: transformers' early exit
+    own = early is not None and d.get("checkpoint") in (None, run.target)
+    generate = {"assistant_early_exit": early} if own else {"assistant_model": "DRAFT"}
     if d["kind"] == "TLI":
         generate.update(tokenizer="TARGET_TOKENIZER", assistant_tokenizer="DRAFT_TOKENIZER")
     note = ("set on the assistant's generation_config, which transformers reads (not the "
             "target's settings: candidate_generator.py:115-119); with scikit-learn installed it "
             "retunes the threshold every cycle, so uninstall it to keep this one")
+    if early is not None and not own:
+        note += (f"; DRAFT is {d.get('checkpoint')} loaded with its first {early} layers "
+                 f"(num_hidden_layers={early})")
     if threshold:
         row = next(x for x in u.rows if x.best)
         note += (f"; the report predicts {row.tokens_per_cycle:.3f} tokens per cycle, accept "
@@ -4081,7 +4084,7 @@ def _transformers_entry(r: AcceptanceReport) -> dict[str, Any]:
     return {"generation_config": {"num_assistant_tokens": run.gamma,
                                   "num_assistant_tokens_schedule": "constant",
                                   "assistant_confidence_threshold": threshold},
-            "set_on": "target" if early is not None else "draft",
+            "set_on": "target" if own else "draft",
             "generate": {**generate, **sample}, "note": note}
 
 

@@ -4373,6 +4373,14 @@ def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
     assert rc == 0, err
     assert "draft.generation_config.update(num_assistant_tokens=4, " \
            "num_assistant_tokens_schedule='constant', assistant_confidence_threshold=" in out
+    layers = ["--target", model_dirs["target"], "--draft-layers", "1"] + argv[4:-6]
+    for draft, where, how in ((layers, "target", "assistant_early_exit=1"),  # its own layers
+                              (layers[:2] + ["--draft", model_dirs["draft"]] + layers[2:],
+                               "draft", "loaded with its first 1 layers")):  # a draft's
+        rc, out, err = run_cli(capsys, draft + [
+            "--confidence-rule", "transformers", "--confidence-threshold", "0.2",
+            "--engine-config", "transformers"])
+        assert rc == 0 and f"{where}.generation_config.update(" in out and how in out, err
 
 
 @needs_gguf
