@@ -2820,6 +2820,8 @@ class ThresholdRow:
     sim_cycles: int | None = None
     sim_cut_by_threshold: int | None = None  # cycles the rule ended early (RowStats)
     sim_cut_by_budget: int | None = None  # cycles the token budget cut (besides)
+    sim_logged_tokens_per_cycle: float | None = None  # 1 + accepted / verify steps, the cycles
+    # that drafted nothing left out: llama.cpp's "mean len"
     best: bool = False  # the highest teacher-forced est. speedup (simulated: sim_best)
     sim_best: bool = False
 
@@ -3406,6 +3408,7 @@ def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int,
     row.sim_cycles = sim.cycles
     row.sim_cut_by_threshold = sum(r.unsure_cuts for r in runs)
     row.sim_cut_by_budget = sum(r.budget_cuts or 0 for r in runs)
+    row.sim_logged_tokens_per_cycle = sim.logged_tokens_per_cycle
 
 
 def calibration(looked: Sequence[PromptResult], done: Sequence[PromptResult]) -> Calibration:
@@ -3720,7 +3723,7 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
     c = u.calibration
     if c is not None:
         lines += [f"    calibration: acceptance by the draft's confidence in its token "
-                  f"({u.rule}'s reading)",
+                  f"(as {'llama.cpp' if u.rule == 'llamacpp' else u.rule} reads it)",
                   f"      {'confidence':<12}{'drafts':>10}{'accepted':>10}"
                   + (f"  | {'sim: examined':>14}{'accepted':>10}" if c.sim_examined else "")]
         for b, lo in enumerate(c.bins):
@@ -4009,6 +4012,17 @@ def _llamacpp_sampling(r: AcceptanceReport) -> list[str]:
             "--top-k", str(run.top_k), "--top-p", f"{run.top_p:g}"]
 
 
+def _unsure_prediction(row: ThresholdRow) -> str:
+    """What a llama.cpp run at a threshold should log, as the report predicts it."""
+    said = (f"the report predicts accept rate {row.accept_rate:.3f} (llama.cpp's draft "
+            f"acceptance) and {row.tokens_per_cycle:.3f} tokens per cycle, a cycle that drafts "
+            f"nothing counted as one token")
+    if row.sim_logged_tokens_per_cycle is not None:
+        said += (f"; llama.cpp's mean len leaves those cycles out: "
+                 f"{row.sim_logged_tokens_per_cycle:.3f} in the simulation")
+    return said
+
+
 def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str, Any]]:
     """llama-server's flags: the drafter as measured (its own acceptance; the check of the
     prediction, benchmarks/llamacpp.py), and the measured rates replayed (--spec-synth-rates)."""
@@ -4036,8 +4050,7 @@ def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str,
                     f"best threshold", "args": base + spec + [
                         "--spec-draft-n-max", str(g), "--spec-draft-n-min", "0",
                         "--spec-draft-p-min", f"{u.best_threshold:g}"] + _llamacpp_sampling(r),
-                    "note": f"the report predicts {row.tokens_per_cycle:.3f} tokens per cycle "
-                            f"(llama.cpp's mean len), accept rate {row.accept_rate:.3f}"})
+                    "note": _unsure_prediction(row)})
     out.append({"args": base + chain + ["--spec-synth-rates", ",".join(
         f"{round(x, 4):g}" for x in rates)], "note": says})
     return out

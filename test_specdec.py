@@ -4356,6 +4356,13 @@ def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
     assert sum(row["best"] for row in stop["rows"]) == 1
     best = stop["best_threshold"]
     assert f"--spec-draft-p-min {best:g}" in out
+    for k, row in enumerate(stop["rows"]):  # llama.cpp's mean len: the verify steps alone
+        took, steps = (sum(p["stopped"][k][key] for p in whole["per_prompt"])
+                       for key in ("drafted_accepted", "verify_steps"))
+        assert row["sim_logged_tokens_per_cycle"] == pytest.approx(1 + took / steps, rel=1e-12)
+    k = stop["rows"].index(next(row for row in stop["rows"] if row["best"]))
+    assert f"llama.cpp's mean len leaves those cycles out: " \
+           f"{stop['rows'][k]['sim_logged_tokens_per_cycle']:.3f}" in " ".join(out.split())
     assert png_size(tmp_path / "run.png") == (1200, 800)
     back = sd.AcceptanceReport.from_dict(whole)
     assert sd.format_report(back) in out
