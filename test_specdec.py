@@ -4049,10 +4049,11 @@ def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma
     generation with each threshold, set as --engine-config transformers writes it (on the
     draft's generation_config, a constant block), scikit-learn hidden so that it stays fixed;
     transformers runs on the prompt plus the target's first token (specdec takes it from the
-    prefill, as the engines do), one token less to go. Asserts, prompt by prompt, the same
+    prefill, as the engines do), one token less to go. Asserts, prompt by prompt, as many
     tokens emitted and the same verify steps, drafted and accepted tokens as the engines count
     them (no draft past the token budget). -> the blocks the rule cut, over every run."""
     from transformers.generation import candidate_generator as cg
+    vocab = sd.vocab_width(target)  # (the first token: the target's argmax over all its ids)
     monkeypatch.setattr(cg, "is_sklearn_available", lambda: False)
     theirs = hf_cycles(monkeypatch, cg.AssistedCandidateGenerator)
     r = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["greedy"], device=CPU,
@@ -4068,7 +4069,7 @@ def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma
         for q, row in zip(seqs, r.per_prompt):
             ours = row["stopped"][k]
             theirs.clear()
-            x = torch.tensor([q.ids + [int(last_logits(target, q.ids).argmax())]])
+            x = torch.tensor([q.ids + [int(last_logits(target, q.ids, vocab).argmax())]])
             out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                   max_new_tokens=budget - 1, assistant_model=draft,
                                   pad_token_id=pad)[0, x.shape[1]:]
