@@ -7994,7 +7994,10 @@ def test_a_signal_to_a_running_cli_prints_a_partial_report_and_json(signame, sta
         [sys.executable, SPECDEC, "--target", model_dirs["target"], "--draft",
          model_dirs["draft"], "--data", str(data), "--max-samples", "400", "--batch-size", "2",
          "--continuation-tokens", "48", "--simulate", "--cost-ratio", "0.5", "--json", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # a job a non-interactive shell started in the background (`.ci/run &`) has SIGINT
+        # ignored, and a child inherits that: the CLI then rightly never sees the Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # the CLI says when measuring starts (models loaded); interrupt a little after that
     line = proc.stderr.readline()
     assert "measuring 400 prompts" in line, line
