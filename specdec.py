@@ -4791,6 +4791,18 @@ class CommittedStates(Session):
     def keep(self, rows):
         self.held = [self.held[r] for r in rows.tolist()]
 
+    def propose(self, pending, npos, u):
+        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
+
+    def given(self, pending, npos, tokens):
+        return self.draft(npos, lambda k, q: tokens[:, k])
+
+    def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
+              ) -> Proposal:
+        """The drafts from the pending token's position npos, step k's token pick(k, q):
+        drawn, or given."""
+        raise NotImplementedError
+
 
 class LastState(TreeSession):
     """A session that keeps, per row, the target's final hidden state at the last committed
@@ -4988,12 +5000,6 @@ class MtpSession(CommittedStates, TreeSession):
 
     def absorb(self, ids, states, live, pos):
         self.drafter.steps_over(self.slots, self.last, ids, states, live, pos)
-
-    def propose(self, pending, npos, u):
-        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
-
-    def given(self, pending, npos, tokens):
-        return self.draft(npos, lambda k, q: tokens[:, k])
 
     def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
               ) -> Proposal:
@@ -5416,12 +5422,6 @@ class Eagle3Session(CommittedStates, TreeSession):
         net = self.drafter.net
         out, _ = net.committed(ids, net.fc(states.to(net.fc.weight)), self.slots, live, pos)
         self.last = torch.where(live[:, -1:].bool(), out[:, -1], self.last)
-
-    def propose(self, pending, npos, u):
-        return self.draft(npos, lambda k, q: sample_from(q, u[:, k]))
-
-    def given(self, pending, npos, tokens):
-        return self.draft(npos, lambda k, q: tokens[:, k])
 
     def draft(self, npos: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor]
               ) -> Proposal:
