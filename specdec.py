@@ -278,6 +278,10 @@ class Settings:
     # from the simulation's (else the simulation's output is that text: one continuation)
     trees: tuple = ()  # TreeSpecs to replay on the target's text (the engines' trees)
     stopping: Stopping | None = None  # drafts that stop when unsure: a rule and thresholds
+    step_costs: Any = None  # a StepTimes: the serving runtime's step times (--step-costs), the
+    # speedup's costs in place of cost_ratio
+    concurrency: tuple[int, ...] = (1,)  # sequences decoded together, for the speed at each
+    # (--concurrency); the first is the report's
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -308,6 +312,10 @@ class Settings:
             object.__setattr__(self, "stopping", Stopping(self.stopping[0], tuple(
                 float(t) for t in self.stopping[1])))
             self.stopping.check()
+        if isinstance(self.concurrency, int) or not self.concurrency or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.concurrency):
+            raise UsageError(f"--concurrency must be whole numbers >= 1, got {self.concurrency!r}")
+        object.__setattr__(self, "concurrency", tuple(sorted(set(self.concurrency))))
 
     @property
     def gammas(self) -> list[int]:
@@ -517,6 +525,7 @@ class DraftOptions(NamedTuple):
     cross_vocab: str = "auto"  # --cross-vocab: how a draft of another tokenizer drafts
     slem_stop: str = "target"  # --slem-stop (SlemDrafter's stop)
     slem_cache: str = "transformers"  # --slem-cache (SlemDrafter's cache)
+    ngram_rule: str = "transformers"  # --ngram-rule (NgramDrafter's lookup)
 
 
 class Loaded(NamedTuple):
@@ -593,9 +602,11 @@ class Drafter(abc.ABC):
         """One drafting step in target steps from parameter counts, and how that was found
         (`--cost-ratio measure` times the session's advance and propose instead: measure_costs)."""
 
-    def for_run(self, eos: frozenset[int], gammas: Sequence[int]) -> Drafter:
-        """The drafter as a run uses it: told the run's EOS ids (n-gram lookup) and the block
-        sizes it measures (EAGLE-3 runs as many steps)."""
+    def for_run(self, eos: frozenset[int], gammas: Sequence[int], gamma: int | None = None
+                ) -> Drafter:
+        """The drafter as a run uses it: told the run's EOS ids (n-gram lookup), the block
+        sizes it measures (EAGLE-3 runs as many steps) and its own block (llama.cpp's n-gram
+        lookup drafts no more)."""
         return self
 
     def drafted_by(self, gamma: int) -> list[str] | None:
@@ -642,6 +653,15 @@ class Drafter(abc.ABC):
                    ) -> Drafter | None:
         """A loaded causal LM as this kind's drafter; None: not this kind's model."""
         return None
+
+
+def for_run(drafter: Drafter, eos: frozenset[int], gammas: Sequence[int], gamma: int
+            ) -> Drafter:
+    """drafter.for_run, told the run's own block where it takes one (a kind written before
+    for_run took it takes two arguments)."""
+    if "gamma" in inspect.signature(drafter.for_run).parameters:
+        return drafter.for_run(eos, gammas, gamma)
+    return drafter.for_run(eos, gammas)
 
 
 class Quiet:
@@ -1596,6 +1616,8 @@ class RowStats:
     drafted_accepted: int | None = 0  # of those, accepted
     verify_steps: int | None = 0  # cycles that drafted something
     budget_cuts: int | None = 0  # cycles whose draft the budget cut short
+    drafted_by_cycle: list[int] | None = None  # cycles that drafted k tokens, k = 0..G, as
+    # the engines count (capped by the budget): the cycles an engine's clock would run
     unsure_cuts: int = 0  # cycles whose block a rule that stops when unsure ended early
     by_confidence: list[list[int]] | None = None  # with such a rule: [examined, accepted]
     # draft tokens per tenth of the rule's confidence in them (CALIBRATION_BINS)
@@ -1603,7 +1625,7 @@ class RowStats:
     @classmethod
     def empty(cls, gamma: int, confidence: bool = False) -> RowStats:
         return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
-                   proposed=[0] * (gamma + 1),
+                   proposed=[0] * (gamma + 1), drafted_by_cycle=[0] * (gamma + 1),
                    by_confidence=[[0] * CALIBRATION_BINS for _ in "ea"] if confidence else None)
 
     def row(self) -> dict[str, Any]:
@@ -1645,7 +1667,8 @@ def row_stats(row: dict[str, Any]) -> RowStats:
     """A prompt's RowStats back from its JSON row (PromptResult.row), with as many (unknown)
     tokens as it emitted; the engines' counts an earlier version did not write are None (not
     counted), any other count its default."""
-    engines = {"drafted", "drafted_accepted", "verify_steps", "budget_cuts"}
+    engines = {"drafted", "drafted_accepted", "verify_steps", "budget_cuts",
+               "drafted_by_cycle"}
     return RowStats(**{f.name: row.get(f.name, None if f.name in engines else f.default)
                        for f in dataclasses.fields(RowStats) if f.name != "tokens"},
                     tokens=[-1] * row["generated"])
@@ -1672,6 +1695,8 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         if n_acc == count < width:  # every proposal accepted, and none at the next offset
             row.unproposed[count] += 1
     row.proposed[count] += 1
+    if row.drafted_by_cycle is not None:
+        row.drafted_by_cycle[max(capped, 0)] += 1
     if row.drafted is not None:
         row.drafted += max(capped, 0)
         row.drafted_accepted += min(accepted, max(capped, 0))
@@ -1871,7 +1896,8 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
     by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
     draft block (a SLEM block's width in target tokens follows: Drafter.block)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma])
+    drafter = for_run(as_drafter("draft", draft), frozenset(config.eos), [config.gamma],
+                      config.gamma)
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
         rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
@@ -2353,17 +2379,174 @@ def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Ten
     return survival(reached, accepted_at).sum(-1)
 
 
+# ----------------------------------------------------------------------------------------------
+# what a cycle costs: step times on the runtime that serves it
+#
+# A cycle costs the drafter's forwards, one target forward over the verify width and the work
+# outside the forwards: a fixed part per decode iteration and per cycle, and a part per
+# position (a logit row read, a token sampled over the whole vocabulary). Plain decoding costs
+# one target forward of one token a row and the same kind of overhead. The times come from
+# this device in torch (measure_step_times) or from the engine's own benchmark
+# (read_step_costs: llama-bench's JSON or a costs file), at the context the run serves and at
+# each concurrency; a Cost is one concurrency's cycle in plain decoding steps, which is what the
+# speedup divides by. Without step times the Cost comes from parameter counts, labelled rough.
+
+
+class Timing(NamedTuple):
+    """A measured time in seconds: the mean and the standard error of that mean."""
+
+    s: float
+    se: float = 0.0
+
+
+class Forward(NamedTuple):
+    """One timed forward pass, as a benchmark ran it: `rows` sequences of `width` new tokens
+    each, computing `outputs` logit rows (llama-bench's prompt test computes one: the last
+    token's), each sequence already holding `depth` tokens of context."""
+
+    rows: int
+    width: int
+    outputs: int
+    depth: float
+    time: Timing
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+class Overhead(NamedTuple):
+    """The work a decode loop does outside the forwards, seconds (zero: not measured)."""
+
+    per_step: Timing = Timing(0.0)  # every decode iteration, plain or speculative (scheduling)
+    per_cycle: Timing = Timing(0.0)  # a speculative cycle's extra (acceptance, cache trims)
+    per_row: Timing = Timing(0.0)  # a logit row a forward computes beyond those its timing
+    # includes (a verify reads every position's row; llama-bench's prompt test computes one),
+    # past StepTimes.head_rows
+    per_sample: Timing = Timing(0.0)  # a position the target samples over the vocabulary
+    per_draft_token: Timing = Timing(0.0)  # a token a drafter with a network drafts, outside
+    # its forward (its own sampling)
+    per_draft_step: Timing = Timing(0.0)  # a drafting step of a drafter with a network,
+    # outside its forward (the call, its synchronisation), whatever its rows
+
+    def draw(self, gen: torch.Generator) -> Overhead:
+        return Overhead(*(draw_timing(t, gen) for t in self))
+
+
+def draw_timing(t: Timing, gen: torch.Generator) -> Timing:
+    """One draw of a measured time from its sampling spread (normal, never below zero)."""
+    return Timing(max(0.0, t.s + t.se * torch.randn((), generator=gen).item()))
+
+
+SAMPLED = ("all", "emitted")  # which verified positions a runtime samples: every one (a
+# batched acceptance test: specdec's own loop, vLLM, SGLang) or those up to the first
+# rejection, the tokens a cycle emits (llama.cpp samples position by position)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """What a runtime's steps take: each model's timed forwards, the overhead outside them,
+    and how its cycle runs (whether its draft re-reads the verified block, which positions it
+    samples). `context` is the context the run serves, where forwards timed at several depths
+    are read."""
+
+    source: str  # where the forwards were timed, for the report
+    target: tuple[Forward, ...]
+    draft: tuple[Forward, ...] = ()
+    overhead: Overhead = Overhead()
+    overhead_source: str = "none given: 0 used"
+    rereads: bool = False  # the draft re-reads each cycle's verify batch in one pass (of one
+    # logit row): llama.cpp keeps its draft's cache in step that way
+    sampled: str = "all"  # SAMPLED
+    context: float | None = None
+    head_rows: tuple[tuple[int, Timing], ...] = ()  # (n, the time to compute n logit rows
+    # rather than one): what a forward timed with one row lacks (the head's cost is not
+    # linear in its rows on every backend); beyond the last, overhead.per_row a row
+
+    def __post_init__(self):
+        assert self.sampled in SAMPLED, self.sampled
+
+    def rows_cost(self, n: int) -> float:
+        """Seconds to compute n logit rows rather than one: head_rows, linear between its
+        points (and (1, 0)), overhead.per_row a row past them."""
+        points = [(1, 0.0)] + sorted((k, t.s) for k, t in self.head_rows if k > 1)
+        if n <= 1:
+            return 0.0
+        for (k0, s0), (k1, s1) in zip(points, points[1:]):
+            if n <= k1:
+                return s0 + (s1 - s0) * (n - k0) / (k1 - k0)
+        k, last = points[-1]
+        return last + (n - k) * self.overhead.per_row.s
+
+    def forward(self, model: str, rows: int, width: int, outputs: int | None = None) -> float:
+        """Seconds of a forward of `model` ("target" or "draft") over `rows` sequences of
+        `width` tokens computing `outputs` logit rows (None: every position's), at the
+        context: a record of that shape, or of as many tokens in one sequence or in as many
+        sequences (a verify of B rows of w tokens costs a forward of B*w tokens up to
+        attention, a small part at the contexts served), the one computing the most logit
+        rows up to `outputs` (the fewest above, where none is); rows it did not compute are
+        added at overhead.per_row each. Records at several depths are read at the context,
+        linearly between the two around it (the nearest outside them). A shape with no
+        record is a UsageError naming it."""
+        want, n = (rows * width if outputs is None else outputs), rows * width
+        shapes = {(rows, width), (1, n), (n, 1)}
+        shaped = [f for f in getattr(self, model) if (f.rows, f.width) in shapes]
+        if not shaped:
+            raise UsageError(f"step costs ({self.source}): no {model} forward of "
+                             f"{rows * width} token(s) ({rows} row(s) of {width}): time it "
+                             f"(llama-bench -p {rows * width}, or -n for one token) and add it")
+        under = [f.outputs for f in shaped if f.outputs <= want]  # the most rows up to want,
+        top = max(under) if under else min(f.outputs for f in shaped)  # else the fewest over
+        fit = [f for f in shaped if f.outputs == top]
+        fit = [f for f in fit if (f.rows, f.width) == (rows, width)] or fit  # its own shape
+        secs = at_depth([(f.depth, f.time.s) for f in fit], self.context)
+        return secs + max(0.0, self.rows_cost(want) - self.rows_cost(top))
+
+    def has(self, model: str) -> bool:
+        return bool(getattr(self, model))
+
+    def at(self, context: float) -> StepTimes:
+        return replace(self, context=context)
+
+    def draw(self, gen: torch.Generator) -> StepTimes:
+        """These step times with every measured time drawn from its spread once."""
+        def redraw(recs: tuple[Forward, ...]) -> tuple[Forward, ...]:
+            return tuple(f._replace(time=draw_timing(f.time, gen)) for f in recs)
+        return replace(self, target=redraw(self.target), draft=redraw(self.draft),
+                       overhead=self.overhead.draw(gen),
+                       head_rows=tuple((k, draw_timing(t, gen)) for k, t in self.head_rows))
+
+
+def at_depth(points: Sequence[tuple[float, float]], depth: float | None) -> float:
+    """A time measured at several context depths, read at `depth`: linear between the two
+    depths around it, the nearest one's outside them (and the mean at the same depth)."""
+    by: dict[float, list[float]] = {}
+    for d, s in points:
+        by.setdefault(d, []).append(s)
+    xs = sorted(by)
+    ys = [sum(by[x]) / len(by[x]) for x in xs]
+    if depth is None or depth <= xs[0]:
+        return ys[0]
+    if depth >= xs[-1]:
+        return ys[-1]
+    j = next(i for i, x in enumerate(xs) if x >= depth)
+    w = (depth - xs[j - 1]) / (xs[j] - xs[j - 1])
+    return ys[j - 1] + w * (ys[j] - ys[j - 1])
+
+
 @dataclass(frozen=True)
 class Cost:
-    """What a cycle costs in target steps: k draft steps of `ratio` each, plus a verify pass of
-    k+1 tokens, verify[k] (1 unless measured); a cycle with nothing proposed is one plain
-    target step. k = gamma, or spread over 0..gamma for a drafter that sometimes proposes
-    fewer (an n-gram lookup)."""
+    """What a cycle costs in plain decoding steps (of the target, at this concurrency): k
+    draft steps of `ratio` each (one pass a cycle for a drafter whose pass drafts the block:
+    per_cycle), plus verify[k] for the rest of a cycle that proposed k tokens (its verify pass
+    of k + 1 tokens, and with step times the overhead outside the forwards), plus per_token for
+    each token it emits (a runtime that samples only up to the first rejection); a cycle with
+    nothing proposed is one plain step. Without step times verify[k] is 1 unless measured."""
 
     ratio: float
     verify: dict[int, float]
     source: str  # where the numbers came from, for the report
-    timings: dict[str, Any] | None = None  # measure_costs's timings, when measured
+    timings: dict[str, Any] | None = None  # what was timed (the JSON's "costs")
     notes: tuple[str, ...] = ()  # the clamps applied to measured costs (clamp_costs)
     trees: dict[Any, float] = field(default_factory=dict)  # TreeSpec -> a tree cycle's cost:
     # D drafter steps of its width in rows, then a verify of its N nodes
@@ -2371,20 +2554,45 @@ class Cost:
     # drafter whose one pass drafts the block: PARD, DFlash), not one per drafted token
     draft_steps: int | None = None  # every cycle runs this many draft steps and one verify
     # pass, whatever it proposes (SLEM: the target tokens its text comes to)
+    per_token: float = 0.0  # each emitted token's sample, in plain steps (sampled "emitted")
+    plain_s: float | None = None  # seconds of one plain decoding step (None: not timed)
+    concurrency: int = 1  # sequences decoded together
+    spread: float = 0.0  # the log-scale standard deviation of the run's cycle over a plain
+    # step, from the step times' spread (timed_costs): the timing side of the speedup's interval
+    times: StepTimes | None = None  # the step times it was made from
+    others: tuple[Cost, ...] = ()  # the same drafter at the run's other concurrencies
+
+    def cycle(self, gamma: int, tokens_per_cycle: float,
+              proposed: Sequence[float] | None = None) -> float:
+        """A cycle's mean cost in plain steps. proposed[k] = the share (or count) of cycles
+        that proposed k tokens, k = 0..gamma; None = every cycle proposed gamma."""
+        sampled = tokens_per_cycle * self.per_token
+        if self.draft_steps is not None:
+            k = self.draft_steps
+            return k * self.ratio + self.verify[k] + sampled
+        if proposed is None:
+            return (1 if self.per_cycle else gamma) * self.ratio + self.verify[gamma] + sampled
+        costs = [1.0] + [(1 if self.per_cycle else k) * self.ratio + self.verify[k]
+                         for k in range(1, gamma + 1)]
+        return sum(w * c for w, c in zip(proposed, costs)) / sum(proposed) + sampled
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
-        """proposed[k] = the share (or count) of cycles that proposed k tokens, k = 0..gamma;
-        None = every cycle proposed gamma."""
-        if self.draft_steps is not None:
-            k = self.draft_steps
-            return est_speedup(tokens_per_cycle, k, self.ratio, self.verify[k])
-        if proposed is None:
-            return est_speedup(tokens_per_cycle, 1 if self.per_cycle else gamma, self.ratio,
-                               self.verify[gamma])
-        costs = [1.0] + [(1 if self.per_cycle else k) * self.ratio + self.verify[k]
-                         for k in range(1, gamma + 1)]
-        return tokens_per_cycle * sum(proposed) / sum(w * c for w, c in zip(proposed, costs))
+        """Tokens per cycle over the cycle's cost in plain steps (proposed: as in cycle)."""
+        return tokens_per_cycle / self.cycle(gamma, tokens_per_cycle, proposed)
+
+    def interval(self, speedup: float, token_side: Sequence[float] | None
+                 ) -> tuple[float, float] | None:
+        """The speedup's 95% interval: the token side's (the bootstrap's, through this cost)
+        widened by the timing side's spread, the two half-widths added in quadrature on the
+        log scale (independent errors); either side alone where the other is nil."""
+        if token_side is None and not self.spread:
+            return None
+        t = 1.96 * self.spread
+        lo, hi = token_side or (speedup, speedup)
+        a = math.log(speedup / lo) if lo > 0 and speedup > 0 else 0.0
+        b = math.log(hi / speedup) if speedup > 0 and hi > 0 else 0.0
+        return (speedup * math.exp(-math.hypot(a, t)), speedup * math.exp(math.hypot(b, t)))
 
 
 def unsure_speedup(cost: Cost, tokens_per_cycle: float, drafted: Sequence[float],
@@ -2400,21 +2608,25 @@ def unsure_speedup(cost: Cost, tokens_per_cycle: float, drafted: Sequence[float]
         probe = rule == "llamacpp"
         return 0 if not (k or probe) else 1 if cost.per_cycle else min(k + probe, gamma)
     costs = [steps(k) * cost.ratio + (cost.verify[k] if k else 1.0) for k in range(gamma + 1)]
-    return tokens_per_cycle * sum(drafted) / sum(w * c for w, c in zip(drafted, costs))
+    mean = sum(w * c for w, c in zip(drafted, costs)) / sum(drafted)
+    return tokens_per_cycle / (mean + tokens_per_cycle * cost.per_token)
 
 
 def cycle_numbers(accepted: float | None, accepted_ci: Sequence[float] | None, gamma: int,
                   cost: Cost, proposed: Sequence[float] | None = None
                   ) -> tuple[Any, Any, Any, Any]:
     """Accepted draft tokens per cycle (and its interval) -> tokens per cycle = accepted + 1
-    (the target adds one token every cycle) and the estimated speedup, each with its interval.
-    proposed: as in Cost.speedup."""
+    (the target adds one token every cycle) and the estimated speedup, each with its interval
+    (the speedup's widened by the step times' spread: Cost.interval). proposed: as in
+    Cost.cycle."""
     if accepted is None:
         return None, None, None, None
     tpc = accepted + 1
     tpc_ci = None if accepted_ci is None else (accepted_ci[0] + 1, accepted_ci[1] + 1)
-    return (tpc, tpc_ci, cost.speedup(tpc, gamma, proposed),
-            None if tpc_ci is None else tuple(cost.speedup(x, gamma, proposed) for x in tpc_ci))
+    speed = cost.speedup(tpc, gamma, proposed)
+    token_side = None if tpc_ci is None else tuple(cost.speedup(x, gamma, proposed)
+                                                   for x in tpc_ci)
+    return tpc, tpc_ci, speed, cost.interval(speed, token_side)
 
 
 class Run(NamedTuple):
@@ -2442,11 +2654,31 @@ class Run(NamedTuple):
         return run.tolist() + [0.0] * (gamma - len(steps))
 
     def proposing(self, gamma: int) -> list[float] | None:
-        """Cost.speedup's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
+        """Cost.cycle's share of cycles proposing k = 0..gamma tokens (None: all gamma)."""
         if self.rate == 1 and (self.steps is None or self.steps >= gamma):
             return None
         k = gamma if self.steps is None else min(gamma, self.steps)
         return [1 - self.rate] + [0.0] * (k - 1) + [self.rate] + [0.0] * (gamma - k)
+
+
+def break_even_alpha(cost: Cost, gamma: int, rate: float = 1.0) -> float | None:
+    """The acceptance rate below which speculation at gamma loses to plain decoding, every
+    offset accepting alike (the i.i.d. closed form; a drafter that proposes at a share `rate`
+    of its cycles): tokens per cycle = the cycle's cost. None: it loses even when every draft
+    is accepted; 0: it wins whatever is accepted."""
+    run = Run(rate, [])
+
+    def gain(a: float) -> float:
+        return cost.speedup(run.accepted(a, gamma) + 1, gamma, run.proposing(gamma)) - 1
+    if gain(1.0) < 0:
+        return None
+    if gain(0.0) >= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # the speedup rises with alpha: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gain(mid) < 0 else (lo, mid)
+    return hi
 
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device,
@@ -2488,42 +2720,11 @@ def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: 
 TIMING_REPEATS = 7  # timed rounds per cost measured (after two warm-up rounds): the median
 
 
-@torch.no_grad()
-def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: Sequence[int],
-                  gammas: Sequence[int], device: torch.device, widths: Sequence[int] = (1,)
-                  ) -> dict[str, Any]:
-    """Time one cached decode step of the target, a (gamma+1)-token verify pass of it, and one
-    drafting step: the drafter's own advance by one committed token and propose of one token
-    (of a drafter whose one pass drafts the block: the pass that drafts the largest block),
-    after the target and the drafter have read `ids` (so MTP layers, EAGLE-3, assistants and
-    n-gram lookups are timed doing what they do in the loop, and nothing that runs a network
-    comes out free).
-
-    Batch 1 (a drafting step also in each of `widths` rows at once: a tree's). Each round
-    times them all in turn, interleaved, so a load that comes and goes on a busy machine
-    touches each alike; two warm-up rounds, then the median of TIMING_REPEATS rounds each.
-    Target slots are dropped after every call and each draft step starts from a fresh session,
-    so every call sees the same context. The raw medians: see clamp_costs.
-    """
-    def verify(n_new: int) -> tuple[Callable[[Any], torch.Tensor], Callable[[], None]]:
-        slots, _ = prefill(target, [list(ids)], device)
-        x = torch.tensor([[ids[-1]] * n_new], device=device)
-        pos = torch.arange(len(ids), len(ids) + n_new, device=device)[None]
-
-        def drop_new_slots() -> None:
-            if slots.live.shape[1] > len(ids):
-                settle_slots(slots, torch.zeros(1, dtype=torch.long, device=device), 0,
-                             slots.live.shape[1] - len(ids))
-        return lambda _: extend(target, slots, x, pos), drop_new_slots
-
-    timed = {"step": verify(1), **{g: verify(g + 1) for g in gammas}}
-    drafted = 1  # tokens the timed drafting proposes
-    if drafter is not None:
-        drafter = as_drafter("draft", drafter)  # one pass drafts a block: time the largest
-        if drafter.can.one_pass:
-            drafted = min(max(gammas), drafter.can.max_gamma or max(gammas))
-        for w in widths:
-            timed["draft", w] = draft_step(target, drafter, ids, device, drafted, w)
+def time_rounds(timed: dict[Any, tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]],
+                device: torch.device) -> dict[Any, Timing]:
+    """Each (run, setup) timed: every round times them all in turn, interleaved, so a load that
+    comes and goes on a busy machine touches each alike; two warm-up rounds, then the median of
+    TIMING_REPEATS rounds, with the standard error of their mean (their spread / sqrt(n))."""
     times: dict[Any, list[float]] = {k: [] for k in timed}
     for i in range(TIMING_REPEATS + 2):
         for key, (run, setup) in timed.items():
@@ -2534,67 +2735,462 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
             run(ready).flatten()[0].item()  # wait for the device
             if i >= 2:
                 times[key].append(time.perf_counter() - start)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    step_p, step_q = med["step"], med.get(("draft", 1), 0.0)
-    out = {"target_step_s": step_p, "draft_step_s": step_q, "cost_ratio": step_q / step_p,
-           "verify_cost": {g: med[g] / step_p for g in gammas}, "device": str(device),
-           "draft_tokens": drafted}
-    if tuple(widths) != (1,):  # (the tree's steps, only when asked)
-        out["width_ratio"] = {w: med.get(("draft", w), 0.0) / step_p for w in widths}
+    out = {}
+    for key, v in times.items():
+        sd = torch.tensor(v, dtype=torch.float64).std().item() if len(v) > 1 else 0.0
+        out[key] = Timing(sorted(v)[len(v) // 2], sd / math.sqrt(len(v)))
     return out
 
 
-def clamp_costs(measured: dict[str, Any], floor: float) -> tuple[float, dict[int, float],
-                                                                    list[str]]:
-    """Measured costs that cannot invert a ranking: a verify of k tokens is never cheaper than
-    one target step, nor than a verify of fewer tokens; a drafting step that runs a network
-    is never cheaper than its parameter share `floor` (reading its weights, as a target step
-    reads the target's; 0 for a lookup). On a busy machine a timing can say otherwise (a
-    2-token verify at half a step was seen, ranking a head that accepted nothing at 1.2x).
-    -> (cost ratio, verify cost by gamma, a note for each clamp applied)."""
-    notes, verify, most = [], {}, 1.0
-    for g in sorted(measured["verify_cost"]):
-        v = measured["verify_cost"][g]
-        most = max(most, v)
-        if v < most:
-            notes.append(f"measured verify of {g + 1} tokens at {v:.2f} target steps: a verify "
-                         f"is never cheaper than one step or a shorter verify; {most:.2f} used")
-        verify[g] = most
-    ratio = measured["cost_ratio"]
-    if ratio < floor:
-        notes.append(f"measured draft step at {ratio:.3f} target steps, below its parameter "
-                     f"share {floor:.3f}: a drafting step is never cheaper than reading its "
-                     f"weights; {floor:.3f} used")
-        ratio = floor
-    return ratio, verify, notes
+def _target_forward(target: nn.Module, ids: Sequence[int], device: torch.device, rows: int,
+                    width: int) -> tuple[Callable[[Any], torch.Tensor], Callable[[], None]]:
+    """(run, setup) for timing one target forward of `rows` rows of `width` new tokens after
+    `ids` (a verify pass; width 1: a plain decoding step): the rows are prefilled once, and the
+    new slots dropped before each call, so every call sees the same context."""
+    slots, _ = prefill(target, [list(ids)] * rows, device)
+    x = torch.tensor([[ids[-1]] * width] * rows, device=device)
+    pos = torch.arange(len(ids), len(ids) + width, device=device)[None].expand(rows, -1)
+
+    def drop_new_slots() -> None:
+        if slots.live.shape[1] > len(ids):
+            settle_slots(slots, torch.zeros(rows, dtype=torch.long, device=device), 0,
+                         slots.live.shape[1] - len(ids))
+    return lambda _: extend(target, slots, x, pos), drop_new_slots
+
+
+def _loop_overhead(vocab: int, gamma: int, device: torch.device
+                   ) -> dict[Any, tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]]:
+    """(run, setup) for timing the work of specdec's loop outside the forwards: the sampling of
+    SAMPLE_ROWS positions over the vocabulary (processed_probs, then a draw), and a cycle's
+    acceptance test (accept) over gamma proposals."""
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(SAMPLE_ROWS, vocab, generator=g, device=device)
+    u = torch.rand(SAMPLE_ROWS, generator=g, device=device)
+    p = processed_probs(torch.randn(1, gamma + 1, vocab, generator=g, device=device),
+                        SamplingParams(1.0))  # (1, G+1, V)
+    q = processed_probs(torch.randn(1, gamma, vocab, generator=g, device=device),
+                        SamplingParams(1.0))
+    proposal = Proposal(sample_from(q, torch.rand(1, gamma, generator=g, device=device)), q,
+                        torch.ones(1, dtype=torch.bool, device=device))
+    ua = torch.rand(1, gamma + 1, generator=g, device=device)
+    return {"sample": (lambda _: sample_from(processed_probs(logits, SamplingParams(1.0)), u),
+                       lambda: None),
+            "accept": (lambda _: accept(p, proposal, ua)[0], lambda: None)}
+
+
+SAMPLE_ROWS = 16  # positions sampled at once when specdec times its own sampling
+
+
+@torch.no_grad()
+def measure_step_times(target: nn.Module, drafter: Drafter | nn.Module | None,
+                       ids: Sequence[int], device: torch.device, widths: Sequence[int],
+                       concurrency: Sequence[int] = (1,), rows: Sequence[int] = (1,),
+                       drafted: int = 1) -> StepTimes:
+    """Time this device in torch, as specdec's own loop runs: target forwards of every width
+    in `widths` (a plain step is width 1, a verify of g drafts g + 1) at each concurrency,
+    after the target has read `ids` (the context); one drafting step of the drafter at each
+    concurrency and in each of `rows` rows at once (a tree's steps): its session's own advance
+    by one committed token and its propose of `drafted` tokens (1: a step; the largest block a
+    drafter whose one pass drafts the block drafts), so MTP layers, EAGLE-3, assistants and
+    n-gram lookups are timed doing what they do in the loop; and the loop's work outside the
+    forwards (a position's sampling, a cycle's acceptance test). Raw medians, see clamp_times."""
+    drafter = None if drafter is None else as_drafter("draft", drafter)
+    vocab = shared_vocab(target, drafter) if drafter is not None else vocab_width(target)
+    timed = _loop_overhead(vocab, max(1, max(widths) - 1), device)
+    shapes = sorted({(b, w) for b in concurrency for w in {1, *widths}})
+    for b, w in shapes:
+        timed["target", b, w] = _target_forward(target, ids, device, b, w)
+    for r in sorted(set(concurrency) | set(rows)) if drafter is not None else ():
+        timed["draft", r] = draft_step(target, drafter, ids, device, drafted, r)
+    got = time_rounds(timed, device)
+    n = float(len(ids))
+    target_f = tuple(Forward(b, w, b * w, n, got["target", b, w]) for b, w in shapes)
+    draft_f = () if drafter is None else tuple(
+        Forward(r, drafted, r * drafted, n, got["draft", r])
+        for r in sorted(set(concurrency) | set(rows)))
+    sample = got["sample"]
+    overhead = Overhead(per_cycle=got["accept"],
+                        per_sample=Timing(sample.s / SAMPLE_ROWS, sample.se / SAMPLE_ROWS))
+    return StepTimes(f"timed on {device} in torch", target_f, draft_f, overhead,
+                     "timed here: a cycle's acceptance test, each verified position's "
+                     "sampling (nothing for scheduling)", sampled="all", context=n)
+
+
+def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: Sequence[int],
+                  gammas: Sequence[int], device: torch.device, widths: Sequence[int] = (1,)
+                  ) -> dict[str, Any]:
+    """The timings of measure_step_times at one concurrency as ratios to one target step:
+    target_step_s, draft_step_s (the drafting step; a one-pass drafter's pass of its largest
+    block), cost_ratio (their ratio), verify_cost {gamma: a (gamma + 1)-token verify in target
+    steps}, draft_tokens, and with tree widths, width_ratio {rows: a step of that many rows}.
+    Raw medians: see clamp_times."""
+    drafted = 1
+    if drafter is not None:
+        drafter = as_drafter("draft", drafter)
+        if drafter.can.one_pass:
+            drafted = min(max(gammas), drafter.can.max_gamma or max(gammas))
+    times = measure_step_times(target, drafter, ids, device, [g + 1 for g in gammas],
+                               rows=widths, drafted=drafted)
+    return step_ratios(times, gammas, widths, drafted, str(device))
+
+
+def step_ratios(times: StepTimes, gammas: Sequence[int], widths: Sequence[int], drafted: int,
+                device: str) -> dict[str, Any]:
+    """measure_costs' dict (the JSON's "costs") from step times at concurrency 1."""
+    step = times.forward("target", 1, 1)
+
+    def draft(rows: int) -> float:
+        return times.forward("draft", rows, drafted) if times.has("draft") else 0.0
+    out = {"target_step_s": step, "draft_step_s": draft(1), "cost_ratio": draft(1) / step,
+           "verify_cost": {g: times.forward("target", 1, g + 1) / step for g in gammas},
+           "device": device, "draft_tokens": drafted}
+    if tuple(widths) != (1,):  # (the tree's steps, only when asked)
+        out["width_ratio"] = {w: draft(w) / step for w in widths}
+    return out
+
+
+def clamp_times(times: StepTimes, floor: float) -> tuple[StepTimes, list[str]]:
+    """Measured times that cannot invert a ranking: at each concurrency, a forward of more
+    tokens is never cheaper than one of fewer (so no verify is cheaper than one plain step);
+    a drafting step that runs a network is never cheaper than its parameter share `floor` of a
+    target step (reading its weights, as a target step reads the target's; 0 for a lookup).
+    On a busy machine a timing can say otherwise (a 2-token verify at half a step was seen,
+    ranking a head that accepted nothing at 1.2x). -> (the times, a note for each clamp)."""
+    notes, target, one = [], [], times.forward("target", 1, 1)
+    for b in sorted({f.rows for f in times.target}):
+        most = 0.0
+        for f in sorted((f for f in times.target if f.rows == b), key=lambda f: f.width):
+            if f.time.s < most:
+                notes.append(f"measured verify of {f.width} tokens at {f.time.s / one:.2f} "
+                             f"target steps: a verify is never cheaper than one step or a "
+                             f"shorter verify; {most / one:.2f} used" if b == 1 else
+                             f"measured forward of {b} rows of {f.width} at {f.time.s:.4f} s, "
+                             f"below a narrower one's {most:.4f} s; that used")
+                f = f._replace(time=f.time._replace(s=most))
+            most = f.time.s
+            target.append(f)
+    draft = []
+    for f in times.draft:
+        least = floor * times.forward("target", f.rows, 1) if f.rows in {
+            g.rows for g in times.target} else floor * times.forward("target", 1, 1)
+        if f.time.s < least:
+            if f.rows == 1:
+                ratio = f.time.s / times.forward("target", 1, 1)
+                notes.append(f"measured draft step at {ratio:.3f} target steps, below its "
+                             f"parameter share {floor:.3f}: a drafting step is never cheaper "
+                             f"than reading its weights; {floor:.3f} used")
+            f = f._replace(time=f.time._replace(s=least))
+        draft.append(f)
+    return replace(times, target=tuple(target), draft=tuple(draft)), notes
+
+
+def _median(xs: Sequence[float]) -> Timing:
+    """The median of repeated timings, and its standard error (1.25 sd / sqrt(n), a normal's)."""
+    v = torch.tensor(sorted(xs), dtype=torch.float64)
+    sd = v.std().item() if len(v) > 1 else 0.0
+    return Timing(v.median().item(), 1.2533 * sd / math.sqrt(len(v)))
+
+
+def llama_bench_forwards(records: Sequence[dict[str, Any]]) -> tuple[Forward, ...]:
+    """llama-bench's JSON results (-o json) of one model as forwards: a prompt test of W tokens
+    at depth D is one forward of W tokens computing one logit row; a generation test of G
+    tokens is G forwards of one token, from depth D on (read at its middle). Each is the
+    median of its repetitions (samples_ns; avg_ns where there are none). Combined tests (-pg)
+    time both kinds at once and are left out."""
+    out = []
+    for r in records:
+        p, g, d = int(r["n_prompt"]), int(r["n_gen"]), float(r.get("n_depth", 0))
+        per = max(1, g) if not p else 1
+        samples = [x * 1e-9 / per for x in r.get("samples_ns") or []]
+        t = _median(samples) if samples else Timing(float(r["avg_ns"]) * 1e-9 / per)
+        if p and not g:
+            out.append(Forward(1, p, 1, d, t))
+        elif g and not p:
+            out.append(Forward(1, 1, 1, d + (g - 1) / 2, t))
+    return tuple(out)
+
+
+def batched_bench_forwards(records: Sequence[dict[str, Any]]) -> tuple[Forward, ...]:
+    """llama-batched-bench's JSONL (--output-format jsonl) as forwards: its generation phase of
+    pl sequences is tg forwards of pl tokens, one a sequence, every sequence's logit row
+    computed (a verify's shape: llama.cpp computes a row for every verified position), at the
+    depth of its prompts (npp, and the middle of the tg steps). Records of the same shape
+    (several runs: it repeats nothing itself) give their median."""
+    by: dict[tuple[int, float], list[float]] = {}
+    for r in records:
+        if int(r.get("tg", 0)) > 0 and float(r.get("t_tg", 0)) > 0:
+            key = (int(r["pl"]), float(r["pp"]) + (int(r["tg"]) - 1) / 2)
+            by.setdefault(key, []).append(float(r["t_tg"]) / int(r["tg"]))
+    return tuple(Forward(pl, 1, pl, depth, _median(v)) for (pl, depth), v in sorted(by.items()))
+
+
+LLAMA_BENCH_KEYS = ("n_prompt", "n_gen", "avg_ns", "model_filename")
+BATCHED_BENCH_KEYS = ("pl", "pp", "tg", "t_tg")
+
+
+def _bench_records(path: str, batched: bool = False) -> list[dict[str, Any]]:
+    """A llama-bench output file (-o json: a list; -o jsonl: one record a line), or with
+    batched a llama-batched-bench one (--output-format jsonl; its other lines skipped) -> its
+    records, or a UsageError saying what it is not."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UsageError(f"--step-costs: cannot read {path}: {_one_line(e)}") from None
+    keys = BATCHED_BENCH_KEYS if batched else LLAMA_BENCH_KEYS
+    try:
+        data = json.loads(text)
+        data = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if batched:  # (its log lines go to stdout too)
+            lines = [line for line in lines if line.lstrip().startswith("{")]
+        try:
+            data = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--step-costs {path}: not JSON ({e.msg}, line {e.lineno})") \
+                from None
+    if not data or not all(isinstance(r, dict) and all(k in r for k in keys) for r in data):
+        what = ("llama-batched-bench's output (--output-format jsonl" if batched
+                else "llama-bench's output (-o json or jsonl")
+        raise UsageError(f"--step-costs {path}: not {what}: records with {', '.join(keys)})")
+    return data
+
+
+def _by_model(records: list[dict[str, Any]], path: str, pick: str | None = None
+              ) -> dict[str, list[dict[str, Any]]]:
+    """llama-bench records grouped by model file, the one named `pick` alone when given."""
+    models: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        models.setdefault(str(r["model_filename"]), []).append(r)
+    if pick is not None:
+        models = {m: rs for m, rs in models.items() if pick in m}
+        if len(models) != 1:
+            raise UsageError(f"--step-costs: {len(models)} models of {path} match {pick!r}")
+    return models
+
+
+OVERHEAD_KEYS = Overhead._fields
+
+
+def _forwards_entry(entry: Any, base: str, what: str) -> tuple[Forward, ...]:
+    """A costs file's list of a model's forwards: llama-bench files (a path, or
+    {"llama_bench": path, "model": part of its file name}), llama-batched-bench files
+    ({"batched_bench": path}: its decoding steps, every row's logits computed) and timed
+    shapes ({"rows", "width", "outputs", "depth", "ms", "se_ms"})."""
+    out: list[Forward] = []
+    for e in entry if isinstance(entry, list) else [entry]:
+        if isinstance(e, dict) and "batched_bench" in e:
+            path = e["batched_bench"]
+            path = path if os.path.isabs(path) else os.path.join(base, path)
+            out += batched_bench_forwards(_bench_records(path, batched=True))
+            continue
+        if isinstance(e, str) or (isinstance(e, dict) and "llama_bench" in e):
+            path = e if isinstance(e, str) else e["llama_bench"]
+            path = path if os.path.isabs(path) else os.path.join(base, path)
+            models = _by_model(_bench_records(path), path,
+                               None if isinstance(e, str) else e.get("model"))
+            if len(models) != 1:
+                raise UsageError(f"--step-costs: {path} holds {len(models)} models; name the "
+                                 f"{what}'s: {{\"llama_bench\": \"{path}\", \"model\": \"...\"}}")
+            out += llama_bench_forwards(next(iter(models.values())))
+            continue
+        try:
+            rows, width = int(e.get("rows", 1)), int(e["width"])
+            outputs = int(e.get("outputs", rows * width))
+            ms, se = float(e["ms"]), float(e.get("se_ms", 0.0))
+            assert rows >= 1 and width >= 1 and 1 <= outputs <= rows * width and ms > 0 \
+                and se >= 0
+        except (KeyError, TypeError, ValueError, AttributeError, AssertionError):
+            raise UsageError(f"--step-costs: the {what}'s forward {json.dumps(e)[:80]} is not "
+                             f"{{\"rows\": R, \"width\": W, \"outputs\": O, \"depth\": D, "
+                             f"\"ms\": T, \"se_ms\": S}} with R, W >= 1, 1 <= O <= R*W, "
+                             f"T > 0") from None
+        out.append(Forward(rows, width, outputs, float(e.get("depth", 0)),
+                           Timing(ms * 1e-3, se * 1e-3)))
+    return tuple(out)
+
+
+def read_step_costs(path: str) -> StepTimes:
+    """--step-costs FILE: a cycle's costs on the runtime that serves it (docs/speed.md).
+
+    * llama-bench's output (-o json or jsonl) of the target, or of the target and the draft
+      (the one with more parameters is the target): llama.cpp's cycle (its draft re-reads
+      the verify batch; it samples the tokens a cycle emits), no overhead (0, said so);
+    * a costs file: {"source", "target": forwards, "draft": forwards, "overhead_ms":
+      {per_step, per_cycle, per_row, per_sample, per_draft_token}, "overhead_se_ms",
+      "overhead_source", "draft_rereads", "sampled": "all" | "emitted"}, a model's forwards
+      being llama-bench files or timed shapes (_forwards_entry).
+    Anything else is a UsageError naming what is wrong."""
+    try:
+        data = json.load(open(path, encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"--step-costs: cannot read {path}: {_one_line(e)}") from None
+    except json.JSONDecodeError:
+        data = None  # (llama-bench's jsonl)
+    if not isinstance(data, dict) or "n_prompt" in data:
+        models = _by_model(_bench_records(path), path)
+        if len(models) > 2:
+            raise UsageError(f"--step-costs {path}: {len(models)} models; give a costs file "
+                             f"naming the target's and the draft's (docs/speed.md)")
+        ranked = sorted(models.values(), key=lambda rs: -int(rs[0].get("model_n_params", 0)))
+        r0 = ranked[0][0]
+        return StepTimes(f"llama-bench of {os.path.basename(path)} (build "
+                         f"{r0.get('build_commit', '?')}, {r0.get('n_threads', '?')} threads)",
+                         llama_bench_forwards(ranked[0]),
+                         llama_bench_forwards(ranked[1]) if len(ranked) > 1 else (),
+                         rereads=True, sampled="emitted")
+    base = os.path.dirname(os.path.abspath(path))
+    unknown = set(data) - {"source", "target", "draft", "overhead_ms", "overhead_se_ms",
+                           "overhead_source", "draft_rereads", "sampled", "head_rows_ms",
+                           "head_rows_se_ms", "comment"}
+    if unknown or "target" not in data:
+        raise UsageError(f"--step-costs {path}: " + (f"unknown key {sorted(unknown)[0]!r}"
+                         if unknown else "no \"target\" forwards") + " (docs/speed.md)")
+    ms, se = data.get("overhead_ms", {}), data.get("overhead_se_ms", {})
+    bad = [k for k in {**ms, **se} if k not in OVERHEAD_KEYS] + [
+        k for k, v in {**ms, **se}.items() if not isinstance(v, (int, float))
+        or isinstance(v, bool) or not 0 <= v < math.inf]
+    if bad or data.get("sampled", "emitted") not in SAMPLED:
+        raise UsageError(f"--step-costs {path}: " + (
+            f"overhead {bad[0]!r} must be one of {', '.join(OVERHEAD_KEYS)} in ms, >= 0"
+            if bad else f"sampled must be {' or '.join(SAMPLED)}"))
+    overhead = Overhead(*(Timing(ms.get(k, 0.0) * 1e-3, se.get(k, 0.0) * 1e-3)
+                          for k in OVERHEAD_KEYS))
+    rows, rows_se = data.get("head_rows_ms", {}), data.get("head_rows_se_ms", {})
+    try:
+        head = tuple(sorted((int(k), Timing(float(v) * 1e-3, float(rows_se.get(k, 0)) * 1e-3))
+                            for k, v in rows.items()))
+        assert all(k >= 2 and t.s >= 0 for k, t in head)
+    except (ValueError, TypeError, AttributeError, AssertionError):
+        raise UsageError(f"--step-costs {path}: head_rows_ms must map a number of logit rows "
+                         f"(>= 2) to the ms they take beyond one row's (>= 0)") from None
+    return StepTimes(str(data.get("source", os.path.basename(path))),
+                     _forwards_entry(data["target"], base, "target"),
+                     _forwards_entry(data.get("draft", []), base, "draft"), overhead,
+                     str(data.get("overhead_source", "from the costs file" if ms else
+                                  "none given: 0 used")),
+                     rereads=bool(data.get("draft_rereads", False)),
+                     sampled=data.get("sampled", "emitted"), head_rows=head)
+
+
+def timed_cost(times: StepTimes, drafter: Drafter, gammas: Sequence[int], trees: Sequence[Any],
+               rows: int = 1) -> Cost:
+    """The Cost of a drafter's cycle at concurrency `rows` from step times, in plain decoding
+    steps: a plain step is a target forward of one token a row, its overhead and a sample a
+    row; a cycle that proposes k tokens runs k drafting steps of its rows (a drafter whose one
+    pass drafts the block: one pass of the largest block), a target forward of k + 1 tokens a
+    row, the draft's re-read of that batch on a runtime whose draft re-reads it, and the
+    overhead (a cycle's, a row of logits per position beyond the timed one, each sampled
+    position: every verified one, or the emitted tokens, Cost.per_token). A tree of depth D,
+    width K and N nodes: D steps of K rows and a verify of N. A drafter with a network and
+    no draft timings is refused (a UsageError): the prediction would be made up."""
+    t, o, can = times, times.overhead, drafter.can
+    net = bool(drafter.networks())
+    if net and not t.has("draft"):
+        raise UsageError(f"step costs ({t.source}): no forward of the draft {drafter.name} "
+                         f"was timed; add the draft's timings (llama-bench -m DRAFT.gguf ...)")
+    once = can.one_pass
+    block = min(max(gammas), can.max_gamma or max(gammas)) if once else 1
+    plain = t.forward("target", rows, 1) + o.per_step.s + rows * o.per_sample.s
+
+    def drafting(r: int) -> float:  # one drafting step of r rows (one pass, for one pass)
+        if not t.has("draft"):
+            return 0.0  # a lookup: no forward
+        extra = r * block * o.per_draft_token.s + o.per_draft_step.s if net else 0.0
+        return t.forward("draft", r, block) + extra
+
+    def rest(k: int) -> float:  # a cycle of k drafts besides its drafting steps
+        s = t.forward("target", rows, k + 1) + o.per_step.s + o.per_cycle.s
+        if t.sampled == "all":
+            s += rows * (k + 1) * o.per_sample.s
+        if t.rereads and net and not once:
+            s += t.forward("draft", rows, k + 1, outputs=1)
+        return s
+    ratio = drafting(rows) / plain
+    verify = {g: rest(g) / plain for g in sorted(set(gammas))}
+    tree_costs = {spec: (spec.depth * max(drafting(rows), drafting(rows * spec.width))
+                         + rest(spec.nodes - 1)) / plain for spec in trees} if rows == 1 else {}
+    per_token = rows * o.per_sample.s / plain if t.sampled == "emitted" else 0.0
+    return Cost(ratio, verify, f"{t.source}; overhead {t.overhead_source}", trees=tree_costs,
+                per_cycle=once, per_token=per_token, plain_s=plain, concurrency=rows, times=t)
+
+
+TIMING_DRAWS = 200  # draws of the step times from their spread, for the speedup's interval
+
+
+def timing_spread(times: StepTimes, make: Callable[[StepTimes], Cost], gamma: int,
+                  seed: int) -> float:
+    """The log-scale standard deviation of a cycle's cost in plain steps (at gamma, a middling
+    tokens per cycle) over TIMING_DRAWS draws of every measured time from its spread: the
+    timing side of the speedup's 95% interval (Cost.interval)."""
+    gen = torch.Generator().manual_seed(seed)
+    logs = []
+    for _ in range(TIMING_DRAWS):
+        c = make(times.draw(gen))
+        logs.append(math.log(max(c.cycle(gamma, 1 + gamma / 2), 1e-12)))
+    return torch.tensor(logs, dtype=torch.float64).std().item()
+
+
+def context_of(sequences: Sequence[TokenSequence], settings: Settings) -> int:
+    """The context a run's cycles run at, on average: the prompts' mean length and half the
+    continuation (the middle of the generation)."""
+    mean = sum(len(s.ids) for s in sequences) / max(1, len(sequences))
+    return max(1, round(mean + settings.continuation_tokens / 2))
 
 
 def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                sequences: Sequence[TokenSequence], device: torch.device) -> Cost:
-    """The cost ratio c and the verify cost per gamma (in target steps), and their source."""
+    """The Cost of a drafter's cycle, and where it came from: from step times where they exist
+    (settings.step_costs, a runtime's; or cost_ratio "measure": this device in torch, at the
+    run's context), one per concurrency (the first the report's, the others in .others),
+    each with its timing spread; else from parameter counts or a given ratio (a verify of
+    one step, no overhead: rough)."""
     gammas, how, specs = settings.gammas, settings.cost_ratio, settings.trees
-    once = drafter.can.one_pass
-    if how == "measure":
-        nodes = sorted(set(gammas) | {spec.nodes - 1 for spec in specs})
+    if settings.step_costs is None and how != "measure":
+        ones = {g: 1.0 for g in gammas}
+        ratio, source = drafter.param_cost(target) if how in (None, "auto") else (float(how),
+                                                                                 "given")
+        # a tree's D steps of K rows cost D steps (memory-bound), its verify of N nodes one
+        return Cost(ratio, ones, source, trees={spec: spec.depth * ratio + 1.0
+                                                for spec in specs},
+                    per_cycle=drafter.can.one_pass)
+    context = context_of(sequences, settings)
+    rows = sorted({1} | {s.width for s in specs})
+    drafted = (min(max(gammas), drafter.can.max_gamma or max(gammas))
+               if drafter.can.one_pass else 1)
+    notes: list[str] = []
+    if settings.step_costs is not None:
+        times = raw = settings.step_costs.at(context)
+    else:
+        ids = (list(sequences[0].ids) * (context // max(1, len(sequences[0].ids)) + 1))[:context]
         with step(f"timing the models ({drafter.name})"):
-            m = measure_costs(target, drafter, sequences[0].ids, nodes, device,
-                              sorted({1} | {spec.width for spec in specs}))
-        ratio, verify, notes = clamp_costs(m, drafter.param_cost(target)[0])
-        # a tree: D steps of its width in rows (never cheaper than one row), a verify of N
-        trees = {spec: spec.depth * max(ratio, m.get("width_ratio", {}).get(spec.width, 0.0))
-                 + verify[spec.nodes - 1] for spec in specs}
-        drafted = f"draft pass of {m['draft_tokens']}" if once else "draft step"
-        return Cost(ratio, {g: verify[g] for g in gammas},
-                    f"measured on {m['device']}: {drafted} {m['draft_step_s'] * 1e3:.2f} ms, "
-                    f"target step {m['target_step_s'] * 1e3:.1f} ms, verify of "
-                    f"{settings.gamma + 1} tokens {verify[settings.gamma]:.2f} target steps", m,
-                    tuple(notes), trees, per_cycle=once)
-    ones = {g: 1.0 for g in gammas}
-    ratio, source = drafter.param_cost(target) if how in (None, "auto") else (float(how),
-                                                                             "given")
-    # a tree's D steps of K rows cost D steps (memory-bound), its verify of N nodes one
-    return Cost(ratio, ones, source, trees={spec: spec.depth * ratio + 1.0 for spec in specs},
-                per_cycle=once)
+            raw = measure_step_times(target, drafter, ids, device,
+                                     sorted({g + 1 for g in gammas} | {s.nodes for s in specs}),
+                                     settings.concurrency, rows, drafted)
+        times, notes = clamp_times(raw, drafter.param_cost(target)[0])
+    costs = []
+    for b in settings.concurrency:
+        def make(t: StepTimes, b: int = b) -> Cost:
+            return timed_cost(t, drafter, gammas, specs, b)
+        c = make(times)
+        costs.append(replace(c, spread=timing_spread(times, make, settings.gamma,
+                                                     settings.seed + b)))
+    main = costs[0]
+    timings = step_ratios(raw, gammas, rows if settings.step_costs is None else (1,), drafted,
+                          str(device) if settings.step_costs is None else times.source)
+    timings.update(plain_step_s=main.plain_s, context=context,
+                   overhead_s={k: v.s for k, v in times.overhead._asdict().items()},
+                   forwards={m: [[*f[:4], f.time.s, f.time.se] for f in getattr(times, m)]
+                             for m in ("target", "draft")})
+    source = main.source
+    if settings.step_costs is None:
+        what = f"draft pass of {drafted}" if drafter.can.one_pass else "draft step"
+        source = (f"measured on {device} in torch: {what} {timings['draft_step_s'] * 1e3:.2f} "
+                  f"ms, target step {timings['target_step_s'] * 1e3:.1f} ms, verify of "
+                  f"{settings.gamma + 1} tokens {timings['verify_cost'][settings.gamma]:.2f} "
+                  f"target steps; overhead {times.overhead_source}")
+    return replace(main, source=source, timings=timings, notes=tuple(notes),
+                   others=tuple(costs[1:]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2731,6 +3327,8 @@ class Simulated:
     accept_rate_ci: tuple[float, float] | None = None  # acceptance", vLLM's acceptance rate
     logged_tokens_per_cycle: float | None = None  # 1 + drafted_accepted / verify_steps:
     logged_tokens_per_cycle_ci: tuple[float, float] | None = None  # llama.cpp's "mean len"
+    drafted_by_cycle: list[int] | None = None  # cycles that drafted k = 0..G tokens, as
+    # logged (RowStats.drafted_by_cycle)
 
 
 @dataclass
@@ -2824,6 +3422,12 @@ class ThresholdRow:
     # that drafted nothing left out: llama.cpp's "mean len"
     best: bool = False  # the highest teacher-forced est. speedup (simulated: sim_best)
     sim_best: bool = False
+    tokens_per_cycle_ci: tuple[float, float] | None = None  # 95% bootstrap over prompts
+    accept_rate_ci: tuple[float, float] | None = None
+    est_speedup_ci: tuple[float, float] | None = None
+    sim_tokens_per_cycle_ci: tuple[float, float] | None = None
+    sim_accept_rate_ci: tuple[float, float] | None = None
+    sim_est_speedup_ci: tuple[float, float] | None = None
 
 
 @dataclass
@@ -2862,6 +3466,38 @@ class Trees:
     best_static: StaticTree | None = None
 
 
+@dataclass
+class SpeedRow:
+    """One concurrency's predicted decode speed, from step times (all rows together)."""
+
+    concurrency: int
+    plain_tokens_per_s: float  # plain decoding: rows / a plain step
+    tokens_per_s: float | None  # speculative: plain_tokens_per_s x speedup
+    speedup: float | None  # at the run's gamma
+    speedup_ci: tuple[float, float] | None  # the tokens' bootstrap and the timings' spread
+    best_gamma: int | None  # the block with the highest speedup by time (teacher-forced
+    best_speedup: float | None  # tokens per cycle, the gamma table's blocks)
+    break_even_alpha: float | None  # at the run's gamma: below it speculation loses (i.i.d.
+    # closed form); None: it loses even when every draft is accepted
+    as_run_speedup: float | None = None  # over the simulation's own cycles, the budget's
+    # short last drafts and all: emitted tokens after the first / their cycles' time, as an
+    # engine's timings count them (llama.cpp's predicted_per_second)
+    cycle_ms: dict[str, float] | None = None  # the run's gamma: "draft" (its drafting),
+    # "verify" (the verify pass and the overhead), "sampling" (the emitted tokens'), "cycle"
+    # (their sum), "plain" (one plain step)
+
+
+@dataclass
+class Speed:
+    """Decode speed with speculation and without it, predicted from step times: a row per
+    concurrency (the report's est. speedup is the first's)."""
+
+    source: str  # where the step times came from
+    context: float | None  # the context they were read at (tokens)
+    tokens_from: str  # whose tokens per cycle: "simulated" or "teacher-forced"
+    rows: list[SpeedRow]
+
+
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
                   "alpha_ci": "empirical_alpha_ci",
                   "tokens_per_cycle": "empirical_tokens_per_cycle",
@@ -2884,6 +3520,8 @@ class AcceptanceReport:
     gamma_table: list[GammaRow] = field(default_factory=list)
     trees: Trees | None = None  # --tree, --tree-choices: each tree replayed, the best static one
     unsure: Unsure | None = None  # --confidence-threshold: drafts that stop when unsure
+    speed: Speed | None = None  # with step times (--cost-ratio measure, --step-costs): the
+    # decode speed with and without speculation at each concurrency
 
     def to_dict(self) -> dict[str, Any]:
         flat = {**asdict(self.run), **asdict(self.teacher_forced)}
@@ -2895,6 +3533,8 @@ class AcceptanceReport:
             flat["trees"] = asdict(self.trees)
         if self.unsure is not None:  # (and with thresholds)
             flat["stopping"] = asdict(self.unsure)
+        if self.speed is not None:  # (and with step times)
+            flat["speed"] = asdict(self.speed)
         return flat
 
     @classmethod
@@ -2915,13 +3555,16 @@ class AcceptanceReport:
             **flat["stopping"], "rows": [ThresholdRow(**r) for r in flat["stopping"]["rows"]],
             "calibration": flat["stopping"]["calibration"] and Calibration(
                 **flat["stopping"]["calibration"])})
+        speed = flat.get("speed") and Speed(**{
+            **flat["speed"], "rows": [SpeedRow(**r) for r in flat["speed"]["rows"]]})
         return cls(part(RunInfo), part(TeacherForced),
                    simulated if simulated.cycles is not None else None, table, trees or None,
-                   unsure or None)
+                   unsure or None, speed or None)
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of to_dict as attributes."""
-        if name.startswith("_") or name in ("run", "teacher_forced", "simulated", "unsure"):
+        if name.startswith("_") or name in ("run", "teacher_forced", "simulated", "unsure",
+                                             "speed"):
             raise AttributeError(name)
         for part in (self.run, self.teacher_forced):
             if name in part.__dataclass_fields__:
@@ -2933,6 +3576,10 @@ class AcceptanceReport:
 
 
 RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
+
+
+COSTS = ("cost_ratio", "step_costs", "concurrency")  # Settings' fields that set what a cycle
+# costs, not what is measured: no part of the run key
 
 
 @dataclass
@@ -3244,7 +3891,10 @@ def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, 
     drafted, took, steps = ([getattr(r, k) for r in rows]
                             for k in ("drafted", "drafted_accepted", "verify_steps"))
     ci = bootstrap_ci(took, steps, weights)
+    sizes = None if any(r.drafted_by_cycle is None for r in rows) else [
+        sum(n) for n in zip(*(r.drafted_by_cycle for r in rows))]
     return {"drafted_tokens": sum(drafted), "drafted_accepted": sum(took),
+            "drafted_by_cycle": sizes,
             "verify_steps": sum(steps),
             "accept_rate": sum(took) / sum(drafted) if sum(drafted) else None,
             "accept_rate_ci": bootstrap_ci(took, drafted, weights),
@@ -3324,12 +3974,15 @@ def tree_row(spec: TreeSpec, stats: Sequence[TreeStats], cost: Cost, weights: to
     ci = quantile_interval(1 + by_depth(weights).sum(-1)) if cycles and len(stats) > 1 else None
     reached, took = counts[:, 0].sum(0).tolist(), counts[:, 1].sum(0).tolist()
     price = cost.trees.get(spec, spec.depth * cost.ratio + 1.0)
+
+    def speed(tokens: float) -> float:  # (a runtime that samples what it emits: per token)
+        return tokens / (price + tokens * cost.per_token)
     return TreeRow(spec.describe(), spec.topk, spec.steps, spec.nodes,
                    [list(c) for c in spec.choices] if spec.choices else None, cycles,
                    sum(t.nodes for t in stats) / cycles if cycles else 0.0, accept, ci,
                    [a / n if n else None for a, n in zip(took, reached)], one.tolist(),
-                   [int(n) for n in reached], price, accept and accept / price,
-                   ci and (ci[0] / price, ci[1] / price))
+                   [int(n) for n in reached], price, accept and speed(accept),
+                   accept and cost.interval(speed(accept), ci and (speed(ci[0]), speed(ci[1]))))
 
 
 def best_static_tree(results: Sequence[PromptResult], nodes: int, depth: int
@@ -3383,16 +4036,26 @@ def tree_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost
 
 
 def threshold_row(threshold: float, looked: Sequence[PromptResult], k: int, gamma: int,
-                  rule: str, cost: Cost) -> ThresholdRow:
-    """Threshold k's row of the closed form, pooled over the prompts' cycle starts."""
+                  rule: str, cost: Cost, weights: torch.Tensor) -> ThresholdRow:
+    """Threshold k's row of the closed form, pooled over the prompts' cycle starts, with 95%
+    bootstrap intervals over prompts (`weights`) of its tokens per cycle, accept rate and
+    speedup (the speedup's widened by the step times' spread)."""
     starts = sum(r.unsure_starts for r in looked)
     if not starts:
         return ThresholdRow(threshold, None, None, None, None, None)
     reach = [sum(r.unsure_drafted[k][j] for r in looked) / starts for j in range(gamma)]
     drafted, accepted = sum(reach), sum(r.unsure_accepted[k] for r in looked) / starts
     split = [1 - reach[0]] + [a - b for a, b in zip(reach, reach[1:] + [0.0])]
+    took, at = [r.unsure_accepted[k] for r in looked], [r.unsure_starts for r in looked]
+    acc_ci = bootstrap_ci(took, at, weights)
+    tpc_ci = acc_ci and (1 + acc_ci[0], 1 + acc_ci[1])
+    speed = unsure_speedup(cost, accepted + 1, split, rule)
     return ThresholdRow(threshold, drafted, accepted + 1, accepted / drafted if drafted else None,
-                        unsure_speedup(cost, accepted + 1, split, rule), 1 - reach[-1])
+                        speed, 1 - reach[-1], tokens_per_cycle_ci=tpc_ci,
+                        accept_rate_ci=bootstrap_ci(took, [sum(r.unsure_drafted[k])
+                                                           for r in looked], weights),
+                        est_speedup_ci=cost.interval(speed, tpc_ci and tuple(
+                            unsure_speedup(cost, x, split, rule) for x in tpc_ci)))
 
 
 def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int, rule: str,
@@ -3404,7 +4067,12 @@ def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int,
     row.sim_drafted_per_cycle = sum(k * n for k, n in enumerate(sim.proposed_by_cycle)) \
         / sim.cycles
     row.sim_tokens_per_cycle, row.sim_accept_rate = sim.tokens_per_cycle, sim.accept_rate
+    row.sim_tokens_per_cycle_ci = sim.tokens_per_cycle_ci
+    row.sim_accept_rate_ci = sim.accept_rate_ci
     row.sim_est_speedup = unsure_speedup(cost, sim.tokens_per_cycle, sim.proposed_by_cycle, rule)
+    ci = sim.tokens_per_cycle_ci
+    row.sim_est_speedup_ci = cost.interval(row.sim_est_speedup, ci and tuple(
+        unsure_speedup(cost, x, sim.proposed_by_cycle, rule) for x in ci))
     row.sim_cycles = sim.cycles
     row.sim_cut_by_threshold = sum(r.unsure_cuts for r in runs)
     row.sim_cut_by_budget = sum(r.budget_cuts or 0 for r in runs)
@@ -3436,7 +4104,8 @@ def unsure_fields(results: Sequence[PromptResult], settings: Settings, cost: Cos
     looked = [r for r in results if r.unsure_drafted is not None]
     if stopping is None or not looked:
         return None
-    rows = [threshold_row(t, looked, k, gamma, stopping.rule, cost)
+    weights = bootstrap_weights(len(looked), N_BOOT, settings.seed + 3)
+    rows = [threshold_row(t, looked, k, gamma, stopping.rule, cost, weights)
             for k, t in enumerate(stopping.thresholds)]
     done = [r for r in results if r.stopped is not None]
     for k, row in enumerate(rows if done else ()):
@@ -3452,6 +4121,63 @@ def unsure_fields(results: Sequence[PromptResult], settings: Settings, cost: Cos
     return Unsure(stopping.rule, gamma, rows,
                   next((r.threshold for r in rows if r.best), None), top and top.gamma,
                   top and top.est_speedup, calibration(looked, done))
+
+
+def as_run_speedup(cost: Cost, sim: Simulated, gamma: int) -> float | None:
+    """The speedup over the simulation's own cycles, as an engine's clock counts them (its
+    predicted_per_second over plain decoding's): the tokens emitted after the prefill's over
+    their cycles' time, each cycle drafting what the engines' count says it drafted (a short
+    last draft where the budget ends; none: one plain step)."""
+    sizes = sim.drafted_by_cycle
+    emitted = (sim.generated_tokens or 0) - (sim.simulated_prompts or 0)
+    if not sizes or emitted <= 0:
+        return None
+    sizes = sizes[:gamma + 1] + [0] * (gamma + 1 - len(sizes))  # (SLEM counts target tokens)
+    plain = sizes[0]  # cycles that drafted nothing are plain steps (their sample in them)
+    cycles = sum(n * (cost.cycle(k, 0.0) if cost.draft_steps is None else cost.cycle(gamma, 0.0))
+                 for k, n in enumerate(sizes) if k)
+    return emitted / (plain + cycles + (emitted - plain) * cost.per_token)
+
+
+def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
+                 sim: Simulated | None, gamma: int, drafter: Drafter) -> Speed | None:
+    """The report's speed part: at each concurrency timed (the Cost and its others), plain and
+    speculative tokens per second, the speedup at the run's gamma with its interval (the
+    simulation's tokens per cycle where it ran, else the teacher-forced), the best gamma by
+    time and the break-even alpha; None without step times."""
+    if cost.plain_s is None:
+        return None
+    use_sim = sim is not None and sim.tokens_per_cycle is not None
+    tpc = sim.tokens_per_cycle if use_sim else tf.tokens_per_cycle
+    tpc_ci = sim.tokens_per_cycle_ci if use_sim else tf.tokens_per_cycle_ci
+    rate = tf.proposal_rate or 1.0
+    split = None
+    if use_sim and sim.proposed_by_cycle[-1] != sim.cycles:
+        split = sim.proposed_by_cycle
+    elif not use_sim:
+        split = Run(rate, []).proposing(gamma)
+    rows = []
+    for c in (cost, *cost.others):
+        c = c if drafter.block(gamma) == gamma else replace(c, draft_steps=gamma)
+        speed = None if tpc is None else c.speedup(tpc, gamma, split)
+        side = None if tpc_ci is None else tuple(c.speedup(x, gamma, split) for x in tpc_ci)
+        best = max(((row.gamma, c.speedup(row.tokens_per_cycle, row.gamma,
+                                          Run(rate, []).proposing(row.gamma)))
+                    for row in table), key=lambda gs: gs[1], default=(None, None))
+        ms = c.plain_s * 1e3
+        drafting = (1 if c.per_cycle else c.draft_steps or gamma) * c.ratio * ms
+        rest = c.verify[c.draft_steps or gamma] * ms
+        sampled = (tpc or 1.0) * c.per_token * ms
+        rows.append(SpeedRow(
+            c.concurrency, c.concurrency / c.plain_s,
+            None if speed is None else c.concurrency / c.plain_s * speed, speed,
+            None if speed is None else c.interval(speed, side), best[0], best[1],
+            break_even_alpha(c, gamma, rate) if drafter.block(gamma) == gamma else None,
+            as_run_speedup(c, sim, gamma) if use_sim else None,
+            {"draft": drafting, "verify": rest, "sampling": sampled,
+             "cycle": drafting + rest + sampled, "plain": ms}))
+    context = cost.times.context if cost.times is not None else None
+    return Speed(cost.source, context, "simulated" if use_sim else "teacher-forced", rows)
 
 
 def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
@@ -3489,6 +4215,10 @@ def _num(x: float | None, fmt: str) -> str:
 
 def _ci(ci: Sequence[float] | None, fmt: str = ".3f") -> str:
     return "" if ci is None else f"   95% CI [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def _ci_cell(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
 def _interval(ci: Sequence[float] | None) -> str:
@@ -3643,8 +4373,9 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
     table, best = r.gamma_table, r.teacher_forced.best_gamma
     once = " a cycle (one draft pass drafts any gamma)" if r.run.one_draft_pass else ""
-    lines = [RULE, f"  best gamma at cost_ratio={r.run.cost_ratio:.2f}{once} "
-                   f"(* = highest est. speedup, teacher-forced)",
+    by = ("by time, from step times" if r.speed is not None
+          else f"at cost_ratio={r.run.cost_ratio:.2f}")
+    lines = [RULE, f"  best gamma {by}{once} (* = highest est. speedup, teacher-forced)",
              "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
              "    tokens/cycle     " + "".join(f"{row.tokens_per_cycle:>7.2f}" for row in table),
              "    est. speedup     " + "".join(
@@ -3686,6 +4417,41 @@ def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
     return lines
 
 
+def _speed_lines(sp: Speed, run: RunInfo) -> list[str]:
+    """Decode speed with and without speculation, a column per concurrency; the run's cycle
+    taken apart."""
+    first = sp.rows[0]
+    c = first.cycle_ms or {}
+    at = "" if sp.context is None else f" at a context of {sp.context:,.0f} tokens"
+    lines = [RULE, f"  speed, from step times{at} ({sp.tokens_from} tokens per cycle)",
+             f"    a cycle at gamma {run.gamma}: drafting {c.get('draft', 0):.2f} ms + verify "
+             f"and overhead {c.get('verify', 0):.2f} ms"
+             + (f" + sampling {c['sampling']:.2f} ms" if c.get("sampling") else "")
+             + f" = {c.get('cycle', 0):.2f} ms; a plain step {c.get('plain', 0):.2f} ms"]
+
+    def row(name: str, cells: Sequence[str]) -> str:
+        return f"    {name:<22}" + "".join(f"{x:>16}" for x in cells)
+    rows = sp.rows
+    lines += [row("concurrency", [str(x.concurrency) for x in rows]),
+              row("plain tokens/s", [f"{x.plain_tokens_per_s:.1f}" for x in rows]),
+              row("speculative tokens/s", [_num(x.tokens_per_s, ".1f") for x in rows]),
+              row("speedup", [_num(x.speedup, ".2f") + "x" for x in rows]),
+              row("  95% CI", ["" if not x.speedup_ci else
+                               f"[{x.speedup_ci[0]:.2f}, {x.speedup_ci[1]:.2f}]" for x in rows]),
+              row("best gamma by time", ["-" if x.best_gamma is None else
+                                         f"{x.best_gamma} ({x.best_speedup:.2f}x)"
+                                         for x in rows]),
+              row("break-even alpha", [_num(x.break_even_alpha, ".3f") for x in rows])]
+    if any(x.as_run_speedup is not None for x in rows):
+        lines.append(row("on the run's cycles", [_num(x.as_run_speedup, ".2f") + "x"
+                                                 for x in rows]))
+    lines.append("      (break-even alpha: below it speculation at this gamma loses, every draft "
+                 "alike; '-': it loses even if every draft is accepted. On the run's cycles: "
+                 "as an engine's clock counts this run, the budget's short last drafts "
+                 "included)")
+    return lines
+
+
 def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
     """A row per threshold, both routes, the best marked, the best fixed block beside; the
     calibration table."""
@@ -3713,6 +4479,11 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
                      f"{_num(row.sim_est_speedup, '.2f') + 'x':>9}"
                      f"{_num(row.sim_cut_by_threshold, 'd'):>11}{_num(row.sim_cut_by_budget, 'd'):>8}")
         lines.append(line)
+        if row.tokens_per_cycle_ci or row.sim_tokens_per_cycle_ci:  # the row's 95% intervals
+            lines.append(f"    {'95% CI':>10}{'':>9}{_ci_cell(row.tokens_per_cycle_ci):>16}"
+                         f"{_ci_cell(row.accept_rate_ci):>16}"
+                         + (f"  | {'':>12}{_ci_cell(row.sim_tokens_per_cycle_ci):>16}"
+                            f"{_ci_cell(row.sim_accept_rate_ci):>16}" if simulated else ""))
     best = "+ highest simulated, " if simulated else ""
     lines.append(f"    (* highest teacher-forced est. speedup, {best}positional closed form; "
                  f"cut: blocks the rule ended early; accept rate = accepted / drafted, as the "
@@ -3746,7 +4517,8 @@ def format_report(r: AcceptanceReport) -> str:
         sampling += f"  top_k={run.top_k}"
     if run.top_p < 1:
         sampling += f"  top_p={run.top_p:g}"
-    cost = f"(cost_ratio={run.cost_ratio:.2f}, rough)"
+    cost = ("(from step times)" if r.speed is not None
+            else f"(cost_ratio={run.cost_ratio:.2f}, rough)")
     rule = "" if run.temperature == 0 else (
         "    proposal: sampled from q" if run.proposal == "sample"
         else "    proposal: argmax of q (engines' rule)")
@@ -3775,6 +4547,8 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _tree_lines(r.trees, run)
     if r.unsure is not None:
         lines += _unsure_lines(r.unsure, r.simulated is not None)
+    if r.speed is not None:
+        lines += _speed_lines(r.speed, run)
     if t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
         rates = t.proposal_rate_by_category or {}
@@ -3788,9 +4562,15 @@ def format_report(r: AcceptanceReport) -> str:
                                                   "does not)"
     drafts = "cost_ratio" if run.one_draft_pass else "gamma x cost_ratio"
     once = "; one draft pass a cycle, whatever gamma" if run.one_draft_pass else ""
-    lines.append(f"  note: est. speedup = tokens per cycle / ({drafts} + {verify})"
-                 f"{some}{once}, cost_ratio from {run.cost_ratio_source}: an indication, not "
-                 f"a benchmark")
+    if r.speed is None:
+        lines.append(f"  note: est. speedup = tokens per cycle / ({drafts} + {verify})"
+                     f"{some}{once}, cost_ratio from {run.cost_ratio_source}: an indication, "
+                     f"not a benchmark")
+    else:
+        lines.append(f"  note: est. speedup = tokens per cycle / a cycle's cost in plain "
+                     f"decoding steps ({drafts} + {verify}{once}, cost_ratio = a drafting step; "
+                     f"the verify and overhead, and each emitted token's sampling where the "
+                     f"runtime samples only those), from step times: {run.cost_ratio_source}")
     return "\n".join(lines)
 
 
@@ -3955,6 +4735,30 @@ def _draft_file(r: AcceptanceReport) -> str:
     return path
 
 
+def speed_schedule(r: AcceptanceReport) -> list[tuple[int, int, int]] | None:
+    """The draft length by concurrency the report's speed part says is best: (first, last,
+    gamma) ranges, each concurrency timed ruling up to the next one's (the last only itself),
+    gamma 0 where no block beats plain decoding; None with fewer than two concurrencies
+    timed."""
+    rows = r.speed.rows if r.speed is not None else []
+    if len(rows) < 2:
+        return None
+    ks = [row.best_gamma if row.best_speedup is not None and row.best_speedup >= 1 else 0
+          for row in rows]
+    starts = [1] + [row.concurrency for row in rows[1:]]
+    ends = [b - 1 for b in starts[1:]] + [rows[-1].concurrency]
+    return [(a, b, k) for a, b, k in zip(starts, ends, ks)]
+
+
+def _schedule_note(r: AcceptanceReport, engine: str) -> str:
+    """What the speed part says of the draft length by concurrency, for an engine's note."""
+    rows = r.speed.rows
+    said = "; ".join(f"concurrency {x.concurrency}: best gamma {x.best_gamma} "
+                     f"({_num(x.best_speedup, '.2f')}x), break-even alpha "
+                     f"{_num(x.break_even_alpha, '.3f')} at gamma {r.run.gamma}" for x in rows)
+    return f"from step times ({r.speed.source}): {said}"
+
+
 def _vllm_entry(r: AcceptanceReport, rates: list[float]) -> dict[str, Any]:
     proposer, says = proposer_of(r, "vllm")
     config: dict[str, Any] = {"method": proposer.name}
@@ -3967,6 +4771,13 @@ def _vllm_entry(r: AcceptanceReport, rates: list[float]) -> dict[str, Any]:
     config.update(dict(proposer.extra), num_speculative_tokens=len(rates),
                   rejection_sample_method="synthetic",
                   synthetic_acceptance_rates=[round(x, 4) for x in rates])
+    schedule = speed_schedule(r)
+    if schedule is not None:  # (vLLM clamps a k above num_speculative_tokens)
+        config["num_speculative_tokens_per_batch_size"] = [list(x) for x in schedule]
+        says += ("; num_speculative_tokens_per_batch_size: the best gamma at each concurrency "
+                 "timed, each ruling up to the next (vLLM keeps the last beyond it and clamps "
+                 "a gamma above num_speculative_tokens; 0 = no speculation), "
+                 + _schedule_note(r, "vllm"))
     return {"speculative_config": config, "note": says}
 
 
@@ -3989,6 +4800,17 @@ def _sglang_entry(r: AcceptanceReport, length: float, spec: TreeSpec) -> dict[st
         args += ["--speculative-num-steps", str(spec.steps), "--speculative-eagle-topk",
                  str(spec.topk), "--speculative-num-draft-tokens", str(spec.tokens)]
     args += ["--max-running-requests", str(SGLANG_RUNNING)]
+    schedule = speed_schedule(r) if spec.topk == 1 else None
+    adaptive = None
+    if schedule is not None and proposer.name in ("EAGLE", "EAGLE3"):  # (its adaptive steps:
+        # EAGLE and EAGLE3 chains alone) one candidate a slot is a fixed draft length
+        adaptive = {str(a): {"candidate_steps": [k]} for a, _, k in schedule}
+        ks = {k for _, _, k in schedule}
+        steps = spec.steps if spec.steps in ks else max(ks)
+        at = args.index("--speculative-num-steps")
+        args[at + 1] = str(steps)
+        args[args.index("--speculative-num-draft-tokens") + 1] = str(steps + 1)
+        args += ["--speculative-adaptive", "--speculative-adaptive-config", "SCHEDULE.json"]
     mode = "real-draft-token" if spec.topk == 1 and proposer.name != "NGRAM" else "fixed"
     env = {"SGLANG_SIMULATE_ACC_LEN": f"{length:.4f}",
            "SGLANG_SIMULATE_ACC_METHOD": "match-expected",
@@ -3997,9 +4819,19 @@ def _sglang_entry(r: AcceptanceReport, length: float, spec: TreeSpec) -> dict[st
               if mode == "real-draft-token" else "every accepted token is id 100 (its "
               "real-draft-token mode needs a chain of a draft network), so no request ends at "
               "EOS: give max_tokens as your serving lengths")
-    return {"env": env, "args": args,
-            "note": f"{says}; {tokens}; --max-running-requests {SGLANG_RUNNING} is what SGLang "
-                    f"sets under speculation unless given: set your own"}
+    note = (f"{says}; {tokens}; --max-running-requests {SGLANG_RUNNING} is what SGLang "
+            f"sets under speculation unless given: set your own")
+    out = {"env": env, "args": args, "note": note}
+    if adaptive is not None:
+        out["adaptive_config"] = adaptive
+        out["note"] += ("; SCHEDULE.json holds adaptive_config: a slot per concurrency timed "
+                        "(SGLang pads a batch up to a captured CUDA-graph size, then takes the "
+                        "largest key at or below it), one candidate each, a fixed draft length, "
+                        + _schedule_note(r, "sglang"))
+    elif schedule is not None:
+        out["note"] += ("; SGLang's draft length by batch size (--speculative-adaptive) serves "
+                        "EAGLE and EAGLE3 chains alone: " + _schedule_note(r, "sglang"))
+    return out
 
 
 def _llamacpp_sampling(r: AcceptanceReport) -> list[str]:
@@ -4027,9 +4859,19 @@ def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str,
     """llama-server's flags: the drafter as measured (its own acceptance; the check of the
     prediction, benchmarks/llamacpp.py), and the measured rates replayed (--spec-synth-rates)."""
     proposer, says = proposer_of(r, "llamacpp")
-    g, base = len(rates), ["-m", r.run.target]
+    g, base, d = len(rates), ["-m", r.run.target], r.run.drafter or {}
     spec = ["--spec-type", proposer.name] + (["--model-draft", _draft_file(r)]
                                              if proposer.checkpoint else [])
+    if proposer.name == "ngram-simple":  # the lookup's n, and its m: at most gamma a draft
+        spec += ["--spec-ngram-simple-size-n", str(max(d.get("ngram") or [1])),
+                 "--spec-ngram-simple-size-m", str(g)]
+        if d.get("kind") == "n-gram" and d.get("rule") != "llamacpp":
+            says += ("; llama.cpp's lookup takes the latest match of exactly n tokens, "
+                     "transformers' (measured here) the earliest of the longest: measure with "
+                     "--ngram-rule llamacpp to predict llama.cpp's")
+    if r.speed is not None and len(r.speed.rows) > 1:
+        says += ("; llama.cpp takes one draft length for every slot (-np): the best at the "
+                 "concurrency served, " + _schedule_note(r, "llamacpp"))
     chain = spec + ["--spec-draft-n-max", str(g), "--spec-draft-n-min", "0",
                     "--spec-draft-p-min", "0"]
     files = [f for f in (r.run.target, proposer.checkpoint and _draft_file(r)) if f]
@@ -4171,6 +5013,8 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
             env = " ".join(f"{k}={v}" for k, v in e["env"].items())
             lines.append(f"      {env} python -m sglang.launch_server --model-path "
                          f"MODEL {' '.join(e['args'])}")
+            if "adaptive_config" in e:
+                lines.append(f"      SCHEDULE.json: {json.dumps(e['adaptive_config'])}")
         elif "args" in e:
             lines.append(f"      llama-server {' '.join(e['args'])}")
         else:
@@ -4280,7 +5124,7 @@ class Measurement:
                              "--continuation-tokens >= 2")
         for d in drafters:  # each refuses what it cannot run
             d.check(s)
-        return [d.for_run(self.eos, s.gammas) for d in drafters]
+        return [for_run(d, self.eos, s.gammas, s.gamma) for d in drafters]
 
     def batches(self) -> list[list[int]]:
         """The prompts' indices in batches, shortest first (length_batches): every process and
@@ -4499,7 +5343,10 @@ class Measurement:
         unsure = unsure_fields(results_, s, cost, tf.alpha, run_of(
             [r for r in results_ if r.positions], sampling.proposal, tf.proposal_rate or 1.0,
             drafter.can.steps)) if tf.alpha is not None else None
-        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure)
+        speed = (speed_fields(cost, table, tf, sim, s.gamma, drafter)
+                 if tf.alpha is not None or sim is not None else None)
+        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure,
+                                speed)
 
     def run_key_parts(self, drafter: Drafter, target_name: str,
                       files: dict[str, str | None] | None = None) -> dict[str, Any]:
@@ -4520,7 +5367,7 @@ class Measurement:
                  "device": self.device.type, "temperatures": [self.sampling.temperature],
                  **asdict(self.sampling),
                  **{k: v for k, v in asdict(self.settings).items()
-                    if k != "cost_ratio" and (k not in ("trees", "stopping") or v)},  # (trees
+                    if k not in COSTS and (k not in ("trees", "stopping") or v)},  # (trees
                  # and thresholds: when given)
                  "prompts": f"sha256 {_sha256([s.ids for s in self.sequences])[:16]} "
                             f"({len(self.sequences)} prompts)"}
@@ -4868,6 +5715,28 @@ def ngram_lookup(seq: Sequence[int], first: dict[tuple, int], sizes: range, n_to
     return []
 
 
+def ngram_simple(seq: Sequence[int], n: int, m: int, end: int | None = None) -> list[int]:
+    """llama.cpp's lookup (`--spec-type ngram-simple`, common_ngram_simple_draft) in
+    seq[:end], whose last token is the newest, the one just sampled: the most recent earlier
+    occurrence of the last n tokens (from position 1 on: llama.cpp's search stops before 0)
+    and up to m of the tokens that followed it, those before the newest; nothing if fewer
+    than n follow, or if the text before the newest holds n + m + 1 tokens or fewer. An EOS
+    is copied like any token."""
+    end = len(seq) if end is None else end
+    held = end - 1  # llama.cpp's `tokens`: the text before the newest
+    if held <= n + m + 1:
+        return []
+    pattern = list(seq[end - n:end])
+    for j in range(held - n - 1, 0, -1):  # (j = held - n + 1 is the pattern itself)
+        if list(seq[j:j + n]) == pattern:
+            copy = min(m, held - (j + n))
+            return list(seq[j + n:j + n + copy]) if copy >= n else []
+    return []
+
+
+NGRAM_RULES = ("transformers", "llamacpp")  # whose lookup an n-gram drafter runs
+
+
 def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, start: int,
                  stop: int | None = None) -> None:
     """Record where each n-gram (n in sizes) ending at positions start..stop-1 first occurs."""
@@ -4889,7 +5758,8 @@ class NgramSession(Session):
 
     def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
         c, d = self.drafting, self.drafter
-        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos)
+        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos) if d.rule == "transformers"
+                 else ngram_simple(seq, d.sizes[0], c.steps)
                  for seq, first in zip(self.seqs, self.firsts)]
         tokens = torch.tensor([f + [0] * (c.steps - len(f)) for f in found], dtype=torch.long)
         count = torch.tensor([len(f) for f in found])
@@ -4917,20 +5787,27 @@ class NgramDrafter(Drafter):
 
     can = Abilities("n-gram", trees=False, distribution=False)
 
-    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None):
+    def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None,
+                 rule: str = "transformers", block: int | None = None):
         if not 1 <= min_n <= max_n:
             raise UsageError(f"n-gram sizes must satisfy 1 <= --ngram-min <= --ngram-max, got "
                              f"{min_n} and {max_n}")
-        self.sizes, self.min_n = range(max_n, min_n - 1, -1), min_n
+        if rule not in NGRAM_RULES:
+            raise UsageError(f"--ngram-rule must be {' or '.join(NGRAM_RULES)}, got {rule!r}")
+        self.sizes, self.min_n, self.rule = range(max_n, min_n - 1, -1), min_n, rule
         self.eos = frozenset() if eos is None else frozenset(eos)  # never copied into a draft
         self.eos_given = eos is not None  # else the run's EOS ids are used (for_run)
-        self.name, self.width = f"ngram (n={min_n}..{max_n})", None
+        self.copies = block  # the run's gamma: llama.cpp's lookup copies at most that (m)
+        self.name = (f"ngram (n={min_n}..{max_n})" if rule == "transformers" else
+                     f"ngram (llama.cpp ngram-simple, n={max_n})")
+        self.width = None
 
-    def for_run(self, eos, gammas):
-        return self if self.eos_given else NgramDrafter(self.sizes[0], self.min_n, eos)
+    def for_run(self, eos, gammas, gamma=None):
+        return NgramDrafter(self.sizes[0], self.min_n, self.eos if self.eos_given else eos,
+                            self.rule, gamma or max(gammas))
 
     def serving(self):
-        return {**super().serving(), "ngram": [self.min_n, self.sizes[0]]}
+        return {**super().serving(), "ngram": [self.min_n, self.sizes[0]], "rule": self.rule}
 
     def score(self, rows, spans, states, sampling, vocab, device):
         found = []
@@ -4939,7 +5816,9 @@ class NgramDrafter(Drafter):
             index_ngrams(row, first, self.sizes, 0, s)
             for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
                 index_ngrams(row, first, self.sizes, t, t + 1)
-                copied = ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
+                copied = (ngram_lookup(row, first, self.sizes, 1, self.eos, t + 1)
+                          if self.rule == "transformers" else
+                          ngram_simple(row, self.sizes[0], self.copies or 1, t + 1))
                 found.append(copied[0] if copied else -1)
         found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
         return [Scores(found_t.clamp_min(0), found_t >= 0,
@@ -4955,7 +5834,8 @@ class NgramDrafter(Drafter):
     def from_name(cls, name, target, options):
         if name != "ngram":
             return None
-        return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer))
+        return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer),
+                   options.ngram_rule)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5475,7 +6355,7 @@ class Eagle3Drafter(Drafter):
         self.width = vocab_width(target)
         self.can = replace(self.can, target_layers=tuple(layers), steps=steps)
 
-    def for_run(self, eos, gammas):
+    def for_run(self, eos, gammas, gamma=None):
         """As many steps as the run's largest block (the best-gamma table included)."""
         return Eagle3Drafter(self.target, self.net, self.can.target_layers, self.name,
                              max(gammas), self.checkpoint)
@@ -5896,7 +6776,7 @@ class PardDrafter(OwnDraftModel, Drafter):
         self.width = vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
-    def for_run(self, eos, gammas):
+    def for_run(self, eos, gammas, gamma=None):
         """As many offsets as the run's largest block (the best-gamma table included)."""
         return PardDrafter(self.name, self.model, self.mask, max(gammas), self.checkpoint)
 
@@ -6757,7 +7637,7 @@ class SlemDrafter(OtherVocabDrafter):
         self.stop_ids = frozenset(eos_ids(model, draft_tokenizer) if stop == "own" else
                                   eos_ids(target))
 
-    def for_run(self, eos, gammas):
+    def for_run(self, eos, gammas, gamma=None):
         if self.way.stop == "own" or eos == self.stop_ids:
             return self
         told = copy.copy(self)
@@ -8227,6 +9107,11 @@ def _drafters_options(ap: Any) -> None:
                     "transformers' max_matching_ngram_size)")
     ap.add_argument("--ngram-min", type=int, default=1, metavar="N",
                     help="--draft ngram: the shortest n-gram matched (default 1)")
+    ap.add_argument("--ngram-rule", default="transformers", choices=NGRAM_RULES,
+                    help="--draft ngram: whose lookup runs: transformers (prompt lookup: the "
+                    "earliest match of the longest n-gram, --ngram-max down to --ngram-min) or "
+                    "llamacpp (ngram-simple: the latest match of exactly --ngram-max tokens, "
+                    "copying gamma tokens, as --spec-type ngram-simple; default transformers)")
     ap.add_argument("--mtp-steps", type=int, default=None, metavar="K",
                     help="--draft mtp: drafting steps per cycle; step k runs MTP layer "
                     "(k-1) mod L of the model's L, fed its own last output, as vLLM "
@@ -8285,6 +9170,17 @@ def _measurement_options(ap: Any) -> None:
                     help="cost of one draft step in target steps: a number >= 0; auto = ratio "
                     "of parameters used per token; measure = time a decode step of each model "
                     "and the target's verify pass on this device (default auto)")
+    ap.add_argument("--step-costs", default=None, metavar="FILE",
+                    help="the speedup from the serving runtime's step times instead: "
+                    "llama-bench's JSON (-o json) of the target and the draft, or a costs file "
+                    "(target and draft forwards in ms by width, the overhead outside them; "
+                    "docs/speed.md); the report adds decode tokens/s with and without the "
+                    "draft, the best gamma by time and the break-even alpha")
+    ap.add_argument("--concurrency", default="1", metavar="B[,B...]",
+                    help="with step times (--step-costs, --cost-ratio measure): sequences "
+                    "decoded together, a speed column each, and the best gamma for each "
+                    "(--engine-config vllm prints it as num_speculative_tokens_per_batch_size); "
+                    "whole numbers >= 1 (default 1)")
     ap.add_argument("--batch-size", type=int, default=8, metavar="B",
                     help="prompts per forward pass (default 8)")
 
@@ -8516,10 +9412,21 @@ def read_options(args: argparse.Namespace) -> Options:
     lengths = _context_lengths(args)
     if lengths is not None:
         _check_context_options(args, lengths)
+    concurrency = tuple(_number_list(args.concurrency, "--concurrency", int))
+    if args.step_costs and args.cost_ratio not in ("auto", None):
+        raise UsageError("--step-costs and --cost-ratio both set what a cycle costs; give one")
+    if concurrency != (1,) and not args.step_costs and args.cost_ratio != "measure":
+        raise UsageError("--concurrency needs step times: add --step-costs FILE or "
+                         "--cost-ratio measure")
+    costs = read_step_costs(args.step_costs) if args.step_costs else None
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
                         separate_continuation=args.separate_continuation, trees=_trees(args),
-                        stopping=_stopping(args))
+                        stopping=_stopping(args), step_costs=costs, concurrency=concurrency)
+    if costs is not None:  # the target's forwards every run needs, checked before any model
+        for b in settings.concurrency:
+            for g in {0, *settings.gammas}:
+                costs.forward("target", b, g + 1)
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
     return Options(settings, [SweepPoint(n, sp, sampling) for n in lengths or [None]
@@ -8653,7 +9560,7 @@ def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, laun
             loaded[name] = Loaded(model, tok_q, name)
         return loaded[name]
     options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps, args.pard_mask,
-                           args.cross_vocab, args.slem_stop, args.slem_cache)
+                           args.cross_vocab, args.slem_stop, args.slem_cache, args.ngram_rule)
     found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
     models = [n for n in found if n in loaded]  # the --draft names that are models
     base = models[0] if len(models) == 1 else args.target
