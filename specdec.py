@@ -23,64 +23,60 @@ al.; Chen et al. swap the letters). gamma = draft block, the tokens proposed per
 Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix both models
 share), N scored positions, H hidden width, G = gamma.
 
-The file reads top to bottom, every name defined before the code that uses it, in three parts.
-PART I, the core, in the order a cycle runs; it names no kind of drafter but the model drafter:
+The file reads top to bottom in the order data flows, every name defined before the code that
+uses it, in four parts (docs/design.md has the map with its line numbers).
+PART 1, the core, in the order a cycle runs; it names no kind of drafter but the model drafter:
   types                SamplingParams, Settings, TokenSequence, LoopConfig (what a simulation
-                       fixes), Drafting (what a drafter's session fixes: how many steps a call);
-                       the drafter interface: Drafter (score -> Scores per drafting step,
-                       start -> a Session; check(settings) refuses what its record `can`, an
-                       Abilities, rules out; from_name / from_checkpoint / from_model: how a
-                       kind is recognised, handed DraftOptions and a Loaded model), Session (a
-                       chain: propose, advance, keep) and TreeSession (also given, fork)
+                       fixes), Drafting (what a drafter's session fixes: per_call tokens a
+                       call); the drafter interface: Drafter (score -> Scores per drafting
+                       step, start -> a Session; its record `can`, an Abilities; what a kind
+                       shows the outside: its options (KindOption), the engines' proposers
+                       (Proposer), its checks; from_name / from_checkpoint / from_model: how a
+                       kind is recognised), Session (propose, advance, keep), TreeSession
   sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows); prefill
-                       fills it PREFILL_CHUNK tokens a forward; what a model is (vocab_width,
-                       params_per_token, eos_ids)
   teacher-forced       teacher_forced (long rows in chunks), sample_continuations,
                        position_stats (alpha_t = sum min(p, q), a chunk of positions at a time)
-  the model drafter    ModelSession, ModelDrafter (a draft model, or an early_exit_draft of the
-                       target): the reference kind
+  the model drafter    ModelSession, ModelDrafter (a draft model, or an early-exit view)
   simulation           the first token from the prefill, then propose -> verify -> accept ->
                        advance, one cycle at a time, many prompts as one batch (simulate_batch)
-  trees                TreeSpec; each shape's levels a generator (dynamic_tree, static_tree),
-                       draft_trees drafting a level of every shape in one drafter call, follow
-                       (the engines' walk on the target's text), replay_trees
-  statistics           closed forms, estimators, bootstrap intervals, product_limit, Cost and
-                       the timed costs (measure_costs, clamp_costs)
-  report               PromptResult (per-prompt sums) -> teacher_forced_fields,
-                       simulation_fields -> AcceptanceReport of parts (RunInfo, TeacherForced,
-                       Simulated, GammaRow, Trees) -> format_report; engine_config (the
-                       measured acceptance as vLLM's, SGLang's and llama.cpp's settings)
+  trees                TreeSpec, draft_trees, follow (the engines' walk), replay_trees
+  the per-prompt sums  PromptResult: what a measurement returns, prompts pooled by adding
   measurement          Measurement: one setting's batches, each scored against every drafter
-                       and simulated, into PromptResults (one batch loop: measure);
-                       measure_drafts, measure_acceptance; TrainingMeter
-PART II, the drafter kinds, each one block (network, session, drafter, checkpoint layouts) after
-what several share (CommittedStates, LastState, reading checkpoints): NgramDrafter (prompt
-lookup), MtpDrafter (the target's MTP layers), AssistantDrafter (a Gemma-4 sidecar),
-Eagle3Drafter (EAGLE-3 heads), MedusaDrafter (Medusa heads), PardDrafter and DFlashDrafter
-(the whole block from one pass), TliDrafter and SlemDrafter (a draft model with a tokenizer of
-its own); then the registry: DRAFTERS lists the kinds, find_drafter asks them in turn.
-Above THE LINE (Parts I and II), the library: one setting in, per-prompt sums out; no signals,
-ranks, sweeps, prints or files but the checkpoints drafters read.
-PART III, below THE LINE, the run, which calls up into the library:
-  loading and data     load_model_and_tokenizer, load_texts, build_sequences, at_context_lengths
+                       and simulated, into PromptResults (one batch loop: measure)
+PART 2, the report, built from the sums:
+  statistics           closed forms, estimators, bootstrap intervals, product_limit
+  what a cycle costs   StepTimes (a runtime's forwards and overhead: timed here in torch, or
+                       read from llama-bench / a costs file), Cost, cost_model
+  run keys, the report RunInfo, TeacherForced, Simulated, GammaRow, Trees, Unsure, Speed ->
+                       AcceptanceReport, filled by build_report; format_report; engine_config
+                       (the measured acceptance as the engines' settings)
+  one-call measuring   measure_drafts, measure_acceptance; TrainingMeter
+PART 3, the drafter kinds, each one block (network, session, drafter, checkpoint layouts, and
+what it shows the outside) after what several share: NgramDrafter (prompt lookup, and llama.cpp's
+ngram-simple), MtpDrafter (the target's MTP layers), AssistantDrafter (a Gemma-4 sidecar),
+Eagle3Drafter, MedusaDrafter, PardDrafter and DFlashDrafter (the whole block from one pass),
+TliDrafter and SlemDrafter (a draft model with a tokenizer of its own); then the registry:
+DRAFTERS lists the kinds, find_drafter asks them in turn.
+Above THE LINE (Parts 1 to 3), the library: one setting in, per-prompt sums out, the report of
+them; no signals, ranks, sweeps, prints or files but the checkpoints drafters read.
+PART 4, below THE LINE, the run, which calls up into the library:
+  loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
   training             AcceptanceCallback (a transformers TrainerCallback)
-  files                files_fingerprint (the run keys), write_atomic, plot_reports,
-                       resume_results
-  many processes       join_processes (torchrun, srun), deal; Stop (signals, and the stop the
-                       ranks tell each other through the store), gather_results
-  the sweep            Options (every option read once), Plan (what the run fixes), collect
-                       (this process's batches of one setting), run_setting (one setting,
-                       every drafter)
-  command line         build_parser (by topic), read_options, cli_models (a Loaded model and
-                       the DraftOptions to the kinds: it names none), cli_reports, main
+  files                files_fingerprint (the run keys), write_atomic, plot_reports
+  many processes       join_processes (torchrun, srun), deal; Stop, gather_results
+  the sweep            Options (every option read once, by read_options), Plan, collect,
+                       run_setting
+  command line         build_parser (by topic, each kind's options a group of its own),
+                       read_options, cli_models, cli_reports, main
 """
 from __future__ import annotations
 
 import abc
 import argparse
 import ast
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -94,13 +90,14 @@ import math
 import os
 import pickle
 import re
+import struct
 import sys
 import tempfile
 import textwrap
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Generator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Hashable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -122,7 +119,12 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
     "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
+    "DSparkDrafter", "DFlash2Drafter", "SuffixDrafter",
     "TliDrafter", "SlemDrafter", "SlemWay",
+    # what a cycle costs, and the report built from the sums
+    "StepTimes", "read_step_costs", "build_report", "Speed", "SpeedRow",
+    # what a kind declares to the outside
+    "KindOption", "Proposer",
     # the maths
     "processed_probs", "acceptance",
     # training, the command line, bad input
@@ -131,10 +133,10 @@ __all__ = [
 
 
 # ==============================================================================================
-# PART I. THE CORE, in the order a cycle runs: what the parts hand each other and the drafter
+# PART 1. THE CORE, in the order a cycle runs: what the parts hand each other and the drafter
 # interface; the sampling maths; forward passes over a cache; the teacher-forced route; the model
-# drafter, the reference kind; the simulation loop; trees; statistics; the report; the
-# measurement of one setting. It names no other kind of drafter: those are Part II's.
+# drafter, the reference kind; the simulation loop; trees; the per-prompt sums; the measurement
+# of one setting into them. It names no other kind of drafter: those are Part 3's.
 # ==============================================================================================
 
 
@@ -156,6 +158,14 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+def renamed(obj: Any, old: str, new: str) -> Any:
+    """An attribute read by the name it had before gamma came to mean the run's block alone:
+    its value, and a DeprecationWarning naming the new one."""
+    warnings.warn(f"{type(obj).__name__}.{old} is deprecated: read .{new}", DeprecationWarning,
+                  stacklevel=3)
+    return getattr(obj, new)
+
+
 @contextlib.contextmanager
 def step(what: str):
     """Name the step (and model) in any failure that is not already a clear message."""
@@ -165,29 +175,6 @@ def step(what: str):
         raise
     except Exception as e:
         raise StepError(f"{what} failed: {type(e).__name__}: {_one_line(e)[:300]}") from e
-
-
-@contextlib.contextmanager
-def _quiet_loggers(*names: str, bars: bool = False):
-    """Silence the loaders' warnings (and, with bars, their progress bars) for a while, then put
-    the caller's settings back: importing specdec must not change anyone's logging."""
-    levels = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.ERROR)
-    hf_logging = None  # set when we switched transformers' bars off and owe them back
-    if bars and "transformers" in names:
-        from transformers.utils import logging as hf_logging
-        if hf_logging.is_progress_bar_enabled():
-            hf_logging.disable_progress_bar()
-        else:
-            hf_logging = None
-    try:
-        yield
-    finally:
-        for n, level in levels.items():
-            logging.getLogger(n).setLevel(level)
-        if hf_logging is not None:
-            hf_logging.enable_progress_bar()
 
 
 PROPOSAL_RULES = ("sample", "argmax")
@@ -228,6 +215,8 @@ TREE_RANKS = 10  # candidate ranks whose acceptance is measured per drafting ste
 
 
 SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
+
+
 # forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
@@ -239,7 +228,10 @@ class Stopping(NamedTuple):
     softmax of its raw logits) is below the threshold is kept, and ends the block.
     "llamacpp": the server's --spec-draft-p-min: the draft proposes its argmax, and one whose
     probability over the draft's 10 likeliest tokens at temperature 1 is below the threshold is
-    not proposed: the block ends before it, the first position included."""
+    not proposed: the block ends before it, the first position included.
+    "dspark": llama.cpp's --spec-draft-p-min for a DSpark draft: the same, its confidence head's
+    estimate read instead (a draft with no confidence head is refused, as llama.cpp refuses it).
+    """
 
     rule: str
     thresholds: tuple[float, ...]
@@ -257,7 +249,9 @@ class Stopping(NamedTuple):
                              f"{bad[0]:g}")
 
 
-STOPPING_RULES = ("transformers", "llamacpp")
+STOPPING_RULES = ("transformers", "llamacpp", "dspark")
+
+
 CALIBRATION_BINS = 10  # the draft's confidence in tenths, for the calibration table
 
 
@@ -341,12 +335,26 @@ class Drafting(NamedTuple):
     drafts, the logit columns both models share, and the device of the loop's tensors."""
 
     sampling: SamplingParams
-    steps: int  # tokens a call drafts, at most: a chain's gamma, a tree's depth, 1 for a
+    per_call: int  # tokens a call drafts, at most: a chain's gamma, a tree's depth, 1 for a
     # fork that grows a tree by a level
     vocab: int
     device: torch.device
     logits: bool = False  # hand back each step's logits too (Proposal.logits), which a rule
     # that stops drafting when unsure reads (stop_when_unsure)
+
+    steps = property(lambda self: renamed(self, "steps", "per_call"))  # (deprecated)
+
+
+def _drafting_replace(self: Drafting, **fields: Any) -> Drafting:
+    """Drafting._replace, taking per_call's name before it was renamed (steps) too."""
+    if "steps" in fields:
+        warnings.warn("Drafting(steps=...) is deprecated: use per_call", DeprecationWarning,
+                      stacklevel=2)
+        fields["per_call"] = fields.pop("steps")
+    return _NAMEDTUPLE_REPLACE(self, **fields)
+
+
+_NAMEDTUPLE_REPLACE, Drafting._replace = Drafting._replace, _drafting_replace
 
 
 class LoopConfig(NamedTuple):
@@ -389,11 +397,13 @@ class Proposal(NamedTuple):
     # (when Drafting.logits asks)
     unsure: torch.Tensor | None = None  # (B,) whether the rule cut the block (stop_when_unsure)
     confidence: torch.Tensor | None = None  # (B, G) the rule's confidence in each token
+    estimate: torch.Tensor | None = None  # (B, G) the drafter's own estimate that each token
+    # is accepted, given the ones before it are (DSpark's confidence head)
 
     @classmethod
     def none(cls, rows: int, drafting: Drafting) -> Proposal:
         """Nothing proposed in any row (a cycle that is one plain target step)."""
-        tokens = torch.zeros(rows, drafting.steps, dtype=torch.long, device=drafting.device)
+        tokens = torch.zeros(rows, drafting.per_call, dtype=torch.long, device=drafting.device)
         return cls(tokens, torch.zeros(*tokens.shape, drafting.vocab, device=drafting.device),
                    torch.ones(rows, dtype=torch.bool, device=drafting.device),
                    torch.zeros(rows, dtype=torch.long, device=drafting.device))
@@ -416,6 +426,8 @@ class Scores:
     proposed: torch.Tensor  # (N,) bool
     head: Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]  # (n, ...) -> q (n, V)
     support: torch.Tensor | None = None  # (V,) the ids it can ever propose (None: all)
+    estimate: torch.Tensor | None = None  # (N,) the drafter's own estimate that its token is
+    # accepted there (DSpark's confidence head)
 
     def q(self, start: int, stop: int,
           where: Callable[[int], str] = lambda n: f"scored position {n}") -> torch.Tensor:
@@ -446,7 +458,7 @@ class Session(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, pending: torch.Tensor, npos: torch.Tensor, u: torch.Tensor) -> Proposal:
-        """Draft up to drafting.steps tokens per row after pending (B,), the newest committed
+        """Draft up to drafting.per_call tokens per row after pending (B,), the newest committed
         token, at position npos (B,); token i of row b is drawn with u[b, i] (u: (B, G))."""
 
     @abc.abstractmethod
@@ -474,7 +486,7 @@ class TreeSession(Session):
     def given(self, pending: torch.Tensor, npos: torch.Tensor, tokens: torch.Tensor
               ) -> Proposal:
         """propose's drafts when they are given: tokens (B, W) drafted after pending at npos,
-        W up to drafting.steps (a draft model's, any). Only the last step's q is read (a
+        W up to drafting.per_call (a draft model's, any). Only the last step's q is read (a
         branch's children): a session may leave the earlier ones zero."""
 
     @abc.abstractmethod
@@ -494,38 +506,113 @@ class Abilities:
     reads_target: bool = False  # shown the target's states (TargetView; score's states)
     target_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (EAGLE-3,
     # DFlash), besides the final hidden states
-    steps: int | None = None  # the most tokens it proposes a cycle (None: gamma); offset k <=
-    # steps has a teacher-forced alpha of its own (MTP layers, Medusa heads), not alpha again
+    max_steps: int | None = None  # the most tokens it proposes a cycle (None: gamma's);
+    # offset k <= max_steps has a teacher-forced alpha of its own (MTP layers, Medusa heads),
+    # not alpha again
     trees: bool = True  # drafts the trees engines serve: a distribution per step (not a
     # lookup), drafted step by step (not a block in one pass, which no engine serves as a tree)
     one_pass: bool = False  # drafts its whole block in one pass (PARD, DFlash): a cycle costs
     # one draft pass whatever gamma is
-    max_gamma: int | None = None  # the largest block one pass drafts (a DFlash block of B:
-    # B - 1); a larger gamma is refused
+    pass_tokens: int | None = None  # the most tokens one pass drafts (a DFlash block of B:
+    # B - 1); a gamma above it is refused
     teacher_forced: bool = True  # has a teacher-forced form (SLEM: SlemDrafter says why not)
     distribution: bool = True  # proposes from a distribution q (not a point mass on text it
     # copied or re-tokenised: n-gram lookup, SLEM)
+    confidence_head: bool = False  # estimates each draft's acceptance itself (DSpark's
+    # confidence head: Proposal.estimate, Scores.estimate), which --confidence-rule dspark reads
+
+    steps = property(lambda self: renamed(self, "steps", "max_steps"))  # (deprecated names:
+    max_gamma = property(lambda self: renamed(self, "max_gamma", "pass_tokens"))  # gamma means
+    # the run's block alone)
 
 
 ABILITY_ALIASES = {"kind": "kind", "reads_target": "reads_target", "layers": "target_layers",
-                   "steps": "steps", "drafts_trees": "trees", "one_pass": "one_pass",
-                   "max_gamma": "max_gamma", "simulated_only": "teacher_forced"}  # (the old
+                   "steps": "max_steps", "drafts_trees": "trees", "one_pass": "one_pass",
+                   "max_gamma": "pass_tokens", "simulated_only": "teacher_forced"}  # (the old
+
+
 # attributes, Drafter.__getattr__)
 
 
-class DraftOptions(NamedTuple):
-    """What the command line tells the kinds of drafter (from_name, from_model): the options
-    each kind reads, so the command line names no kind."""
+class Proposer(NamedTuple):
+    """A serving engine's proposer for a kind of drafter (Drafter.proposers): its name in the
+    engine's settings (vLLM's method, SGLang's algorithm, llama.cpp's --spec-type,
+    transformers' generator), whether the setting names the draft's checkpoint, the keys it
+    adds, llama.cpp's further flags, and what the kind says of it."""
 
-    tokenizer: Any = None  # the target's (an n-gram lookup never copies its EOS ids)
-    ngram_max: int = 2  # --ngram-max
-    ngram_min: int = 1  # --ngram-min
-    mtp_steps: int | None = None  # --mtp-steps
-    pard_mask: str | None = None  # --pard-mask: draft models in PARD mode, this mask token
-    cross_vocab: str = "auto"  # --cross-vocab: how a draft of another tokenizer drafts
-    slem_stop: str = "target"  # --slem-stop (SlemDrafter's stop)
-    slem_cache: str = "transformers"  # --slem-cache (SlemDrafter's cache)
-    ngram_rule: str = "transformers"  # --ngram-rule (NgramDrafter's lookup)
+    name: str
+    checkpoint: bool = True
+    extra: tuple[tuple[str, Any], ...] = ()
+    args: tuple[str, ...] = ()
+    note: str = ""
+    p_min: str = "llamacpp"  # the --confidence-rule that llama.cpp's --spec-draft-p-min is
+    # for it: the top-10 probability, or a DSpark draft's confidence head ("dspark")
+
+
+class KindOption(NamedTuple):
+    """A command-line option a kind of drafter reads (Drafter.options): the command line adds
+    it to the kind's group and reads it into DraftOptions, by its flag's name (dest)."""
+
+    flag: str  # "--ngram-max"
+    help: str  # with its unit or allowed values, and the default
+    default: Any = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+class Asked(NamedTuple):
+    """What the command line asks for before a model loads, for the kinds' checks of their
+    options (Drafter.check_options): the --draft names, the early-exit layers, --simulate."""
+
+    drafts: tuple[str, ...] = ()
+    layers: tuple[int, ...] = ()
+    simulate: bool = False
+
+
+LEGACY_OPTIONS = ("ngram_max", "ngram_min", "mtp_steps", "pard_mask", "cross_vocab",
+                  "slem_stop", "slem_cache", "ngram_rule")  # DraftOptions' positional fields
+
+
+# when it was a NamedTuple, in order
+
+
+class DraftOptions:
+    """What the command line tells the kinds of drafter (from_name, from_model): the target's
+    tokenizer (an n-gram lookup never copies its EOS ids) and each kind's own options
+    (Drafter.options) by name (options.ngram_max); an option nobody set reads the default
+    its kind declares, so the command line names no kind."""
+
+    def __init__(self, tokenizer: Any = None, *legacy: Any, **values: Any):
+        if legacy:  # (the NamedTuple's positional fields)
+            warnings.warn("DraftOptions' options by position are deprecated: name them "
+                          "(DraftOptions(tok, ngram_max=3))", DeprecationWarning, stacklevel=2)
+            values = {**dict(zip(LEGACY_OPTIONS, legacy)), **values}
+        self.tokenizer, self.values = tokenizer, values
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tokenizer", "values") or name.startswith("__"):
+            raise AttributeError(name)
+        if name in self.values:
+            return self.values[name]
+        for option in declared_options():
+            if option.dest == name:
+                return option.default
+        raise AttributeError(f"no drafter declares the option {name!r}")
+
+    def _replace(self, **values: Any) -> DraftOptions:
+        return DraftOptions(self.tokenizer, **{**self.values, **values})
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, DraftOptions) and (self.tokenizer, self.values) == (
+            other.tokenizer, other.values)
+
+    def __repr__(self) -> str:
+        return f"DraftOptions({', '.join(f'{k}={v!r}' for k, v in self.values.items())})"
 
 
 class Loaded(NamedTuple):
@@ -546,11 +633,18 @@ class Drafter(abc.ABC):
     positions) and of the target's cache."""
 
     name: str
-    width: int | None  # logit columns: the vocabulary it can propose from (None: any)
+    vocab_width: int | None = None  # logit columns: the vocabulary it can propose from (None:
+    # any)
     checkpoint: str | None = None  # where its network was read from (hub id, folder, .gguf
     # file): what the engines' settings load and the run key fingerprints; None: made in
     # memory, or the target's own
     can: Abilities = Abilities()  # what it can do; a kind declares its own
+    # What a kind shows the outside, declared on it: the command line's options it reads
+    # (its group of them), the engines' proposers for it, and why it has no teacher-forced
+    # form where it has none (the report says so)
+    options: tuple[KindOption, ...] = ()
+    proposers: dict[str, Proposer] = {}  # engine -> its proposer (an engine left out has none)
+    no_teacher_forced: str = ""
 
     def check(self, settings: Settings) -> None:
         """Refuse, in one line, a setting it cannot run, as its record (can) says; a kind with
@@ -563,14 +657,18 @@ class Drafter(abc.ABC):
             raise UsageError(f"--tree: {self.name} drafts no tree ({can.kind} drafting is "
                              f"measured as one chain, as engines serve it); measure it without "
                              f"--tree")
+        if settings.stopping and settings.stopping.rule == "dspark" and not can.confidence_head:
+            raise UsageError(f"--confidence-rule dspark reads a DSpark draft's confidence head, "
+                             f"and {self.name} ({can.kind}) has none (llama.cpp refuses "
+                             f"--spec-draft-p-min for it too); use --confidence-rule llamacpp "
+                             f"or transformers")
         if settings.stopping and not can.distribution:
             raise UsageError(f"--confidence-threshold: {self.name} ({can.kind}) drafts from no "
                              f"distribution, so it has no confidence to stop on; measure it "
                              f"without --confidence-threshold")
-        if can.max_gamma is not None and gamma > can.max_gamma:
-            raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.max_gamma} "
-                             f"tokens a pass (its block of {can.max_gamma + 1}: the pending "
-                             f"token and {can.max_gamma} masks); use --gamma {can.max_gamma} "
+        if can.pass_tokens is not None and gamma > can.pass_tokens:
+            raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.pass_tokens} "
+                             f"tokens a pass; use --gamma {can.pass_tokens} "
                              f"or less")
 
     def __getattr__(self, name: str) -> Any:
@@ -609,6 +707,13 @@ class Drafter(abc.ABC):
         lookup drafts no more)."""
         return self
 
+    def meet(self, batch: list[int], prompts: list[list[int]],
+             texts: Callable[[Sequence[int]], list[tuple[list[int], list[int]]]]) -> None:
+        """Told, before each batch, its prompts' places in the measurement (batch) and tokens,
+        and how to read any prompt's tokens and the target's continuation of it (texts): a
+        drafter whose drafts depend on what was served before (suffix decoding's tree of
+        earlier responses) builds that here; others need nothing."""
+
     def drafted_by(self, gamma: int) -> list[str] | None:
         """What drafts each offset 1..gamma, where the report should say (None: one thing)."""
         return None
@@ -618,10 +723,13 @@ class Drafter(abc.ABC):
         model's window is checked against long contexts."""
         return []
 
-    def block(self, gamma: int) -> int:
-        """The most target tokens a cycle of gamma drafting steps proposes: gamma, but a draft
-        whose text is re-tokenised into the target's tokens proposes what it comes to (SLEM)."""
+    def proposal_width(self, gamma: int) -> int:
+        """The most target tokens a cycle of gamma drafting steps proposes (the width of its
+        proposals): gamma, but a draft whose text is re-tokenised into the target's tokens
+        proposes what it comes to (SLEM)."""
         return gamma
+
+    block = property(lambda self: renamed(self, "block", "proposal_width"))  # (deprecated)
 
     def translation(self) -> dict[str, Any] | None:
         """For a draft with a tokenizer of its own, how it is translated (method, the shared
@@ -632,6 +740,43 @@ class Drafter(abc.ABC):
         """What a serving engine's settings name of it (RunInfo.drafter, engine_config): its
         kind, its checkpoint, and its kind's own options."""
         return {"kind": self.can.kind, "checkpoint": self.checkpoint}
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "width" in cls.__dict__ and not isinstance(cls.__dict__["width"], property):
+            cls.vocab_width = cls.__dict__["width"]  # (a kind written when this was `width`)
+            delattr(cls, "width")
+
+    width = property(lambda self: self.vocab_width,  # (its name before: width is a proposal's
+                     lambda self, value: setattr(self, "vocab_width", value))  # tokens now)
+
+    @classmethod
+    def kinds(cls) -> tuple[str, ...]:
+        """The kinds (Abilities.kind) its drafters are, as a report's RunInfo.drafter names
+        them."""
+        return (cls.can.kind,)
+
+    @classmethod
+    def proposer(cls, serving: dict[str, Any], engine: str) -> Proposer | None:
+        """An engine's proposer for one of its drafters (its RunInfo.drafter: `serving`); a
+        kind whose settings depend on its options reads them there."""
+        return cls.proposers.get(engine)
+
+    @classmethod
+    def check_options(cls, options: DraftOptions, asked: Asked) -> None:
+        """Refuse, in one line and before any model loads, its options set where they cannot
+        apply (`asked`: what the command line asks for)."""
+
+    @classmethod
+    def check_found(cls, options: DraftOptions, found: Sequence[Drafter]) -> None:
+        """Refuse, once the drafters are made, its options set with none of its drafters
+        among them."""
+
+    @classmethod
+    def translation_lines(cls, info: dict[str, Any]) -> list[str]:
+        """For a drafter of another tokenizer (RunInfo.cross_vocab: `info`), the report's lines
+        that say how it is translated, after the shared vocabulary's."""
+        return []
 
     # Each kind recognises and loads itself; find_drafter asks the kinds of DRAFTERS in turn.
 
@@ -662,6 +807,28 @@ def for_run(drafter: Drafter, eos: frozenset[int], gammas: Sequence[int], gamma:
     if "gamma" in inspect.signature(drafter.for_run).parameters:
         return drafter.for_run(eos, gammas, gamma)
     return drafter.for_run(eos, gammas)
+
+
+def all_kinds() -> list[type[Drafter]]:
+    """Every kind of drafter defined: Drafter's subclasses, at every depth, in the order they
+    were defined under each."""
+    out, todo = [], list(Drafter.__subclasses__())
+    while todo:
+        kind = todo.pop(0)
+        out.append(kind)
+        todo[:0] = kind.__subclasses__()
+    return out
+
+
+def kind_of(kind: str | None) -> type[Drafter] | None:
+    """The class whose drafters a report's drafter is (RunInfo.drafter's "kind")."""
+    return next((k for k in all_kinds() if kind in k.kinds()), None)
+
+
+def declared_options() -> list[KindOption]:
+    """Every option a kind declares (Drafter.options), once each."""
+    return list({o.dest: o for k in all_kinds() for o in k.__dict__.get("options", ())
+                 }.values())
 
 
 class Quiet:
@@ -782,6 +949,8 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
 
 
 PREFILL_CHUNK = 512  # tokens per row fed per forward when a long input fills a cache (prefill,
+
+
 # teacher_forced): attention scores (t, S) and logits (B, t, V) a chunk at a time
 
 
@@ -883,18 +1052,16 @@ def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
 
 
 def feed(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
-         live: torch.Tensor | None = None, module: nn.Module | None = None, **kwargs: Any
-         ) -> Any:
+         live: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """One forward over new slots: ids at logical positions pos (B, t), live unless `live`
-    says which are not; through `module` (the model's base_model, for hidden states) or the
-    model itself; kwargs go to the forward -> its output."""
+    says which are not, through `model` (a causal LM, or its base_model for hidden states: the
+    same configuration, the same masks); kwargs go to the forward -> its output."""
     live = torch.ones_like(ids) if live is None else live
     slots.live = torch.cat([slots.live, live], 1)
     slots.pos = torch.cat([slots.pos, pos], 1)
     mask = attention_mask(model, slots.live, slots.pos, pos)
-    module = model if module is None else module
-    return module(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                  **{_cache_keyword(type(module)): slots.cache}, **kwargs)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                 **{_cache_keyword(type(model)): slots.cache}, **kwargs)
 
 
 def extend(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
@@ -1169,8 +1336,8 @@ def teacher_forced(model: nn.Module, rows: Sequence[Sequence[int]], device: torc
     for cols in column_chunks(ids.shape[1]):
         wanted = cols.stop - max(first, cols.start)  # this chunk's columns at or after first
         if route:
-            outs.append(feed(model, slots, ids[:, cols], pos[:, cols], live[:, cols],
-                             model.base_model).last_hidden_state)  # (B, t, H)
+            outs.append(feed(model.base_model, slots, ids[:, cols], pos[:, cols],
+                             live[:, cols]).last_hidden_state)  # (B, t, H)
             continue
         logits = feed(model, slots, ids[:, cols], pos[:, cols], live[:, cols],
                       logits_to_keep=max(wanted, 1)).logits  # (B, wanted or 1, V)
@@ -1255,28 +1422,35 @@ class Scoring(NamedTuple):
     stopping: Stopping | None = None
 
 
-def unsure_stats(p: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, scoring: Scoring
-                 ) -> dict[str, torch.Tensor]:
+def unsure_stats(p: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, scoring: Scoring,
+                 estimate: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What a rule that stops when unsure (scoring.stopping) makes of a drafter's positions:
     target p, its q (n, V) and its logits -> per threshold, the chance that the token it drafts
     is unsure ("unsure", (n, thresholds)) and that it is unsure and accepted
     ("unsure_accepted"); per tenth of confidence (CALIBRATION_BINS), the chance of drafting a
     token that sure ("calibration_mass", (n, bins)) and of that and its acceptance
-    ("calibration_accepted"). The token is drawn from q as the simulation proposes
+    ("calibration_accepted"); the confidence expected of the drafted token ("confidence")
+    and the Brier score of the confidence as a forecast of its acceptance A, E (c - A)^2
+    = sum_d drawn_d c_d^2 - 2 took_d c_d + took_d ("brier"). The "dspark" rule's confidence
+    is the drafter's own estimate (n,), whatever the token. The token is drawn from q as the
+    simulation proposes
     (draft_probs: a point mass on its argmax under the engines' rule); Leviathan's rule
     accepts d with min(1, p/q). (As what is lost: at threshold 0 nothing is, exactly.)"""
     sampling, (rule, thresholds) = scoring.sampling, scoring.stopping
-    drawn = q if sampling.proposal == "sample" or sampling.greedy else \
-        nn.functional.one_hot(q.argmax(-1), q.shape[-1]).to(q) * (q.sum(-1, keepdim=True) > 0)
+    drawn = (q if sampling.proposal == "sample" or sampling.greedy else
+        nn.functional.one_hot(q.argmax(-1), q.shape[-1]).to(q) * (q.sum(-1, keepdim=True) > 0))
     took = torch.minimum(p, drawn)  # (n, V): P(d drafted and accepted)
-    c = confidences(logits, sampling, rule).to(p)  # (n, V), or (n, 1): one for any token
+    c = (estimate[:, None] if rule == "dspark" else
+         confidences(logits, sampling, rule)).to(p)  # (n, V), or (n, 1): one for any token
     bins = (c * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1).expand_as(drawn)
     zero = drawn.new_zeros(len(drawn), CALIBRATION_BINS)
     unsure = [c < t for t in thresholds]
     return {"unsure": torch.stack([(drawn * u).sum(-1) for u in unsure], -1),
             "unsure_accepted": torch.stack([(took * u).sum(-1) for u in unsure], -1),
             "calibration_mass": zero.scatter_add(1, bins, drawn),
-            "calibration_accepted": zero.scatter_add(1, bins, took)}
+            "calibration_accepted": zero.scatter_add(1, bins, took),
+            "confidence": (drawn * c).sum(-1),
+            "brier": (drawn * c * c).sum(-1) - 2 * (took * c).sum(-1) + took.sum(-1)}
 
 
 @torch.no_grad()
@@ -1302,8 +1476,8 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
         q = scores.q(s, s + chunk, lambda n: where(s + n)).to(p.device)  # (n, V); a draft
         made = scores.proposed[s:s + chunk].to(p.device)  # being trained may sit elsewhere
         a = acceptance(p, q)  # (n,)
-        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, \
-            f"alpha outside [0, 1]: {a.min()}, {a.max()}"
+        assert -1e-4 <= a.min() and a.max() <= 1 + 1e-4, (
+            f"alpha outside [0, 1]: {a.min()}, {a.max()}")
         alpha.append(a.clamp(0, 1))  # only float rounding is clamped, never a wrong value
         top1.append(((lp.argmax(-1) == q.argmax(-1)) & made).float())
         p_of_q.append(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1) * made)
@@ -1314,7 +1488,9 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
             covered.append((p * scores.support[:vocab].to(p)).sum(-1))
         if stopping is not None:
             logits = scores.logits(s, s + chunk)[..., :vocab].to(p.device)
-            for key, v in unsure_stats(p, q, logits, scoring).items():
+            estimate = (None if scores.estimate is None else
+                        scores.estimate[s:s + chunk].to(p.device))
+            for key, v in unsure_stats(p, q, logits, scoring, estimate).items():
                 unsure.setdefault(key, []).append(v)
     none = torch.zeros(0)  # (a later step may have no position to score)
     out = {"alpha": torch.cat(alpha or [none]).cpu(), "top1": torch.cat(top1 or [none]).cpu(),
@@ -1324,10 +1500,11 @@ def position_stats(p_logits: Callable[[int, int], torch.Tensor], scores: Scores,
     if covered:
         out["coverage"] = torch.cat(covered).cpu()
     if stopping is not None:
-        width = {"unsure": len(stopping.thresholds), "unsure_accepted": len(stopping.thresholds)}
-        out.update({k: torch.cat(unsure.get(k) or [none.view(0, width.get(k, CALIBRATION_BINS))])
-                    .cpu() for k in ("unsure", "unsure_accepted", "calibration_mass",
-                                     "calibration_accepted")})
+        shape = {"unsure": (0, len(stopping.thresholds)), "calibration_mass": (0, CALIBRATION_BINS),
+                 "unsure_accepted": (0, len(stopping.thresholds)), "confidence": (0,),
+                 "calibration_accepted": (0, CALIBRATION_BINS), "brier": (0,)}
+        out.update({k: torch.cat(unsure.get(k) or [none.view(*s)]).cpu()
+                    for k, s in shape.items()})
     return out
 
 
@@ -1348,8 +1525,8 @@ class TargetPass(NamedTuple):
     def at(self, shift: int, device: torch.device) -> torch.Tensor:
         """The outputs at the scored positions, `shift` positions later (a later head's)."""
         assert not (self.compact and shift), "a compact target pass has no later positions"
-        return self.states.to(device) if self.compact else \
-            at_spans(self.states, self.spans, device, shift, self.first)
+        return (self.states.to(device) if self.compact else
+            at_spans(self.states, self.spans, device, shift, self.first))
 
 
 def scored_rows(prompts: Sequence[TokenSequence], conts: Sequence[list[int]]
@@ -1419,7 +1596,7 @@ class ModelSession(TreeSession):
         self.slots, _ = prefill(model, [r[:-1] for r in prompts], self.device)
         self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
-        self.width = drafting.steps  # G, the tokens the last call drafted
+        self.width = drafting.per_call  # G, the tokens the last call drafted
 
     def first_input(self, pending: torch.Tensor, npos: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -1439,14 +1616,14 @@ class ModelSession(TreeSession):
         logits = extend(self.model, self.slots, *self.first_input(pending, npos), last_only=True)
         qs, ds, ls = [], [], []
         finite = torch.ones(len(pending), dtype=torch.bool, device=pending.device)
-        for i in range(d.steps):
+        for i in range(d.per_call):
             finite &= torch.isfinite(logits).flatten(1).all(1)
             ls.append(logits[:, -1, :d.vocab])  # (B, V)
             qs.append(draft_probs(ls[-1], d.sampling))  # (B, V)
             ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
-            if i < d.steps - 1:
+            if i < d.per_call - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
-        self.last, self.width = ds[-1], d.steps
+        self.last, self.width = ds[-1], d.per_call
         back = d.device  # the target's: where the acceptance test runs
         return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back),
                         logits=kept_logits(d, ls, back))
@@ -1507,9 +1684,22 @@ class OwnDraftModel:
 class ModelDrafter(OwnDraftModel, Drafter):
     """A draft model (or an early-exit view of the target) with a KV cache of its own."""
 
+    proposers = {"vllm": Proposer("draft_model"), "sglang": Proposer("STANDALONE"),
+                 "llamacpp": Proposer("draft-simple"), "transformers": Proposer("assistant")}
+
+    @classmethod
+    def kinds(cls):
+        return ("draft model", "early exit")
+
+    @classmethod
+    def proposer(cls, serving, engine):  # an early exit: llama.cpp (a GGUF of its first
+        if serving.get("kind") == "early exit" and engine not in ("llamacpp", "transformers"):
+            return None  # layers) and transformers (assistant_early_exit) serve it
+        return super().proposer(serving, engine)
+
     def __init__(self, name: str, model: nn.Module, checkpoint: str | None = None,
                  layers: int | None = None):
-        self.name, self.model, self.width = name, model, vocab_width(model)
+        self.name, self.model, self.vocab_width = name, model, vocab_width(model)
         self.checkpoint, self.layers_kept = checkpoint, layers
         if layers is not None:
             self.can = replace(self.can, kind="early exit")
@@ -1534,49 +1724,6 @@ class ModelDrafter(OwnDraftModel, Drafter):
         return cls(name, loaded.model, loaded.path, loaded.layers)  # any causal LM: tried last
 
 
-def _shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object with dicts of its own (children, parameters, buffers, hooks) that
-    hold the same tensors, so changing one module's structure leaves the other's alone."""
-    clone = copy.copy(module)
-    for name, value in vars(module).items():
-        if isinstance(value, dict):
-            setattr(clone, name, copy.copy(value))
-    # accelerate (device maps) binds forward to the original instance: the copy runs its own
-    # class's forward; its children keep their hooks, which place each layer's work
-    for name in ("forward", "_old_forward", "_hf_hook"):
-        clone.__dict__.pop(name, None)
-    return clone
-
-
-def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
-    """A self-speculative draft: the first n_layers decoder layers + final norm + head of `model`.
-
-    Shares every weight with `model` (no copy in memory); `model` itself is left unchanged.
-    """
-    path, parent = _layer_path(model), decoder_layers(model)
-    total = len(parent)
-    if not 1 <= n_layers <= total:
-        raise UsageError(f"--draft-layers must be between 1 and {total} for this model "
-                         f"({total} decoder layers), got {n_layers}")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = n_layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:n_layers]
-    draft = node = _shallow_copy(model)
-    copies = [draft]  # the modules on the path to the layer list, now the draft's own
-    for part in path[:-1]:
-        node = _shallow_copy(getattr(node, part))
-        setattr(copies[-1], part, node)
-        copies.append(node)
-    setattr(node, path[-1], nn.ModuleList(list(parent)[:n_layers]))
-    for m in copies:
-        if hasattr(m, "config"):
-            m.config = config
-    if getattr(model, "generation_config", None) is not None:
-        draft.generation_config = copy.deepcopy(model.generation_config)
-    return draft
-
-
 def as_drafter(name: str, draft: nn.Module | Drafter) -> Drafter:
     """A drafter as given, or a plain model wrapped as one, its name taken for its checkpoint
     (what the engines' settings load: name it by its hub id or folder)."""
@@ -1587,7 +1734,7 @@ def shared_vocab(target: nn.Module, drafter: Drafter) -> int:
     """The vocabulary a drafter is measured on: the prefix both logit widths share (a drafter
     without a vocabulary of its own, such as n-gram lookup, takes the target's)."""
     width = vocab_width(target)
-    return width if drafter.width is None else min(width, drafter.width)
+    return width if drafter.vocab_width is None else min(width, drafter.vocab_width)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1621,17 +1768,21 @@ class RowStats:
     unsure_cuts: int = 0  # cycles whose block a rule that stops when unsure ended early
     by_confidence: list[list[int]] | None = None  # with such a rule: [examined, accepted]
     # draft tokens per tenth of the rule's confidence in them (CALIBRATION_BINS)
+    brier: float | None = None  # with such a rule: the sum over examined drafts of (c - A)^2,
+    # the confidence c against acceptance A (1 accepted, 0 not)
 
     @classmethod
     def empty(cls, gamma: int, confidence: bool = False) -> RowStats:
         return cls(reached=[0] * gamma, accepted_at=[0] * gamma, unproposed=[0] * gamma,
                    proposed=[0] * (gamma + 1), drafted_by_cycle=[0] * (gamma + 1),
-                   by_confidence=[[0] * CALIBRATION_BINS for _ in "ea"] if confidence else None)
+                   by_confidence=[[0] * CALIBRATION_BINS for _ in "ea"] if confidence else None,
+                   brier=0.0 if confidence else None)
 
     def row(self) -> dict[str, Any]:
         """Its fields for a JSON row: the counts, and how many tokens it emitted."""
         return {**{k: v for k, v in asdict(self).items() if k != "tokens"
-                   and not (k == "by_confidence" and v is None)}, "generated": len(self.tokens)}
+                   and not (k in ("by_confidence", "brier") and v is None)},
+                "generated": len(self.tokens)}
 
 
 class Cycle(NamedTuple):
@@ -1645,22 +1796,24 @@ class Cycle(NamedTuple):
     finite_q: bool  # the drafter's were
     unsure: bool = False  # a rule that stops when unsure ended the block early
     bins: list[int] | None = None  # (G,) with such a rule: each draft's tenth of confidence
+    confidence: list[int] | None = None  # (G,) and its confidence, in millionths
 
     @classmethod
     def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
              finite_p: torch.Tensor) -> list[Cycle]:
-        gamma = proposal.tokens.shape[1]
-        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, gamma)
+        width = proposal.tokens.shape[1]
+        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, width)
         unsure = proposal.unsure if proposal.unsure is not None else torch.zeros_like(finite_p)
         conf = proposal.confidence
-        bins = [] if conf is None else \
-            [(conf * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)]
+        rule = [] if conf is None else [(conf * CALIBRATION_BINS).long().clamp(
+            0, CALIBRATION_BINS - 1), (conf.double() * 1e6).round().long()]
         host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
-                          finite_p[:, None], proposal.finite[:, None], unsure[:, None], *bins],
+                          finite_p[:, None], proposal.finite[:, None], unsure[:, None], *rule],
                          1).tolist()  # one sync
-        g = 6 + gamma  # (the bins after)
-        return [cls(h[0], h[1], h[2], h[3:3 + gamma], bool(h[g - 3]), bool(h[g - 2]),
-                    bool(h[g - 1]), h[g:] if bins else None) for h in host]
+        g = 6 + width  # (the bins and the confidences after)
+        return [cls(h[0], h[1], h[2], h[3:3 + width], bool(h[g - 3]), bool(h[g - 2]),
+                    bool(h[g - 1]), h[g:g + width] if rule else None,
+                    h[g + width:] if rule else None) for h in host]
 
 
 def row_stats(row: dict[str, Any]) -> RowStats:
@@ -1707,6 +1860,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         for j in range(examined):
             row.by_confidence[0][cycle.bins[j]] += 1
             row.by_confidence[1][cycle.bins[j]] += j < accepted
+            row.brier += (cycle.confidence[j] / 1e6 - (j < accepted)) ** 2
     row.tokens += emitted[:config.budget - len(row.tokens)]
     row.accepted += accepted
     row.examined += examined
@@ -1728,7 +1882,8 @@ def stop_when_unsure(proposal: Proposal, sampling: SamplingParams, rule: str,
     carry its logits (Drafting.logits)."""
     tokens = proposal.tokens
     g = tokens.shape[1]
-    conf = confidence(proposal.logits, tokens, sampling, rule)  # (B, G)
+    conf = (proposal.estimate if rule == "dspark" else
+            confidence(proposal.logits, tokens, sampling, rule))  # (B, G)
     unsure = conf < threshold
     first = torch.where(unsure.any(1), unsure.long().argmax(1), g)  # (B,) first unsure offset
     end = (first + 1).clamp_max(g) if rule == "transformers" else first
@@ -1801,8 +1956,8 @@ def first_tokens(target: nn.Module, prompts: list[list[int]], gens: list[torch.G
     # a drafter that reads the target is shown every position's state (asked for the last
     # logits only, some models skip the other positions)
     can = reads.can
-    with final_states(target, can.reads_target) as seen, \
-            layer_inputs(target, can.target_layers) as got:
+    with (final_states(target, can.reads_target) as seen,
+            layer_inputs(target, can.target_layers) as got):
         slots, logits = prefill(target, prompts, c.device, last_only=not can.reads_target)
     check_finite(logits, "target", lambda b: f"{names[b]}, its last prompt position (prefill)")
     p = processed_probs(logits[:, -1, :c.vocab], c.sampling)  # (B, V)
@@ -1832,7 +1987,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     c, keys, progress = config, list(prompts), progress or Quiet()
     rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
     gens = row_generators(c.seed, keys, phase=2)
-    width = drafter.block(c.gamma)  # the most tokens a proposal holds (SLEM: the target's)
+    width = drafter.proposal_width(c.gamma)  # the most tokens a proposal holds (SLEM: the target's)
     stats = [RowStats.empty(width, c.unsure is not None) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
     first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
@@ -1844,8 +1999,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     # npos; the drafter's session starts from the prompts and that pending token.
     pending = torch.tensor([first[b] for b in live], dtype=torch.long, device=c.device)  # (B,)
     npos = torch.tensor([len(rows[b]) for b in live], dtype=torch.long, device=c.device)
-    session = drafter.start([rows[b] + [first[b]] for b in live], view, c.drafting()) \
-        if live else None
+    session = (drafter.start([rows[b] + [first[b]] for b in live], view, c.drafting())
+        if live else None)
     while live:
         u = draw_uniforms([gens[b] for b in live], 2 * width + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output),
@@ -1854,8 +2009,8 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
         if c.unsure is not None:
             proposal = stop_when_unsure(proposal, c.sampling, *c.unsure)
         # 2. verify: one target forward scores the pending token and all G proposals
-        with final_states(target, drafter.can.reads_target or states is not None) as seen, \
-                layer_inputs(target, drafter.can.target_layers) as got:
+        with (final_states(target, drafter.can.reads_target or states is not None) as seen,
+                layer_inputs(target, drafter.can.target_layers) as got):
             p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c)
         # 3. accept: the accepted run, and the token that follows it
         n_acc, new = accept(p, proposal, u[:, width:])
@@ -1965,8 +2120,8 @@ class TreeSpec(NamedTuple):
                 raise UsageError(f"--tree {k},{d},{n}: top-{k} of a vocabulary of {vocab}")
             return
         paths = set(self.choices)
-        if not paths or len(paths) != len(self.choices) or \
-                any(not p or min(p) < 0 for p in self.choices):
+        if (not paths or len(paths) != len(self.choices) or
+                any(not p or min(p) < 0 for p in self.choices)):
             raise UsageError("--tree-choices: a list of distinct, non-empty paths of ranks >= 0, "
                              "such as [(0,), (1,), (0, 0)]")
         missing = next((p for p in self.choices if len(p) > 1 and p[:-1] not in paths), None)
@@ -1977,13 +2132,15 @@ class TreeSpec(NamedTuple):
 
 
 TREE_SCORES = SamplingParams(1.0)  # what a tree ranks its nodes by: the drafter's softmax, no
+
+
 # temperature, as EAGLE's topK_genrate and SGLang's select_top_k_tokens do
 
 
 def ranking(session: TreeSession, steps: int) -> Drafting:
     """What a fork of a tree's session drafts with: the drafter's own scores (TREE_SCORES),
     `steps` tokens a call."""
-    return session.drafting._replace(sampling=TREE_SCORES, steps=steps)
+    return session.drafting._replace(sampling=TREE_SCORES, per_call=steps)
 
 
 def branch_q(session: TreeSession, pending: torch.Tensor, npos: torch.Tensor,
@@ -2013,6 +2170,8 @@ class Branches(NamedTuple):
 
 
 TreeLevels = Generator[Branches, torch.Tensor, list[list[tuple[int, int]]]]  # sent each
+
+
 # level's q (M, V), returns each row's tree
 
 
@@ -2220,14 +2379,14 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
     starts = [firsts[keys[b]] for _, b in who]
 
     def view(at: list[list[int]]) -> TargetView | None:
-        return TargetView(*states_at(states, rows, [b for _, b in who], at, slots)) \
-            if states else None
+        return (TargetView(*states_at(states, rows, [b for _, b in who], at, slots))
+            if states else None)
 
     if slots is not None:  # the target's cache follows the session's rows
         select_slots(slots, torch.tensor([b for _, b in who], dtype=torch.long, device=c.device))
     session = drafter.start([rows[b][:s + 1] for (_, b), s in zip(who, starts)] if who else [],
                             view([list(range(s)) for s in starts]) if who else None,
-                            c.drafting()._replace(steps=depth))
+                            c.drafting()._replace(per_call=depth))
     while who:
         pending = torch.tensor([rows[b][s] for (_, b), s in zip(who, starts)], device=c.device)
         npos = torch.tensor(starts, device=c.device)
@@ -2261,17 +2420,14 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
 
 
 # ----------------------------------------------------------------------------------------------
-# statistics: closed forms, estimators, intervals and costs
+# the per-prompt sums: what a measurement returns
+#
+# A prompt's measurement is a PromptResult of sums (position_stats' numbers, the windows of alpha
+# that the estimators read, the simulation's counts, the trees'), so prompts pool by adding: a
+# report is the same whether its prompts came from one batch, several processes or a JSON file.
 
 
-N_BOOT = 1000  # bootstrap resamples for the confidence intervals
-
-
-def expected_accepted_iid(alpha: float, gamma: int) -> float:
-    """E[accepted draft tokens per cycle] if every position accepts independently with alpha."""
-    if alpha >= 1:
-        return float(gamma)
-    return alpha * (1 - alpha**gamma) / (1 - alpha)
+RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
 
 
 def window_sum(alphas: torch.Tensor, gamma: int) -> tuple[float, int]:
@@ -2292,6 +2448,425 @@ def chain_window_sum(steps: Sequence[torch.Tensor], k: int) -> tuple[float, int]
         return 0.0, 0
     chain = torch.stack([a.double()[:n] for a in steps[:k]])  # (k, n)
     return chain.cumprod(0).sum().item(), n
+
+
+def unsure_windows(steps: Sequence[dict[str, torch.Tensor]], key: str, gamma: int, rule: str,
+                   stepped: bool) -> dict[str, Any]:
+    """The closed form of drafts that stop when unsure, along one prompt's text: at each cycle
+    start t, offset k drafts with the numbers of position t + k - 1 (of step k at t, for a
+    drafter whose steps have numbers of their own); kappa, its token's chance of being sure,
+    beta, of being sure and accepted, alpha (position_stats' `key`), of being accepted. The
+    transformers rule keeps an unsure token, which ends the block: P(drafted >= k) =
+    prod_{j<k} kappa_j, P(accepted >= k) = prod_{j<k} beta_j * alpha_k; llama.cpp's does not
+    propose it: P(drafted >= k) = prod_{j<=k} kappa_j, P(accepted >= k) = prod_{j<=k} beta_j.
+    Summed over the starts where the gamma window fits (as window_sum), per threshold; and the
+    calibration sums over every step's positions. The text is the target's: past a rejection
+    the draft would read its own tokens, which the closed form takes to be as sure."""
+    first = steps[0]
+    g = min(gamma, len(steps)) if stepped else gamma
+    n = steps[g - 1][key].numel() if stepped else max(0, first[key].numel() - g + 1)
+
+    def cols(x: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """(n, g, thresholds): offset k's number at each start."""
+        if stepped:
+            return torch.stack([x(h).double()[:n] for h in steps[:g]], 1)
+        y = x(first).double()
+        return y.unfold(0, g, 1).movedim(-1, 1) if n else y.new_zeros(0, g, *y.shape[1:])
+    alpha = cols(lambda h: h[key][:, None])
+    kappa = cols(lambda h: h["proposed"].double()[:, None] - h["unsure"])
+    beta = cols(lambda h: h[key][:, None] - h["unsure_accepted"])
+    if rule == "transformers":  # the unsure token is drafted, and the last
+        ones = torch.ones_like(kappa[:, :1])
+        drafted = torch.cat([ones, kappa[:, :-1].cumprod(1)], 1)
+        accepted = torch.cat([ones, beta[:, :-1].cumprod(1)], 1) * alpha
+    else:  # llama.cpp: the unsure token is not proposed, the first one included
+        drafted, accepted = kappa.cumprod(1), beta.cumprod(1)
+    drafted = torch.cat([drafted.sum(0).T, torch.zeros(drafted.shape[-1], gamma - g,
+                                                       dtype=torch.float64)], 1)
+    calibration = [sum(h[k].double().sum(0) for h in steps).tolist()
+                   for k in ("calibration_mass", "calibration_accepted")]
+    by_offset = [[h["calibration_mass"].double().sum().item(),
+                  h["calibration_accepted"].double().sum().item(),
+                  h["confidence"].double().sum().item(), h["brier"].double().sum().item()]
+                 for h in (steps[:g] if stepped else steps[:1])]
+    return {"unsure_drafted": drafted.tolist(), "unsure_accepted": accepted.sum((0, 1)).tolist(),
+            "unsure_starts": n, "calibration": calibration, "calibration_by_offset": by_offset}
+
+
+OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
+                 "calibration", "calibration_by_offset")
+
+
+# PromptResult's sums a run without trees or thresholds leaves out of its rows
+UNSUMMED = ("proposed", "p_rank", "unsure", "unsure_accepted", "calibration_mass",
+            "calibration_accepted", "confidence", "brier")  # position_stats' numbers that are
+# no PromptResult "_sum"
+
+
+# costs, not what is measured: no part of the run key
+
+
+@dataclass
+class PromptResult:
+    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
+    is the same whether its prompts came from one batch, several processes or a JSON file.
+    Each of position_stats' numbers k is summed into the field k_sum (of): a new per-position
+    number is its field here."""
+
+    index: int
+    category: str | None = None
+    positions: int = 0  # positions of the continuation (or prompt) looked at
+    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
+    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
+    top1_sum: float = 0.0  # positions where the two argmaxes agree
+    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
+    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
+    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
+    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
+    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
+    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
+    coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
+    # it has one of its own (EAGLE-3's draft vocabulary, Medusa's token map)
+    sim: RowStats | None = None
+    trees: list[TreeStats] | None = None  # one per tree shape replayed (Settings.trees)
+    rank_sums: list[list[float]] | None = None  # per drafting step, sum of p_t at q_t's
+    # rank-r token, r = 0..TREE_RANKS-1 (with trees: the best static tree's acceptance)
+    # with a rule that stops drafts when unsure (Settings.stopping), unsure_windows' sums:
+    unsure_drafted: list[list[float]] | None = None  # per threshold, P(drafted >= k) summed
+    # over cycle starts, k = 1..gamma
+    unsure_accepted: list[float] | None = None  # per threshold, E[accepted] summed over them
+    unsure_starts: int | None = None  # the starts: where the gamma window fits (windows')
+    calibration: list[list[float]] | None = None  # [drafted, accepted] per tenth of the
+    # draft's confidence: sums of the chance of drafting a token that sure, and of its
+    # acceptance, over every step's positions
+    calibration_by_offset: list[list[float]] | None = None  # per draft offset (one row: a
+    # drafter whose offsets share its positions' numbers), [drafted, accepted, confidence,
+    # Brier]: sums of the chance of drafting, of acceptance, of the confidence in the drafted
+    # token and of its squared error as a forecast of acceptance
+    stopped: list[RowStats] | None = None  # the simulation under each threshold
+
+    @classmethod
+    def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
+           settings: Settings, rule: str = "sample", stepped: bool = False) -> PromptResult:
+        """From position_stats' numbers for one prompt, per drafting step (steps[0] the first;
+        stepped: the later ones have alphas of their own, MTP). Windows run over every
+        position, a position without a proposal counting as alpha_t = 0; with trees, the sums
+        of p at each of q's ranks too."""
+        first, later, key, gammas = steps[0], steps[1:], RULE_KEYS[rule], settings.gammas
+        if not stepped:
+            windows = {g: window_sum(first[key], g) for g in gammas}
+        else:
+            chain = [h[key] for h in steps]
+            windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
+        ranks = ([h["p_rank"].double().sum(0).tolist() for h in steps] if settings.trees
+            else None)
+        unsure = {} if settings.stopping is None else unsure_windows(
+            steps, key, settings.gamma, settings.stopping.rule, stepped)
+        return cls(index=index, category=category, positions=first["alpha"].numel(),
+                   scored=int(first["proposed"].sum()), windows=windows,
+                   head_alpha_sums=[h["alpha"].double().sum().item() for h in later],
+                   head_scored=[int(h["proposed"].sum()) for h in later],
+                   head_p_argmax_q_sums=[h["p_argmax_q"].double().sum().item() for h in later],
+                   rank_sums=ranks, **unsure, **{f"{k}_sum": v.double().sum().item()
+                                                 for k, v in first.items()
+                                                 if k not in UNSUMMED})
+
+    def row(self) -> dict[str, Any]:
+        """The JSON's per-prompt row: every sum a report is computed from."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows", "stopped")
+               and not (k in OPTIONAL_SUMS and v is None)}  # (only with trees, thresholds)
+        out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
+        if self.sim is not None:
+            out.update(self.sim.row())
+        if self.stopped is not None:
+            out["stopped"] = [row.row() for row in self.stopped]
+        return out
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> PromptResult:
+        """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
+        version did not write takes its default."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees",
+                                                              "stopped"}
+        trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
+        sim = None
+        if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
+            sim = row_stats(row)
+        stopped = [row_stats(r) for r in row["stopped"]] if row.get("stopped") else None
+        return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
+                   stopped=stopped, windows={int(g): tuple(w) for g, w in row["windows"].items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
+
+
+class Measurement:
+    """One setting measured against a target: the prompts, the sampling, the settings, the EOS
+    ids and the device every batch needs, held once. measure() runs drafters over batches of
+    prompts into per-prompt sums (PromptResult) that add up, however the batches are dealt out
+    or resumed; report() turns one drafter's sums into its AcceptanceReport.
+
+    For each batch (measure_batch), per vocabulary the drafters share: the target's
+    continuation of each prompt (the text speculative decoding would produce) and one
+    teacher-forced pass of the target (target_side), against which every drafter is scored
+    (score); with simulate, each drafter's simulation runs first and its output is that
+    drafter's continuation (speculative sampling is lossless: what it emits is an exact sample
+    from the target), so the two routes score the same text; separate_continuation samples one
+    continuation apart, shared by every drafter."""
+
+    def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence | Sequence[int]],
+                 sampling: SamplingParams = SamplingParams(), settings: Settings | None = None,
+                 device: torch.device | str | None = None):
+        self.target, self.sampling = target, sampling
+        self.settings = settings or Settings()
+        self.sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s))
+                          for s in sequences]
+        self.streams = [i if q.document is None else q.document
+                        for i, q in enumerate(self.sequences)]  # each prompt's random streams
+        self.continuations: dict[tuple[int, int], list[int]] = {}  # (prompt, vocab) -> the
+        # target's continuation, once sampled for a drafter that reads earlier ones (texts)
+        if len(set(self.streams)) < len(self.streams):
+            raise UsageError("sequences: two prompts name one document (TokenSequence.document) "
+                             "or a document an unnamed prompt's index: their random draws "
+                             "would be one")
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.eos = frozenset(eos_ids(target) if self.settings.eos is None else self.settings.eos)
+        self.progress: Any = Quiet()  # the run's progress bar, when it shows one
+        self.target_name = "target"  # what the reports call the target
+        self.route: bool | None = None  # head_route(target), found on the first batch
+        self.files: dict[str, str | None] = {}  # checkpoint -> its files' fingerprint, for the
+        # run key: the run reads them (files_fingerprint), the library has none
+        self.sides: dict[tuple, TargetPass] | None = None  # when a dict: each batch's target
+        # side made once and kept compact, for drafters of one step that read no target
+        # state (TrainingMeter measures one draft after another against them)
+
+    def drafters(self, drafts: Sequence[Drafter | tuple[str, nn.Module]]) -> list[Drafter]:
+        """The drafters as this setting runs them (for_run), once what cannot be measured is
+        refused, before any model work."""
+        drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
+        s, seqs = self.settings, self.sequences
+        if not seqs or not drafters:
+            raise UsageError("nothing to measure: no sequences or no drafts")
+        if s.continuation_tokens == 0 and all(len(q.ids) < 2 for q in seqs):
+            raise UsageError("with --continuation-tokens 0 the prompts are scored, but every "
+                             "prompt has fewer than 2 tokens: nothing to score; raise "
+                             "--max-length or use --continuation-tokens > 0")
+        vocab = min(shared_vocab(self.target, d) for d in drafters)
+        if any(max(q.ids) >= vocab for q in seqs):
+            raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
+                             f"vocabulary")
+        for spec in s.trees:
+            spec.check(vocab)
+        if (s.stopping and s.stopping.rule in ("llamacpp", "dspark")
+                and self.sampling.proposal == "sample" and not self.sampling.greedy):
+            raise UsageError(f"--confidence-rule {s.stopping.rule}: llama.cpp's draft proposes "
+                             f"its argmax at every temperature; add --proposal argmax (its rule) "
+                             f"at T > 0")
+        if s.trees and s.continuation_tokens < 2:
+            raise UsageError("--tree replays trees on text the target wrote: give "
+                             "--continuation-tokens >= 2")
+        for d in drafters:  # each refuses what it cannot run
+            d.check(s)
+        return [for_run(d, self.eos, s.gammas, s.gamma) for d in drafters]
+
+    def batches(self) -> list[list[int]]:
+        """The prompts' indices in batches, shortest first (length_batches): every process and
+        every resumed run forms the same ones, so every floating-point sum is the same."""
+        return length_batches(self.sequences, self.settings.batch_size)
+
+    def config(self, vocab: int, threshold: float = 0.0) -> LoopConfig:
+        """What a generation over this setting fixes: sampling, block, budget, vocabulary, and
+        with a rule that stops when unsure, the threshold its simulation runs (0: the fixed
+        block, its confidence recorded)."""
+        s = self.settings
+        return LoopConfig(self.sampling, s.gamma, s.continuation_tokens, vocab, self.eos,
+                          self.device, s.seed, s.stopping and (s.stopping.rule, threshold))
+
+    def measure(self, drafters: Sequence[Drafter], batches: Sequence[list[int]],
+                into: Sequence[dict[int, PromptResult]],
+                stop: Callable[[], bool] = lambda: False) -> bool:
+        """Measure the batches in turn, into[k][prompt index] for drafter k, each batch start
+        to finish (so a Ctrl-C leaves whole batches measured). stop() is asked before each
+        batch (the run's signals and ranks); -> True when it stopped early."""
+        for batch in batches:
+            if stop():
+                return True
+            self.measure_batch(drafters, batch, into)
+        return False
+
+    def measure_batch(self, drafters: Sequence[Drafter], batch: list[int],
+                      into: Sequence[dict[int, PromptResult]]) -> None:
+        """One batch against every drafter, per vocabulary group: results land in into[k] as
+        each step finishes, so an interrupted batch keeps what it completed (its simulation
+        only whole: the rows that finish first accept fastest, so a cut batch would bias a
+        partial report upwards). A drafter that needs the target's outputs only where they
+        predict the text (one drafting step, no reading of the target's states) takes them
+        from its simulation's verify passes, which computed them (emitted_pass): no target
+        pass of its own."""
+        s = self.settings
+        if self.route is None:
+            with step("the target's first forward"):
+                self.route = head_route(self.target, _probe([q.ids for q in self.sequences],
+                                                            self.device))
+        groups: dict[int, list[int]] = {}  # drafters by the vocabulary they are measured on:
+        for k, d in enumerate(drafters):  # each group gets what it would get alone
+            groups.setdefault(shared_vocab(self.target, d), []).append(k)
+        for vocab, members in groups.items():
+            for k in members:
+                drafters[k].meet(batch, [self.sequences[i].ids for i in batch],
+                                 lambda at, v=vocab: self.texts(at, v))
+            if not s.simulate or s.separate_continuation:
+                side = self.target_side(batch, vocab)
+                for k in members:
+                    self.score(drafters[k], side, vocab, into[k])
+                    self.replay(drafters[k], batch, vocab, [r[len(self.sequences[i].ids):]
+                                                            for i, r in zip(batch, side.rows)],
+                                into[k])
+                for k in members if s.simulate else ():
+                    sims = self.simulate(drafters[k], batch, vocab)
+                    self.keep_simulations(drafters[k], batch, vocab, sims, into[k])
+                continue
+            for k in members:  # each drafter's own text, and the target's outputs over it
+                d = drafters[k]
+                kept = ({} if self.route and d.can.max_steps is None and not d.can.reads_target
+                    else None)
+                sims = self.simulate(d, batch, vocab, kept)
+                conts = [sims[i].tokens for i in batch]
+                self.score(d, emitted_pass(batch, self.sequences, conts, kept)
+                           if kept is not None else self.target_side(batch, vocab, conts),
+                           vocab, into[k])
+                self.replay(d, batch, vocab, conts, into[k])
+                self.keep_simulations(d, batch, vocab, sims, into[k])
+
+    def keep_simulations(self, drafter: Drafter, batch: list[int], vocab: int,
+                         sims: dict[int, RowStats], into: dict[int, PromptResult]) -> None:
+        """A batch's simulation into its PromptResults; with a rule that stops when unsure, the
+        simulation under each threshold beside it (under 0 it is that simulation: the rule
+        never stops a block there)."""
+        stopping = self.settings.stopping
+        runs = [sims if not t else self.simulate(drafter, batch, vocab, threshold=t)
+                for t in (stopping.thresholds if stopping else ())]
+        for i, row in sims.items():
+            into[i].sim = row
+            into[i].stopped = [run[i] for run in runs] if stopping else None
+
+    def texts(self, indices: Sequence[int], vocab: int) -> list[tuple[list[int], list[int]]]:
+        """Each prompt's tokens and the target's continuation of it, sampled from the prompt's
+        own stream (the text the teacher-forced route scores), computed once a prompt."""
+        kept = self.continuations
+        todo = [i for i in indices if (i, vocab) not in kept]
+        for a in range(0, len(todo), self.settings.batch_size):
+            chunk = todo[a:a + self.settings.batch_size]
+            with step("sampling the target's continuations of earlier prompts"):
+                conts = sample_continuations(self.target, [self.sequences[i].ids for i in chunk],
+                                             self.config(vocab), [self.streams[i] for i in chunk])
+            kept.update({(i, vocab): c for i, c in zip(chunk, conts)})
+        return [(list(self.sequences[i].ids), kept[(i, vocab)]) for i in indices]
+
+    def target_side(self, batch: list[int], vocab: int,
+                    conts: list[list[int]] | None = None) -> TargetPass:
+        """The target's continuation of each prompt of a batch (`conts` when the simulation
+        wrote it already), then one teacher-forced target pass over prompt + continuation."""
+        key = (tuple(batch), vocab)
+        if conts is None and self.sides is not None and key in self.sides:
+            return self.sides[key]
+        sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
+        if conts is None:
+            self.progress.set_description("continuations")
+            with step("sampling the target's continuations"):
+                conts = (sample_continuations(self.target, [q.ids for q in sub],
+                                              self.config(vocab),
+                                              [self.streams[i] for i in batch], self.progress)
+                         if n_tokens else [[] for _ in sub])
+        rows, spans = scored_rows(sub, conts)
+        first = 0 if self.route else min(s for s, _ in spans)
+        with step("the target's teacher-forced pass"):
+            side = TargetPass(batch, rows, spans, teacher_forced(
+                self.target, rows, self.device, self.route, first), first=first)
+        if conts is None and self.sides is not None:  # kept: the scored positions alone
+            side = self.sides[key] = side._replace(states=side.at(0, self.device), compact=True)
+        return side
+
+    def score(self, drafter: Drafter, side: TargetPass, vocab: int,
+              into: dict[int, PromptResult]) -> None:
+        """Teacher-forced alpha_t at every scored position of a batch (step k+1 of a drafter
+        with steps against the target k positions later), summed per prompt into `into`."""
+        self.progress.set_description("teacher-forced")
+        target, route, s = self.target, self.route, self.settings
+        with step(f"the teacher-forced pass of draft {drafter.name}"):
+            reads = side.states if drafter.can.reads_target and route else None
+            steps = drafter.score(side.rows, side.spans, reads, self.sampling, vocab,
+                                  self.device)
+            per_step = []
+            for k, scores in enumerate(steps):  # a later step's positions: the first k dropped
+                states = side.at(k, self.device)
+                sizes = [max(0, e - b - k) for b, e in side.spans]
+                labels = [(i, t) for i, (b, e) in zip(side.batch, side.spans)
+                          for t in range(b + k, e)]
+                stats = position_stats(
+                    lambda a, b: head_logits(target, states[a:b], route), scores,
+                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0, s.stopping),
+                    where=lambda n: "prompt {}, position {}".format(*labels[n]))
+                per_step.append({key: v.split(sizes) for key, v in stats.items()})
+        for j, i in enumerate(side.batch):
+            into[i] = PromptResult.of(i, self.sequences[i].category,
+                                      [{key: v[j] for key, v in st.items()} for st in per_step],
+                                      s, self.sampling.proposal, drafter.can.max_steps is not None)
+
+    def replay(self, drafter: Drafter, batch: list[int], vocab: int,
+               conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
+        """Each tree of Settings.trees replayed on the batch's texts (prompt and continuation:
+        the target's own sample), into[i].trees one TreeStats per tree."""
+        if not self.settings.trees:
+            return
+        self.progress.set_description("trees")
+        texts = {i: list(self.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
+        firsts = {i: len(self.sequences[i].ids) for i in batch}
+        with step(f"the trees of draft {drafter.name}"):
+            done = replay_trees(self.target, drafter, texts, firsts, self.config(vocab),
+                                list(self.settings.trees))
+        for i in batch:
+            into[i].trees = [d[i] for d in done]
+
+    def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
+                 states: dict[int, torch.Tensor | None] | None = None, threshold: float = 0.0
+                 ) -> dict[int, RowStats]:
+        """The simulation of one batch with a drafter (its budget: continuation_tokens);
+        states: see simulate_batch; threshold: see config."""
+        self.progress.set_description(f"simulation, threshold {threshold:g}" if threshold
+                                      else "simulation")
+        prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
+        seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
+        with step(f"the simulation with draft {drafter.name}"):
+            rows = simulate_batch(self.target, drafter,
+                                  {k: list(self.sequences[i].ids) for k, i in prompt.items()},
+                                  self.config(vocab, threshold), self.progress, seen)
+        if states is not None:
+            states.update({prompt[k]: v for k, v in seen.items()})
+        return {prompt[k]: row for k, row in rows.items()}
+
+
+# ==============================================================================================
+# PART 2. THE REPORT, built from the sums: statistics (closed forms, estimators, bootstrap
+# intervals), what a cycle costs on the runtime that serves it, the report's parts and the free
+# function that fills them (build_report), the text, the engines' settings, and the library's
+# one-call measurements. It names no kind of drafter: it asks the kinds by their records.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics: closed forms, estimators, intervals and costs
+
+
+N_BOOT = 1000  # bootstrap resamples for the confidence intervals
+
+
+def expected_accepted_iid(alpha: float, gamma: int) -> float:
+    """E[accepted draft tokens per cycle] if every position accepts independently with alpha."""
+    if alpha >= 1:
+        return float(gamma)
+    return alpha * (1 - alpha**gamma) / (1 - alpha)
 
 
 def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
@@ -2356,8 +2931,8 @@ def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tens
     den_t = torch.tensor(den, dtype=torch.float64)
     top, bottom = weights @ num_t, weights @ den_t  # (n_boot,)
     stats = (top / bottom)[bottom > 0]
-    return quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel() \
-        else None
+    return (quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel()
+        else None)
 
 
 def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
@@ -2439,6 +3014,8 @@ def draw_timing(t: Timing, gen: torch.Generator) -> Timing:
 
 
 SAMPLED = ("all", "emitted")  # which verified positions a runtime samples: every one (a
+
+
 # batched acceptance test: specdec's own loop, vLLM, SGLang) or those up to the first
 # rejection, the tokens a cycle emits (llama.cpp samples position by position)
 
@@ -2561,6 +3138,8 @@ class Cost:
     # step, from the step times' spread (timed_costs): the timing side of the speedup's interval
     times: StepTimes | None = None  # the step times it was made from
     others: tuple[Cost, ...] = ()  # the same drafter at the run's other concurrencies
+    not_measured: str | None = None  # step times were given but cannot price this drafter:
+    # why (the parameter guide stands in, and the report says so)
 
     def cycle(self, gamma: int, tokens_per_cycle: float,
               proposed: Sequence[float] | None = None) -> float:
@@ -2648,8 +3227,8 @@ class Run(NamedTuple):
     def survival(self, alpha: float, gamma: int) -> list[float]:
         """P(accepted length >= j), j = 1..gamma, whose sum accepted() is: the engines'
         per-position acceptance rates (0 past a stepped drafter's last step)."""
-        steps = [alpha] * gamma if self.steps is None else \
-            ([alpha] + self.later)[:min(gamma, self.steps)]
+        steps = ([alpha] * gamma if self.steps is None else
+            ([alpha] + self.later)[:min(gamma, self.steps)])
         run = torch.tensor(steps, dtype=torch.float64).cumprod(0) * self.rate
         return run.tolist() + [0.0] * (gamma - len(steps))
 
@@ -2682,29 +3261,29 @@ def break_even_alpha(cost: Cost, gamma: int, rate: float = 1.0) -> float | None:
 
 
 def draft_step(target: nn.Module, drafter: Drafter, ids: Sequence[int], device: torch.device,
-               gamma: int = 1, rows: int = 1
+               drafted: int = 1, rows: int = 1
                ) -> tuple[Callable[[Any], torch.Tensor], Callable[[], Any]]:
     """(run, setup) for timing one drafting step after `ids`, in `rows` rows at once (a tree's
     step drafts its width of branches): setup opens a fresh session (the target's prefill, the
     drafter's start) and makes the target pass that verifies ids[-1]; run follows that pass as
     a cycle's advance does (committing ids[-1] again, one token, which drafters with a cache of
-    their own run through it) and proposes gamma tokens (one: a step; a drafter whose one pass
+    their own run through it) and proposes `drafted` tokens (one: a step; a drafter whose one pass
     drafts the block is timed proposing its largest)."""
-    config = LoopConfig(SamplingParams(1.0), gamma, gamma, shared_vocab(target, drafter),
+    config = LoopConfig(SamplingParams(1.0), drafted, drafted, shared_vocab(target, drafter),
                         frozenset(), device)
     n, can = len(ids), drafter.can
     last = torch.tensor([ids[-1]] * rows, device=device)
-    u = torch.full((rows, gamma), 0.5, device=device)
+    u = torch.full((rows, drafted), 0.5, device=device)
 
     def setup() -> tuple[Session, TargetView | None]:
-        with final_states(target, can.reads_target) as seen, \
-                layer_inputs(target, can.target_layers) as got:
+        with (final_states(target, can.reads_target) as seen,
+                layer_inputs(target, can.target_layers) as got):
             slots, _ = prefill(target, [list(ids[:-1])] * rows, device,
                                last_only=not can.reads_target)
         session = drafter.start([list(ids)] * rows, view_of(seen, slots, got),
                                 config.drafting())
-        with final_states(target, can.reads_target) as seen, \
-                layer_inputs(target, can.target_layers) as got:
+        with (final_states(target, can.reads_target) as seen,
+                layer_inputs(target, can.target_layers) as got):
             extend(target, slots, last[:, None], torch.full((rows, 1), n - 1, device=device))
         return session, view_of(seen, slots, got)
 
@@ -2781,19 +3360,28 @@ def _loop_overhead(vocab: int, gamma: int, device: torch.device
 SAMPLE_ROWS = 16  # positions sampled at once when specdec times its own sampling
 
 
+class Shapes(NamedTuple):
+    """What measure_step_times times: target forwards of each width (a plain step is width 1,
+    a verify of g drafts g + 1) at each concurrency; a drafting step at each concurrency and
+    in each of `rows` rows at once (a tree's steps), proposing `drafted` tokens (1: a step; a
+    drafter whose one pass drafts the block: its largest block)."""
+
+    widths: Sequence[int]
+    concurrency: Sequence[int] = (1,)
+    rows: Sequence[int] = (1,)
+    drafted: int = 1
+
+
 @torch.no_grad()
 def measure_step_times(target: nn.Module, drafter: Drafter | nn.Module | None,
-                       ids: Sequence[int], device: torch.device, widths: Sequence[int],
-                       concurrency: Sequence[int] = (1,), rows: Sequence[int] = (1,),
-                       drafted: int = 1) -> StepTimes:
-    """Time this device in torch, as specdec's own loop runs: target forwards of every width
-    in `widths` (a plain step is width 1, a verify of g drafts g + 1) at each concurrency,
-    after the target has read `ids` (the context); one drafting step of the drafter at each
-    concurrency and in each of `rows` rows at once (a tree's steps): its session's own advance
-    by one committed token and its propose of `drafted` tokens (1: a step; the largest block a
-    drafter whose one pass drafts the block drafts), so MTP layers, EAGLE-3, assistants and
-    n-gram lookups are timed doing what they do in the loop; and the loop's work outside the
-    forwards (a position's sampling, a cycle's acceptance test). Raw medians, see clamp_times."""
+                       ids: Sequence[int], device: torch.device, shapes: Shapes) -> StepTimes:
+    """Time this device in torch, as specdec's own loop runs, after the target has read `ids`
+    (the context): the target's forwards and the drafter's steps of `shapes` (a drafting step
+    is its session's own advance by one committed token and its propose, so MTP layers,
+    EAGLE-3, assistants and n-gram lookups are timed doing what they do in the loop), and the
+    loop's work outside the forwards (a position's sampling, a cycle's acceptance test). Raw
+    medians, see clamp_times."""
+    widths, concurrency, rows, drafted = shapes
     drafter = None if drafter is None else as_drafter("draft", drafter)
     vocab = shared_vocab(target, drafter) if drafter is not None else vocab_width(target)
     timed = _loop_overhead(vocab, max(1, max(widths) - 1), device)
@@ -2828,9 +3416,9 @@ def measure_costs(target: nn.Module, drafter: Drafter | nn.Module | None, ids: S
     if drafter is not None:
         drafter = as_drafter("draft", drafter)
         if drafter.can.one_pass:
-            drafted = min(max(gammas), drafter.can.max_gamma or max(gammas))
-    times = measure_step_times(target, drafter, ids, device, [g + 1 for g in gammas],
-                               rows=widths, drafted=drafted)
+            drafted = min(max(gammas), drafter.can.pass_tokens or max(gammas))
+    times = measure_step_times(target, drafter, ids, device,
+                               Shapes([g + 1 for g in gammas], rows=widths, drafted=drafted))
     return step_ratios(times, gammas, widths, drafted, str(device))
 
 
@@ -2925,6 +3513,8 @@ def batched_bench_forwards(records: Sequence[dict[str, Any]]) -> tuple[Forward, 
 
 
 LLAMA_BENCH_KEYS = ("n_prompt", "n_gen", "avg_ns", "model_filename")
+
+
 BATCHED_BENCH_KEYS = ("pl", "pp", "tg", "t_tg")
 
 
@@ -2947,8 +3537,8 @@ def _bench_records(path: str, batched: bool = False) -> list[dict[str, Any]]:
         try:
             data = [json.loads(line) for line in lines]
         except json.JSONDecodeError as e:
-            raise UsageError(f"--step-costs {path}: not JSON ({e.msg}, line {e.lineno})") \
-                from None
+            raise UsageError(f"--step-costs {path}: not JSON ({e.msg}, "
+                             f"line {e.lineno})") from None
     if not data or not all(isinstance(r, dict) and all(k in r for k in keys) for r in data):
         what = ("llama-batched-bench's output (--output-format jsonl" if batched
                 else "llama-bench's output (-o json or jsonl")
@@ -2998,8 +3588,8 @@ def _forwards_entry(entry: Any, base: str, what: str) -> tuple[Forward, ...]:
             rows, width = int(e.get("rows", 1)), int(e["width"])
             outputs = int(e.get("outputs", rows * width))
             ms, se = float(e["ms"]), float(e.get("se_ms", 0.0))
-            assert rows >= 1 and width >= 1 and 1 <= outputs <= rows * width and ms > 0 \
-                and se >= 0
+            assert (rows >= 1 and width >= 1 and 1 <= outputs <= rows * width and ms > 0
+                    and se >= 0)
         except (KeyError, TypeError, ValueError, AttributeError, AssertionError):
             raise UsageError(f"--step-costs: the {what}'s forward {json.dumps(e)[:80]} is not "
                              f"{{\"rows\": R, \"width\": W, \"outputs\": O, \"depth\": D, "
@@ -3090,7 +3680,7 @@ def timed_cost(times: StepTimes, drafter: Drafter, gammas: Sequence[int], trees:
         raise UsageError(f"step costs ({t.source}): no forward of the draft {drafter.name} "
                          f"was timed; add the draft's timings (llama-bench -m DRAFT.gguf ...)")
     once = can.one_pass
-    block = min(max(gammas), can.max_gamma or max(gammas)) if once else 1
+    block = min(max(gammas), can.pass_tokens or max(gammas)) if once else 1
     plain = t.forward("target", rows, 1) + o.per_step.s + rows * o.per_sample.s
 
     def drafting(r: int) -> float:  # one drafting step of r rows (one pass, for one pass)
@@ -3146,6 +3736,14 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
     each with its timing spread; else from parameter counts or a given ratio (a verify of
     one step, no overhead: rough)."""
     gammas, how, specs = settings.gammas, settings.cost_ratio, settings.trees
+    if (settings.step_costs is not None and drafter.networks()
+            and not settings.step_costs.has("draft")):  # (a lookup needs no draft timings)
+        guide = cost_model(target, drafter, replace(settings, step_costs=None), sequences,
+                           device)
+        return replace(guide, not_measured=(
+            f"not measured: the step costs ({settings.step_costs.source}) time no forward of "
+            f"the draft {drafter.name}; add its llama-bench timings (est. speedup: the "
+            f"parameter guide, {guide.source})"))
     if settings.step_costs is None and how != "measure":
         ones = {g: 1.0 for g in gammas}
         ratio, source = drafter.param_cost(target) if how in (None, "auto") else (float(how),
@@ -3156,7 +3754,7 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                     per_cycle=drafter.can.one_pass)
     context = context_of(sequences, settings)
     rows = sorted({1} | {s.width for s in specs})
-    drafted = (min(max(gammas), drafter.can.max_gamma or max(gammas))
+    drafted = (min(max(gammas), drafter.can.pass_tokens or max(gammas))
                if drafter.can.one_pass else 1)
     notes: list[str] = []
     if settings.step_costs is not None:
@@ -3164,9 +3762,9 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
     else:
         ids = (list(sequences[0].ids) * (context // max(1, len(sequences[0].ids)) + 1))[:context]
         with step(f"timing the models ({drafter.name})"):
-            raw = measure_step_times(target, drafter, ids, device,
-                                     sorted({g + 1 for g in gammas} | {s.nodes for s in specs}),
-                                     settings.concurrency, rows, drafted)
+            raw = measure_step_times(target, drafter, ids, device, Shapes(
+                sorted({g + 1 for g in gammas} | {s.nodes for s in specs}), settings.concurrency,
+                rows, drafted))
         times, notes = clamp_times(raw, drafter.param_cost(target)[0])
     costs = []
     for b in settings.concurrency:
@@ -3193,13 +3791,88 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
                    others=tuple(costs[1:]))
 
 
+def costs_of(m: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
+    """Each drafter's cost model for a measurement's setting (cost_model: parameters, timed,
+    or given)."""
+    return [cost_model(m.target, d, m.settings, m.sequences, m.device) for d in drafters]
+
+
 # ----------------------------------------------------------------------------------------------
-# the report: per-prompt sums -> the report's parts -> text
+# run keys: what the sums depend on
 #
-# A prompt's measurement is a PromptResult of sums, so prompts pool by adding: a report is the
-# same whether its prompts came from one batch, several processes or a JSON file. The report is
-# a few small parts (RunInfo, TeacherForced, Simulated, the GammaRow table), each field in one
-# place; AcceptanceReport.to_dict() is the flat JSON, and its flat names read as attributes.
+# The run key is every part of a setting its per-prompt sums depend on, so a resumed run never
+# mixes results of two settings (Part 4's --resume); each report records its own.
+
+
+COSTS = ("cost_ratio", "step_costs", "concurrency")  # Settings' fields that set what a cycle
+
+
+def _sha256(what: Any) -> str:
+    """The sha256 of a JSON value (sets sorted, anything else JSON lacks as its str)."""
+    import hashlib
+    text = json.dumps(what, sort_keys=True, default=lambda x: sorted(x) if isinstance(
+        x, (set, frozenset)) else str(x))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's dict without what does not change the network: private keys (_name_or_path,
+    _attn_implementation, ...), the dtype (a key part of its own), the transformers version."""
+    dropped = ("dtype", "torch_dtype", "transformers_version")
+    return {k: _architecture(v) if isinstance(v, dict) else v for k, v in config.items()
+            if not str(k).startswith("_") and k not in dropped}
+
+
+def model_identity(model: nn.Module, files: str | None = None) -> str:
+    """A model as a run key records it: a hash of its config, and the fingerprint of the files
+    it was loaded from (the run's files_fingerprint of its checkpoint, handed in as data);
+    a model made in memory has its config alone."""
+    config = getattr(model, "config", None)
+    arch = (_sha256(_architecture(config.to_dict()))[:16] if config is not None else
+        type(model).__name__)
+    return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
+
+
+def run_key(parts: dict[str, Any]) -> str:
+    """The hash of a report's run_key_parts."""
+    return _sha256(parts)
+
+
+def run_key_parts(m: Measurement, drafter: Drafter, target_name: str,
+                  files: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """Everything a report's per-prompt numbers depend on (how the costs are found aside),
+    by name, as its JSON holds them: a resumed run reuses only results whose parts are all
+    equal. The temperatures are this setting's; a run of several records its whole sweep
+    (and its context lengths) instead."""
+    models = drafter.networks()
+    dtypes = [str(next(m.parameters(), torch.empty(0)).dtype).removeprefix("torch.")
+              for m in [m.target, *models]]
+    files = files or {}  # checkpoint -> the fingerprint of its files (files_fingerprint)
+    parts = {"target": target_name,
+             "target model": model_identity(m.target, files.get(target_name)),
+             "draft": drafter.name,
+             "draft model": "; ".join(model_identity(m, files.get(drafter.checkpoint))
+                                      for m in models) or "none (no network)",
+             "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
+             "device": m.device.type, "temperatures": [m.sampling.temperature],
+             **asdict(m.sampling),
+             **{k: v for k, v in asdict(m.settings).items()
+                if k not in COSTS and (k not in ("trees", "stopping") or v)},  # (trees
+             # and thresholds: when given)
+             "prompts": f"sha256 {_sha256([s.ids for s in m.sequences])[:16]} "
+                        f"({len(m.sequences)} prompts)"}
+    return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
+
+
+Measurement.run_key_parts = run_key_parts  # (a method too, as it was)
+
+
+# ----------------------------------------------------------------------------------------------
+# the report's parts
+#
+# The report is a few small parts (RunInfo, TeacherForced, Simulated, the GammaRow table, Trees,
+# Unsure, Speed), each field in one place; AcceptanceReport.to_dict() is the flat JSON, and its
+# flat names read as attributes.
 
 
 @dataclass
@@ -3442,6 +4115,13 @@ class Calibration:
     accept_rate: list[float | None]
     sim_examined: list[int] | None = None
     sim_accept_rate: list[float | None] | None = None
+    brier: float | None = None  # the confidence as a forecast of acceptance: the mean of
+    # (c - A)^2 over the drafted tokens (0: perfect; the accept rate a forecast alone scores
+    # a(1 - a)), teacher-forced
+    brier_baseline: float | None = None  # a(1 - a) at the teacher-forced accept rate a
+    by_offset: list[dict[str, float | None]] | None = None  # per draft offset: "offset",
+    # "drafted", the mean "confidence" and the "accept_rate" of its drafts, its "brier"
+    sim_brier: float | None = None  # the same over the simulation's examined drafts
 
 
 @dataclass
@@ -3496,6 +4176,9 @@ class Speed:
     context: float | None  # the context they were read at (tokens)
     tokens_from: str  # whose tokens per cycle: "simulated" or "teacher-forced"
     rows: list[SpeedRow]
+    not_measured: str | None = None  # why no speed could be predicted from the step times
+    # given (a drafter with a network none of them timed): the rows are empty, and the
+    # report's est. speedup is the parameter guide's, said so
 
 
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
@@ -3575,144 +4258,8 @@ class AcceptanceReport:
         raise AttributeError(f"AcceptanceReport has no field {name!r}")
 
 
-RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
-
-
-COSTS = ("cost_ratio", "step_costs", "concurrency")  # Settings' fields that set what a cycle
-# costs, not what is measured: no part of the run key
-
-
-@dataclass
-class PromptResult:
-    """One prompt measured against one drafter, as sums: prompts pool by adding, so a report
-    is the same whether its prompts came from one batch, several processes or a JSON file.
-    Each of position_stats' numbers k is summed into the field k_sum (of): a new per-position
-    number is its field here."""
-
-    index: int
-    category: str | None = None
-    positions: int = 0  # positions of the continuation (or prompt) looked at
-    scored: int = 0  # of those, positions where the drafter proposed: alpha_t is defined
-    alpha_sum: float = 0.0  # sum of alpha_t = sum_v min(p_t, q_t) (Leviathan's rule)
-    top1_sum: float = 0.0  # positions where the two argmaxes agree
-    p_argmax_q_sum: float = 0.0  # sum of p_t(argmax q_t) (the engines' argmax rule)
-    windows: dict[int, tuple[float, int]] = field(default_factory=dict)  # gamma -> window sums
-    # under the run's proposal rule (window_sum, or chain_window_sum for a stepped drafter)
-    head_alpha_sums: list[float] = field(default_factory=list)  # steps 2.. of a drafter with
-    head_scored: list[int] = field(default_factory=list)  # several (MTP), teacher-forced
-    head_p_argmax_q_sums: list[float] = field(default_factory=list)  # the same, argmax rule
-    coverage_sum: float | None = None  # sum of p_t's mass on the drafter's vocabulary, where
-    # it has one of its own (EAGLE-3's draft vocabulary, Medusa's token map)
-    sim: RowStats | None = None
-    trees: list[TreeStats] | None = None  # one per tree shape replayed (Settings.trees)
-    rank_sums: list[list[float]] | None = None  # per drafting step, sum of p_t at q_t's
-    # rank-r token, r = 0..TREE_RANKS-1 (with trees: the best static tree's acceptance)
-    # with a rule that stops drafts when unsure (Settings.stopping), unsure_windows' sums:
-    unsure_drafted: list[list[float]] | None = None  # per threshold, P(drafted >= k) summed
-    # over cycle starts, k = 1..gamma
-    unsure_accepted: list[float] | None = None  # per threshold, E[accepted] summed over them
-    unsure_starts: int | None = None  # the starts: where the gamma window fits (windows')
-    calibration: list[list[float]] | None = None  # [drafted, accepted] per tenth of the
-    # draft's confidence: sums of the chance of drafting a token that sure, and of its
-    # acceptance, over every step's positions
-    stopped: list[RowStats] | None = None  # the simulation under each threshold
-
-    @classmethod
-    def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
-           settings: Settings, rule: str = "sample", stepped: bool = False) -> PromptResult:
-        """From position_stats' numbers for one prompt, per drafting step (steps[0] the first;
-        stepped: the later ones have alphas of their own, MTP). Windows run over every
-        position, a position without a proposal counting as alpha_t = 0; with trees, the sums
-        of p at each of q's ranks too."""
-        first, later, key, gammas = steps[0], steps[1:], RULE_KEYS[rule], settings.gammas
-        if not stepped:
-            windows = {g: window_sum(first[key], g) for g in gammas}
-        else:
-            chain = [h[key] for h in steps]
-            windows = {g: chain_window_sum(chain, min(g, len(chain))) for g in gammas}
-        ranks = [h["p_rank"].double().sum(0).tolist() for h in steps] if settings.trees \
-            else None
-        unsure = {} if settings.stopping is None else unsure_windows(
-            steps, key, settings.gamma, settings.stopping.rule, stepped)
-        return cls(index=index, category=category, positions=first["alpha"].numel(),
-                   scored=int(first["proposed"].sum()), windows=windows,
-                   head_alpha_sums=[h["alpha"].double().sum().item() for h in later],
-                   head_scored=[int(h["proposed"].sum()) for h in later],
-                   head_p_argmax_q_sums=[h["p_argmax_q"].double().sum().item() for h in later],
-                   rank_sums=ranks, **unsure, **{f"{k}_sum": v.double().sum().item()
-                                                 for k, v in first.items()
-                                                 if k not in UNSUMMED})
-
-    def row(self) -> dict[str, Any]:
-        """The JSON's per-prompt row: every sum a report is computed from."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows", "stopped")
-               and not (k in OPTIONAL_SUMS and v is None)}  # (only with trees, thresholds)
-        out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
-        if self.sim is not None:
-            out.update(self.sim.row())
-        if self.stopped is not None:
-            out["stopped"] = [row.row() for row in self.stopped]
-        return out
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> PromptResult:
-        """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
-        version did not write takes its default."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees",
-                                                              "stopped"}
-        trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
-        sim = None
-        if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
-            sim = row_stats(row)
-        stopped = [row_stats(r) for r in row["stopped"]] if row.get("stopped") else None
-        return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
-                   stopped=stopped, windows={int(g): tuple(w) for g, w in row["windows"].items()})
-
-
-OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
-                 "calibration")
-# PromptResult's sums a run without trees or thresholds leaves out of its rows
-UNSUMMED = ("proposed", "p_rank", "unsure", "unsure_accepted", "calibration_mass",
-            "calibration_accepted")  # position_stats' numbers that are no PromptResult "_sum"
-
-
-def unsure_windows(steps: Sequence[dict[str, torch.Tensor]], key: str, gamma: int, rule: str,
-                   stepped: bool) -> dict[str, Any]:
-    """The closed form of drafts that stop when unsure, along one prompt's text: at each cycle
-    start t, offset k drafts with the numbers of position t + k - 1 (of step k at t, for a
-    drafter whose steps have numbers of their own); kappa, its token's chance of being sure,
-    beta, of being sure and accepted, alpha (position_stats' `key`), of being accepted. The
-    transformers rule keeps an unsure token, which ends the block: P(drafted >= k) =
-    prod_{j<k} kappa_j, P(accepted >= k) = prod_{j<k} beta_j * alpha_k; llama.cpp's does not
-    propose it: P(drafted >= k) = prod_{j<=k} kappa_j, P(accepted >= k) = prod_{j<=k} beta_j.
-    Summed over the starts where the gamma window fits (as window_sum), per threshold; and the
-    calibration sums over every step's positions. The text is the target's: past a rejection
-    the draft would read its own tokens, which the closed form takes to be as sure."""
-    first = steps[0]
-    g = min(gamma, len(steps)) if stepped else gamma
-    n = steps[g - 1][key].numel() if stepped else max(0, first[key].numel() - g + 1)
-
-    def cols(x: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
-        """(n, g, thresholds): offset k's number at each start."""
-        if stepped:
-            return torch.stack([x(h).double()[:n] for h in steps[:g]], 1)
-        y = x(first).double()
-        return y.unfold(0, g, 1).movedim(-1, 1) if n else y.new_zeros(0, g, *y.shape[1:])
-    alpha = cols(lambda h: h[key][:, None])
-    kappa = cols(lambda h: h["proposed"].double()[:, None] - h["unsure"])
-    beta = cols(lambda h: h[key][:, None] - h["unsure_accepted"])
-    if rule == "transformers":  # the unsure token is drafted, and the last
-        ones = torch.ones_like(kappa[:, :1])
-        drafted = torch.cat([ones, kappa[:, :-1].cumprod(1)], 1)
-        accepted = torch.cat([ones, beta[:, :-1].cumprod(1)], 1) * alpha
-    else:  # llama.cpp: the unsure token is not proposed, the first one included
-        drafted, accepted = kappa.cumprod(1), beta.cumprod(1)
-    drafted = torch.cat([drafted.sum(0).T, torch.zeros(drafted.shape[-1], gamma - g,
-                                                       dtype=torch.float64)], 1)
-    calibration = [sum(h[k].double().sum(0) for h in steps).tolist()
-                   for k in ("calibration_mass", "calibration_accepted")]
-    return {"unsure_drafted": drafted.tolist(), "unsure_accepted": accepted.sum((0, 1)).tolist(),
-            "unsure_starts": n, "calibration": calibration}
+# ----------------------------------------------------------------------------------------------
+# the report from the sums: each part filled by a function of the per-prompt sums
 
 
 def rule_sums(r: PromptResult, rule: str) -> tuple[float, list[float]]:
@@ -3782,8 +4329,8 @@ def rule_fields(looked: Sequence[PromptResult], n_pos: int, rate: float, gamma: 
         run = run_of(looked, rule, rate, steps)
         tpc = run.accepted(alpha, gamma) + 1
         out["acceptance_rates_by_rule"][rule] = run.survival(alpha, gamma)
-        out["alpha_by_rule"][rule] = alpha if steps is None else \
-            chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item()
+        out["alpha_by_rule"][rule] = (alpha if steps is None else
+            chain_alpha(torch.tensor([alpha] + run.later, dtype=torch.float64), gamma).item())
         out["tokens_per_cycle_by_rule"][rule] = tpc
         out["est_speedup_by_rule"][rule] = cost.speedup(tpc, gamma, run.proposing(gamma))
     return out
@@ -3902,7 +4449,7 @@ def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, 
             "logged_tokens_per_cycle_ci": ci and (1 + ci[0], 1 + ci[1])}
 
 
-def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: int
+def simulation_fields(rows: Sequence[RowStats], width: int, cost: Cost, seed: int
                       ) -> Simulated:
     """The simulated section of a report, from the per-prompt simulation statistics. The
     accepted length is the product-limit estimate: at offset j, the cycles at risk are those
@@ -3918,9 +4465,9 @@ def simulation_fields(rows: Sequence[RowStats], gamma: int, cost: Cost, seed: in
     length_ci = None
     if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
         length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
-    proposed = [sum(r.proposed[k] for r in rows) for k in range(gamma + 1)]
-    split = None if proposed[gamma] == cycles else proposed
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, gamma, cost, split)
+    proposed = [sum(r.proposed[k] for r in rows) for k in range(width + 1)]
+    split = None if proposed[width] == cycles else proposed
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, width, cost, split)
     return Simulated(**logged_counts(rows, weights),
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
         censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
@@ -3949,8 +4496,8 @@ def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost
             continue
         e = product_limit(at_risk[:row.gamma], took[:row.gamma]).item()
         # a block of g proposes min(k, g) where this run's block proposed k
-        split = None if proposed[-1] == sim.cycles else \
-            list(proposed[:row.gamma]) + [sum(proposed[row.gamma:])]
+        split = (None if proposed[-1] == sim.cycles else
+            list(proposed[:row.gamma]) + [sum(proposed[row.gamma:])])
         row.simulated_tokens_per_cycle = e + 1
         row.simulated_est_speedup = cost.speedup(e + 1, row.gamma, split)
 
@@ -4035,11 +4582,12 @@ def tree_fields(results: Sequence[PromptResult], settings: Settings, cost: Cost
                                         max(s.depth for s in settings.trees)))
 
 
-def threshold_row(threshold: float, looked: Sequence[PromptResult], k: int, gamma: int,
-                  rule: str, cost: Cost, weights: torch.Tensor) -> ThresholdRow:
+def threshold_row(looked: Sequence[PromptResult], k: int, stopping: Stopping, gamma: int,
+                  cost: Cost, weights: torch.Tensor) -> ThresholdRow:
     """Threshold k's row of the closed form, pooled over the prompts' cycle starts, with 95%
     bootstrap intervals over prompts (`weights`) of its tokens per cycle, accept rate and
     speedup (the speedup's widened by the step times' spread)."""
+    threshold, rule = stopping.thresholds[k], stopping.rule
     starts = sum(r.unsure_starts for r in looked)
     if not starts:
         return ThresholdRow(threshold, None, None, None, None, None)
@@ -4064,8 +4612,8 @@ def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int,
     sim = simulation_fields(runs, gamma, cost, seed)
     if not sim.cycles:
         return
-    row.sim_drafted_per_cycle = sum(k * n for k, n in enumerate(sim.proposed_by_cycle)) \
-        / sim.cycles
+    row.sim_drafted_per_cycle = (sum(k * n for k, n in enumerate(sim.proposed_by_cycle))
+        / sim.cycles)
     row.sim_tokens_per_cycle, row.sim_accept_rate = sim.tokens_per_cycle, sim.accept_rate
     row.sim_tokens_per_cycle_ci = sim.tokens_per_cycle_ci
     row.sim_accept_rate_ci = sim.accept_rate_ci
@@ -4087,11 +4635,23 @@ def calibration(looked: Sequence[PromptResult], done: Sequence[PromptResult]) ->
     rate = [t / m if m > 0 else None for t, m in zip(took.tolist(), mass.tolist())]
     out = Calibration([b / CALIBRATION_BINS for b in range(CALIBRATION_BINS)], mass.tolist(),
                       rate)
+    offsets = [r.calibration_by_offset for r in looked if r.calibration_by_offset]
+    if offsets:
+        sums = torch.tensor(offsets, dtype=torch.float64).sum(0)  # (offsets, 4)
+        out.by_offset = [{"offset": k + 1, "drafted": n, "confidence": c / n if n else None,
+                          "accept_rate": a / n if n else None, "brier": b / n if n else None}
+                         for k, (n, a, c, b) in enumerate(sums.tolist())]
+        n, a, _, b = sums.sum(0).tolist()
+        if n > 0:
+            out.brier, out.brier_baseline = b / n, (a / n) * (1 - a / n)
     counts = [r.sim.by_confidence for r in done if r.sim.by_confidence is not None]
     if counts:
         seen, ok = (torch.tensor([c[i] for c in counts]).sum(0).tolist() for i in (0, 1))
         out.sim_examined, out.sim_accept_rate = seen, [a / n if n else None
                                                        for a, n in zip(ok, seen)]
+        errors = [r.sim.brier for r in done if r.sim.brier is not None]
+        if sum(seen) and errors:
+            out.sim_brier = sum(errors) / sum(seen)
     return out
 
 
@@ -4105,8 +4665,8 @@ def unsure_fields(results: Sequence[PromptResult], settings: Settings, cost: Cos
     if stopping is None or not looked:
         return None
     weights = bootstrap_weights(len(looked), N_BOOT, settings.seed + 3)
-    rows = [threshold_row(t, looked, k, gamma, stopping.rule, cost, weights)
-            for k, t in enumerate(stopping.thresholds)]
+    rows = [threshold_row(looked, k, stopping, gamma, cost, weights)
+            for k in range(len(stopping.thresholds))]
     done = [r for r in results if r.stopped is not None]
     for k, row in enumerate(rows if done else ()):
         simulated_threshold(row, [r.stopped[k] for r in done], gamma, stopping.rule, cost,
@@ -4145,6 +4705,8 @@ def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
     speculative tokens per second, the speedup at the run's gamma with its interval (the
     simulation's tokens per cycle where it ran, else the teacher-forced), the best gamma by
     time and the break-even alpha; None without step times."""
+    if cost.not_measured is not None:
+        return Speed(cost.source, None, "-", [], cost.not_measured)
     if cost.plain_s is None:
         return None
     use_sim = sim is not None and sim.tokens_per_cycle is not None
@@ -4158,7 +4720,7 @@ def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
         split = Run(rate, []).proposing(gamma)
     rows = []
     for c in (cost, *cost.others):
-        c = c if drafter.block(gamma) == gamma else replace(c, draft_steps=gamma)
+        c = c if drafter.proposal_width(gamma) == gamma else replace(c, draft_steps=gamma)
         speed = None if tpc is None else c.speedup(tpc, gamma, split)
         side = None if tpc_ci is None else tuple(c.speedup(x, gamma, split) for x in tpc_ci)
         best = max(((row.gamma, c.speedup(row.tokens_per_cycle, row.gamma,
@@ -4172,7 +4734,7 @@ def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
             c.concurrency, c.concurrency / c.plain_s,
             None if speed is None else c.concurrency / c.plain_s * speed, speed,
             None if speed is None else c.interval(speed, side), best[0], best[1],
-            break_even_alpha(c, gamma, rate) if drafter.block(gamma) == gamma else None,
+            break_even_alpha(c, gamma, rate) if drafter.proposal_width(gamma) == gamma else None,
             as_run_speedup(c, sim, gamma) if use_sim else None,
             {"draft": drafting, "verify": rest, "sampling": sampled,
              "cycle": drafting + rest + sampled, "plain": ms}))
@@ -4204,9 +4766,90 @@ def cross_vocab_notes(info: dict[str, Any]) -> list[str]:
     mass = info.get("p_mass_shared")
     if mass is None or mass >= 0.1:
         return []
-    what = ("TLI can accept no more than that" if info["method"] == "TLI" else
-            "the two vocabularies have little in common")
+    what = getattr(kind_of(info["method"]), "thin_vocabulary",
+                   "the two vocabularies have little in common")
     return [f"the shared vocabulary holds {100 * mass:.2g}% of p's mass, under 10%: {what}"]
+
+
+def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResult], cost: Cost,
+                 interrupted: bool = False) -> AcceptanceReport:
+    """One drafter's per-prompt sums from a measurement -> its report, built part by part
+    (notes included; its run key covers this setting alone: a run of several sets the parts
+    of its sweep)."""
+    s, sampling, seqs = m.settings, m.sampling, m.sequences
+    results_ = sorted(results.values(), key=lambda r: r.index)  # bootstrap units' order
+    vocab = shared_vocab(m.target, drafter)
+    run = RunInfo(target=m.target_name, draft=drafter.name,
+                  temperature=sampling.temperature, top_k=sampling.top_k,
+                  top_p=sampling.top_p, gamma=s.gamma, cost_ratio=cost.ratio,
+                  cost_ratio_source=cost.source, verify_cost=cost.verify[s.gamma],
+                  proposal=sampling.proposal, drafted_by=drafter.drafted_by(s.gamma),
+                  vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
+                  costs=cost.timings, per_prompt=[r.row() for r in results_
+                                                  if r.positions or r.sim is not None],
+                  one_draft_pass=cost.per_cycle, drafter=drafter.serving())
+    tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal,
+                                      drafter.can.max_steps)
+    if tf is None and not interrupted:  # (no position at all to look at)
+        raise UsageError("nothing to score: no scored position in any sequence; use "
+                         "longer prompts or --continuation-tokens > 0")
+    if not drafter.can.teacher_forced:  # of that route, p's mass on its vocabulary
+        tf, table = TeacherForced(**pooled_means([r for r in results_ if r.positions])), []
+    tf = tf or TeacherForced()
+    tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
+                    if s.simulate and not s.separate_continuation else "continuation")
+    done = [r.sim for r in results_ if r.sim is not None]
+    sim, width = None, drafter.proposal_width(s.gamma)  # (target tokens a cycle proposes, at most)
+    if s.simulate and done:
+        sim = simulation_fields(done, width, cost if width == s.gamma else
+                                replace(cost, draft_steps=s.gamma), s.seed)
+        add_simulated_gammas(table, sim, s.gamma, cost)
+    if interrupted:
+        simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
+        run.partial = True
+        run.progress_note = (f"interrupted: {tf.n_sequences} of {len(seqs)} sequences "
+                             f"scored{simulated}")
+    run.notes = report_notes(run, sampling, s.continuation_tokens) + list(cost.notes)
+    if drafter.vocab_width is not None and drafter.vocab_width != vocab_width(m.target):
+        run.notes.insert(0, f"vocab widths differ (target {vocab_width(m.target)}, "
+                            f"draft {drafter.vocab_width}): both cut to the first {vocab} ids "
+                            f"before sampling; exact only if the surplus rows are padding")
+    if drafter.translation() is not None:
+        run.cross_vocab = {**drafter.translation(), "p_mass_shared": tf.draft_vocab_coverage,
+                           "draft_tokens_per_cycle": s.gamma,
+                           "most_target_tokens_per_cycle": width}
+        run.notes[:0] = cross_vocab_notes(run.cross_vocab)
+    run.run_key_parts = run_key_parts(m, drafter, run.target, m.files)
+    run.run_key = run_key(run.run_key_parts)
+    unsure = unsure_fields(results_, s, cost, tf.alpha, run_of(
+        [r for r in results_ if r.positions], sampling.proposal, tf.proposal_rate or 1.0,
+        drafter.can.max_steps)) if tf.alpha is not None else None
+    speed = (speed_fields(cost, table, tf, sim, s.gamma, drafter)
+             if tf.alpha is not None or sim is not None else None)
+    return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure,
+                            speed)
+
+
+def _report_method(self: Measurement, drafter: Drafter, results: dict[int, PromptResult],
+                   cost: Cost, interrupted: bool = False) -> AcceptanceReport:
+    """Deprecated: Measurement.report is build_report(m, ...)."""
+    warnings.warn("Measurement.report is deprecated: call build_report(m, drafter, results, "
+                  "cost)", DeprecationWarning, stacklevel=2)
+    return build_report(self, drafter, results, cost, interrupted)
+
+
+def _costs_method(self: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
+    """Deprecated: Measurement.costs is costs_of(m, drafters)."""
+    warnings.warn("Measurement.costs is deprecated: call costs_of(m, drafters)",
+                  DeprecationWarning, stacklevel=2)
+    return costs_of(self, drafters)
+
+
+Measurement.report, Measurement.costs = _report_method, _costs_method  # (the report is the
+
+
+# ----------------------------------------------------------------------------------------------
+# the text: the report, the ranking and the context table as a reader sees them
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -4232,41 +4875,24 @@ SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt 
              "simulation": "the text the simulation emitted"}
 
 
-CROSS_VOCAB = {"TLI": "token-level intersection: it proposes only tokens both vocabularies hold",
-               "SLEM": "string-level exact match: its greedy text re-tokenised into the "
-                       "target's tokens"}
-
-
-SLEM_DEVIATIONS = (("stop", "own", "its block ends at its own EOS (--slem-stop own; "
-                                   "transformers' assistant writes on past it)"),
-                   ("cache", "exact", "it reads exactly its input (--slem-cache exact; "
-                                      "transformers' cache can keep replaced ids)"))
-
-
 def _cross_vocab_lines(info: dict[str, Any]) -> list[str]:
-    """The header's lines for a draft with a tokenizer of its own."""
-    mass = info["p_mass_shared"]
-    lines = [f"  draft's own tokenizer: {info['method']} ({CROSS_VOCAB[info['method']]})",
+    """The header's lines for a draft with a tokenizer of its own: how its kind drafts, the
+    shared vocabulary, and what its kind adds (Drafter.translation_lines)."""
+    mass, kind = info["p_mass_shared"], kind_of(info["method"])
+    said = getattr(kind, "description", "") or info["method"]
+    lines = [f"  draft's own tokenizer: {info['method']} ({said})",
              f"    shared vocabulary {info['shared_tokens']:,} tokens (target "
              f"{info['target_tokens']:,}, draft {info['draft_tokens']:,}); p's mass in it "
              f"{_num(mass, '.3f')}"
              + (" (one tokenizer: nothing translated)" if info["same_tokenizer"] else "")]
-    if info["method"] == "SLEM" and not info["same_tokenizer"]:
-        lines.append(f"    {info['draft_tokens_per_cycle']} draft tokens a cycle, proposed as "
-                     f"what they re-tokenise to (at most {info['most_target_tokens_per_cycle']}"
-                     f"): tokens per cycle count the target's")
-        unlike = [why for key, value, why in SLEM_DEVIATIONS if info.get(key) == value]
-        lines += ([f"    unlike transformers: {why}" for why in unlike] if unlike else
-                  ["    as transformers' universal assisted generation runs it"])
-    return lines
+    return lines + (kind.translation_lines(info) if kind is not None else [])
 
 
-def _no_teacher_forced_lines(t: TeacherForced) -> list[str]:
-    """SLEM's teacher-forced section: why there is none."""
-    return ["  teacher-forced (distributional): none for SLEM: whether a drafted token is kept",
-            "    depends on how the draft's whole block re-tokenises and aligns with the",
-            "    target's tokens, which no single position's p and q determine",
-            f"    p's mass on the shared vocabulary {_num(t.draft_vocab_coverage, '.3f')}"]
+def _no_teacher_forced_lines(t: TeacherForced, why: str) -> list[str]:
+    """The teacher-forced section of a drafter that has none: why (its kind's words)."""
+    first, *rest = why.split("\n")
+    return ([f"  teacher-forced (distributional): {first}"] + [f"    {line}" for line in rest]
+            + [f"    p's mass on the shared vocabulary {_num(t.draft_vocab_coverage, '.3f')}"])
 
 
 def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
@@ -4373,7 +4999,7 @@ def _simulated_lines(s: Simulated, run: RunInfo, cost: str) -> list[str]:
 def _gamma_lines(r: AcceptanceReport) -> list[str]:
     table, best = r.gamma_table, r.teacher_forced.best_gamma
     once = " a cycle (one draft pass drafts any gamma)" if r.run.one_draft_pass else ""
-    by = ("by time, from step times" if r.speed is not None
+    by = ("by time, from step times" if r.speed is not None and r.speed.not_measured is None
           else f"at cost_ratio={r.run.cost_ratio:.2f}")
     lines = [RULE, f"  best gamma {by}{once} (* = highest est. speedup, teacher-forced)",
              "    gamma            " + "".join(f"{row.gamma:>7}" for row in table),
@@ -4395,8 +5021,8 @@ def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
              f"    {'tree':<29}{'nodes':>6}  {'accept length, 95% CI':<24}{'speedup':>8}   "
              f"P(accepted length >= j)"]
     for row in trees.rows:
-        ci = f" [{row.accept_length_ci[0]:.2f}, {row.accept_length_ci[1]:.2f}]" \
-            if row.accept_length_ci else ""
+        ci = (f" [{row.accept_length_ci[0]:.2f}, {row.accept_length_ci[1]:.2f}]"
+            if row.accept_length_ci else "")
         lines.append(f"  {'*' if row.best else ' '} {row.tree:<29}{row.nodes_per_cycle:>6.1f}  "
                      f"{_num(row.accept_length, '.3f') + ci:<24}"
                      f"{_num(row.est_speedup, '.2f') + 'x':>8}   "
@@ -4420,6 +5046,8 @@ def _tree_lines(trees: Trees, run: RunInfo) -> list[str]:
 def _speed_lines(sp: Speed, run: RunInfo) -> list[str]:
     """Decode speed with and without speculation, a column per concurrency; the run's cycle
     taken apart."""
+    if sp.not_measured is not None:
+        return [RULE, "  speed, from step times: " + sp.not_measured]
     first = sp.rows[0]
     c = first.cycle_ms or {}
     at = "" if sp.context is None else f" at a context of {sp.context:,.0f} tokens"
@@ -4457,9 +5085,11 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
     calibration table."""
     how = {"transformers": "the unsure token kept, ending the block (transformers' "
                            "assistant_confidence_threshold)",
-           "llamacpp": "the unsure token not proposed (llama.cpp's --spec-draft-p-min)"}
-    sim = f"  | {'sim: drafted':>12}{'tokens':>8}{'accept':>8}{'speedup':>9}{'cut: rule':>11}" \
-          f"{'budget':>8}" if simulated else ""
+           "llamacpp": "the unsure token not proposed (llama.cpp's --spec-draft-p-min)",
+           "dspark": "the unsure token not proposed, by the draft's confidence head "
+                     "(llama.cpp's --spec-draft-p-min for DSpark)"}
+    sim = (f"  | {'sim: drafted':>12}{'tokens':>8}{'accept':>8}{'speedup':>9}{'cut: rule':>11}"
+          f"{'budget':>8}" if simulated else "")
     lines = [RULE, f"  drafts that stop when unsure, --confidence-rule {u.rule}: at most "
                    f"gamma = {u.gamma}, {how[u.rule]}",
              f"    {'threshold':>10}{'drafted':>9}{'tokens':>8}{'accept':>8}{'speedup':>9}"
@@ -4473,11 +5103,13 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
                 f"{_num(row.accept_rate, '.3f'):>8}{_num(row.est_speedup, '.2f') + 'x':>9}"
                 f"{_num(row.cut_by_threshold and 100 * row.cut_by_threshold, '.0f') + '%':>7}")
         if simulated:
-            line += (f"  |{'+' if row.sim_best else ' '}{_num(row.sim_drafted_per_cycle, '.2f'):>12}"
+            mark = "+" if row.sim_best else " "
+            line += (f"  |{mark}{_num(row.sim_drafted_per_cycle, '.2f'):>12}"
                      f"{_num(row.sim_tokens_per_cycle, '.3f'):>8}"
                      f"{_num(row.sim_accept_rate, '.3f'):>8}"
                      f"{_num(row.sim_est_speedup, '.2f') + 'x':>9}"
-                     f"{_num(row.sim_cut_by_threshold, 'd'):>11}{_num(row.sim_cut_by_budget, 'd'):>8}")
+                     f"{_num(row.sim_cut_by_threshold, 'd'):>11}"
+                     f"{_num(row.sim_cut_by_budget, 'd'):>8}")
         lines.append(line)
         if row.tokens_per_cycle_ci or row.sim_tokens_per_cycle_ci:  # the row's 95% intervals
             lines.append(f"    {'95% CI':>10}{'':>9}{_ci_cell(row.tokens_per_cycle_ci):>16}"
@@ -4494,7 +5126,7 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
     c = u.calibration
     if c is not None:
         lines += [f"    calibration: acceptance by the draft's confidence in its token "
-                  f"(as {'llama.cpp' if u.rule == 'llamacpp' else u.rule} reads it)",
+                  f"(as {RULE_READERS.get(u.rule, u.rule)} reads it)",
                   f"      {'confidence':<12}{'drafts':>10}{'accepted':>10}"
                   + (f"  | {'sim: examined':>14}{'accepted':>10}" if c.sim_examined else "")]
         for b, lo in enumerate(c.bins):
@@ -4506,6 +5138,34 @@ def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
             lines.append(line)
         lines.append("      (teacher-forced drafts: the expected count over the scored "
                      "positions; simulated: drafts examined, up to the first rejection)")
+        lines += _forecast_lines(c)
+    return lines
+
+
+RULE_READERS = {"llamacpp": "llama.cpp", "dspark": "the draft's confidence head"}
+
+
+def _forecast_lines(c: Calibration) -> list[str]:
+    """The confidence as a forecast: its Brier score, and per draft offset its mean against the
+    share accepted."""
+    if c.brier is None:
+        return []
+    sim = f"; simulated {c.sim_brier:.4f}" if c.sim_brier is not None else ""
+    lines = [f"    Brier score of the confidence as a forecast of acceptance: {c.brier:.4f} "
+             f"teacher-forced{sim} (0: perfect; the accept rate alone scores "
+             f"{c.brier_baseline:.4f})"]
+    if c.by_offset and len(c.by_offset) > 1:
+        lines.append(f"      {'offset':<8}{'drafts':>10}{'confidence':>12}{'accepted':>10}"
+                     f"{'Brier':>9}")
+        for o in c.by_offset:
+            tilt = ("" if o["confidence"] is None or o["accept_rate"] is None else
+                    " over" if o["confidence"] > o["accept_rate"] + 0.05 else
+                    " under" if o["confidence"] < o["accept_rate"] - 0.05 else "")
+            lines.append(f"      {o['offset']:<8}{o['drafted']:>10.1f}"
+                         f"{_num(o['confidence'], '.3f'):>12}{_num(o['accept_rate'], '.3f'):>10}"
+                         f"{_num(o['brier'], '.4f'):>9}{tilt}")
+        lines.append("      (confidence: the mean the draft gives its drafted tokens, given the "
+                     "ones before were accepted; over/under: by more than 0.05)")
     return lines
 
 
@@ -4517,8 +5177,8 @@ def format_report(r: AcceptanceReport) -> str:
         sampling += f"  top_k={run.top_k}"
     if run.top_p < 1:
         sampling += f"  top_p={run.top_p:g}"
-    cost = ("(from step times)" if r.speed is not None
-            else f"(cost_ratio={run.cost_ratio:.2f}, rough)")
+    timed = r.speed is not None and r.speed.not_measured is None
+    cost = "(from step times)" if timed else f"(cost_ratio={run.cost_ratio:.2f}, rough)"
     rule = "" if run.temperature == 0 else (
         "    proposal: sampled from q" if run.proposal == "sample"
         else "    proposal: argmax of q (engines' rule)")
@@ -4536,8 +5196,9 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _cross_vocab_lines(run.cross_vocab)
     if run.partial:
         lines.append(f"  PARTIAL RESULT — {run.progress_note}")
-    slem = (run.cross_vocab or {}).get("method") == "SLEM"
-    lines += [RULE] + (_no_teacher_forced_lines(t) if slem else
+    kind = kind_of((run.drafter or {}).get("kind"))
+    none = kind is not None and not kind.can.teacher_forced
+    lines += [RULE] + (_no_teacher_forced_lines(t, kind.no_teacher_forced) if none else
                        _teacher_forced_lines(t, run, cost))
     if r.simulated is not None and r.simulated.reached_by_draft_offset is not None:
         lines += _simulated_lines(r.simulated, run, cost)
@@ -4558,11 +5219,11 @@ def format_report(r: AcceptanceReport) -> str:
     lines.append(RULE)
     lines += [f"  note: {n}" for n in run.notes]
     verify = "1" if run.verify_cost == 1 else f"{run.verify_cost:.2f}"
-    some = "" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that " \
-                                                  "does not)"
+    some = ("" if t.proposal_rate in (None, 1) else " for a cycle that proposes (1 for one that "
+                                                  "does not)")
     drafts = "cost_ratio" if run.one_draft_pass else "gamma x cost_ratio"
     once = "; one draft pass a cycle, whatever gamma" if run.one_draft_pass else ""
-    if r.speed is None:
+    if not timed:
         lines.append(f"  note: est. speedup = tokens per cycle / ({drafts} + {verify})"
                      f"{some}{once}, cost_ratio from {run.cost_ratio_source}: an indication, "
                      f"not a benchmark")
@@ -4643,36 +5304,6 @@ def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[
 # 0.33.0, SGLang 0.5.23; llama.cpp as vendored in llama-cpp-python 0.3.36).
 
 
-class Proposer(NamedTuple):
-    """An engine's proposer for a kind of drafter: its name in the engine's settings, whether
-    the setting names the draft's checkpoint, and the keys it adds."""
-
-    name: str
-    checkpoint: bool = True
-    extra: tuple[tuple[str, Any], ...] = ()
-
-
-# vLLM's speculative_config method, SGLang's --speculative-algorithm and llama.cpp's
-# --spec-type for each kind of drafter (Abilities.kind); a kind an engine has no proposer for
-# is left out, and a model-free n-gram proposer stands in (STAND_INS)
-PROPOSERS: dict[str, dict[str, Proposer]] = {
-    "draft model": {"vllm": Proposer("draft_model"), "sglang": Proposer("STANDALONE"),
-                    "llamacpp": Proposer("draft-simple")},
-    "early exit": {"llamacpp": Proposer("draft-simple")},  # a GGUF of the first layers
-    "n-gram": {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
-               "llamacpp": Proposer("ngram-simple", False)},
-    "MTP": {"vllm": Proposer("mtp", False), "sglang": Proposer("EAGLE", False),
-            "llamacpp": Proposer("draft-mtp", False)},
-    "Gemma-4 assistant": {"vllm": Proposer("mtp")},  # vLLM's gemma4_mtp
-    "EAGLE-3": {"vllm": Proposer("eagle3"), "sglang": Proposer("EAGLE3"),
-                "llamacpp": Proposer("draft-eagle3")},
-    "PARD": {"vllm": Proposer("draft_model", extra=(("parallel_drafting", True),))},
-    "DFlash": {"vllm": Proposer("dflash"), "sglang": Proposer("DFLASH"),
-               "llamacpp": Proposer("draft-dflash")},
-    "TLI": {"vllm": Proposer("draft_model", extra=(("use_heterogeneous_vocab", True),))},
-}
-
-
 STAND_INS = {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
              "llamacpp": Proposer("ngram-simple", False)}
 
@@ -4684,7 +5315,11 @@ ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp",
 SGLANG_RUNNING = 48  # the --max-running-requests SGLang sets under speculation unless given
 
 
-POINT_MASS_KINDS = ("n-gram", "SLEM")  # q a point mass on the proposal: the rules coincide
+def point_mass(r: AcceptanceReport) -> bool:
+    """Whether the report's drafter proposes from no distribution (q a point mass on its
+    proposal: the two proposal rules coincide)."""
+    kind = kind_of((r.run.drafter or {}).get("kind"))
+    return kind is not None and not kind.can.distribution
 
 
 def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
@@ -4693,8 +5328,7 @@ def acceptance_rates(r: AcceptanceReport) -> tuple[list[float], str]:
     estimate where it ran that rule (--proposal argmax, or temperature 0), else the
     teacher-forced chain's (i.i.d. in alpha; a stepped drafter by its steps)."""
     s, t, g = r.simulated, r.teacher_forced, r.run.gamma
-    engines_rule = r.run.proposal == "argmax" or r.run.temperature == 0 or \
-        (r.run.drafter or {}).get("kind") in POINT_MASS_KINDS
+    engines_rule = r.run.proposal == "argmax" or r.run.temperature == 0 or point_mass(r)
     if s is not None and s.reached_by_draft_offset is not None and engines_rule:
         at_risk = torch.tensor(s.reached_by_draft_offset) + torch.tensor(
             s.unproposed_by_draft_offset)
@@ -4710,11 +5344,14 @@ def proposer_of(r: AcceptanceReport, engine: str) -> tuple[Proposer, str]:
     """The engine's proposer for the report's drafter, and the sentence that says what the
     benchmark then measures."""
     d = r.run.drafter or {"kind": "draft model", "checkpoint": None}
-    found = PROPOSERS.get(d["kind"], {}).get(engine)
+    kind = kind_of(d["kind"])
+    found = kind.proposer(d, engine) if kind is not None else None
     if found is not None and (not found.checkpoint or d.get("checkpoint")):
         return found, (f"{ENGINE_NAMES[engine]}'s {found.name} proposer runs your draft, its "
-                       f"cost in the benchmark; only its acceptance is replayed")
-    why = (f"{ENGINE_NAMES[engine]} has no proposer for a {d['kind']} drafter"
+                       f"cost in the benchmark; only its acceptance is replayed"
+                       + (f"; {found.note}" if found.note else ""))
+    layout = f" in {d['layout']}' layout" if d.get("layout") else ""
+    why = (f"{ENGINE_NAMES[engine]} has no proposer for a {d['kind']} drafter{layout}"
            if found is None else "the draft's checkpoint is not known (a model made in memory)")
     where = ("SGLang replays the length at every step, a match or not" if engine == "sglang" else
              "it drafts only where the text repeats an n-gram, and a step without a draft "
@@ -4772,6 +5409,10 @@ def _vllm_entry(r: AcceptanceReport, rates: list[float]) -> dict[str, Any]:
                   rejection_sample_method="synthetic",
                   synthetic_acceptance_rates=[round(x, 4) for x in rates])
     schedule = speed_schedule(r)
+    if r.unsure is not None and r.unsure.rule == "dspark":
+        says += ("; vLLM reads the confidence head only under enable_adaptive_verification, "
+                 "which sizes each verify by expected throughput from the heads' survival "
+                 "(no threshold); its llama.cpp p_min is the threshold measured here")
     if schedule is not None:  # (vLLM clamps a k above num_speculative_tokens)
         config["num_speculative_tokens_per_batch_size"] = [list(x) for x in schedule]
         says += ("; num_speculative_tokens_per_batch_size: the best gamma at each concurrency "
@@ -4794,8 +5435,11 @@ def _sglang_entry(r: AcceptanceReport, length: float, spec: TreeSpec) -> dict[st
     if proposer.name == "NGRAM":
         args += ["--speculative-num-draft-tokens", str(spec.tokens),
                  "--speculative-ngram-max-bfs-breadth", "1"]
-    elif proposer.name == "DFLASH":  # one draft pass a cycle: steps 1, a block of N
+    elif proposer.name in ("DFLASH", "DSPARK"):  # one draft pass a cycle: a block of N
         args += ["--speculative-num-draft-tokens", str(spec.tokens)]
+        flag = dict(proposer.extra).get("drafts_flag")  # (where the engine takes the drafts
+        if flag:  # a pass from the checkpoint's block unless told, and refuses any other N)
+            args += [flag, str(spec.tokens - 1)]
     else:
         args += ["--speculative-num-steps", str(spec.steps), "--speculative-eagle-topk",
                  str(spec.topk), "--speculative-num-draft-tokens", str(spec.tokens)]
@@ -4859,16 +5503,11 @@ def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str,
     """llama-server's flags: the drafter as measured (its own acceptance; the check of the
     prediction, benchmarks/llamacpp.py), and the measured rates replayed (--spec-synth-rates)."""
     proposer, says = proposer_of(r, "llamacpp")
-    g, base, d = len(rates), ["-m", r.run.target], r.run.drafter or {}
+    g, base = len(rates), ["-m", r.run.target]
     spec = ["--spec-type", proposer.name] + (["--model-draft", _draft_file(r)]
-                                             if proposer.checkpoint else [])
-    if proposer.name == "ngram-simple":  # the lookup's n, and its m: at most gamma a draft
-        spec += ["--spec-ngram-simple-size-n", str(max(d.get("ngram") or [1])),
-                 "--spec-ngram-simple-size-m", str(g)]
-        if d.get("kind") == "n-gram" and d.get("rule") != "llamacpp":
-            says += ("; llama.cpp's lookup takes the latest match of exactly n tokens, "
-                     "transformers' (measured here) the earliest of the longest: measure with "
-                     "--ngram-rule llamacpp to predict llama.cpp's")
+                                             if proposer.checkpoint else []) + list(proposer.args)
+    if proposer.name == "ngram-simple":  # (its m, the most a lookup drafts: gamma)
+        spec += ["--spec-ngram-simple-size-m", str(g)]
     if r.speed is not None and len(r.speed.rows) > 1:
         says += ("; llama.cpp takes one draft length for every slot (-np): the best at the "
                  "concurrency served, " + _schedule_note(r, "llamacpp"))
@@ -4885,11 +5524,11 @@ def _llamacpp_entries(r: AcceptanceReport, rates: list[float]) -> list[dict[str,
                             "at T > 0: llama.cpp keeps a draft while it equals the target's "
                             "sample)"})
     u = r.unsure
-    if proposer is not STAND_INS["llamacpp"] and u and u.rule == "llamacpp" and \
-            u.best_threshold is not None:
+    if (proposer is not STAND_INS["llamacpp"] and u and u.rule == proposer.p_min and
+            u.best_threshold is not None):
         row = next(x for x in u.rows if x.best)
         out.append({"for": f"chain of up to {g}, stopping when unsure", "from": "this run, the "
-                    f"best threshold", "args": base + spec + [
+                    "best threshold", "args": base + spec + [
                         "--spec-draft-n-max", str(g), "--spec-draft-n-min", "0",
                         "--spec-draft-p-min", f"{u.best_threshold:g}"] + _llamacpp_sampling(r),
                     "note": _unsure_prediction(row)})
@@ -4907,22 +5546,23 @@ def _transformers_entry(r: AcceptanceReport) -> dict[str, Any]:
     sample = {"do_sample": False} if run.temperature == 0 else {
         "do_sample": True, "temperature": run.temperature, "top_k": run.top_k,
         "top_p": run.top_p}
-    if d["kind"] == "n-gram":
+    kind = kind_of(d["kind"])
+    proposer = kind.proposer(d, "transformers") if kind is not None else None
+    if proposer is not None and proposer.name == "prompt_lookup":
         return {"generate": {"prompt_lookup_num_tokens": run.gamma,
                              "max_matching_ngram_size": max(d["ngram"]), **sample},
                 "note": "prompt lookup: no assistant, no confidence threshold"}
-    if d["kind"] not in ("draft model", "early exit", "TLI"):
+    if proposer is None or proposer.name != "assistant":
         return {"unsupported": f"the threshold is read by the assistant generators alone "
                                f"(draft model, early exit, other tokenizers); transformers' "
                                f"{d['kind']} generator runs on its own"}
     u = r.unsure
-    threshold = u.best_threshold if u and u.rule == "transformers" and \
-        u.best_threshold is not None else 0
+    threshold = (u.best_threshold if u and u.rule == "transformers" and
+        u.best_threshold is not None else 0)
     early = d.get("layers")  # the target's own first layers: transformers' early exit
     own = early is not None and d.get("checkpoint") in (None, run.target)
     generate = {"assistant_early_exit": early} if own else {"assistant_model": "DRAFT"}
-    if d["kind"] == "TLI":
-        generate.update(tokenizer="TARGET_TOKENIZER", assistant_tokenizer="DRAFT_TOKENIZER")
+    generate.update(dict(proposer.extra))  # (another tokenizer: both tokenizers)
     note = ("set on the assistant's generation_config, which transformers reads (not the "
             "target's settings: candidate_generator.py:115-119); with scikit-learn installed it "
             "retunes the threshold every cycle, so uninstall it to keep this one")
@@ -5026,352 +5666,10 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
+# the library's measurements in one call, and alpha as a metric of a draft in training
 
 
-def _sha256(what: Any) -> str:
-    """The sha256 of a JSON value (sets sorted, anything else JSON lacks as its str)."""
-    import hashlib
-    text = json.dumps(what, sort_keys=True, default=lambda x: sorted(x) if isinstance(
-        x, (set, frozenset)) else str(x))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _architecture(config: dict[str, Any]) -> dict[str, Any]:
-    """A config's dict without what does not change the network: private keys (_name_or_path,
-    _attn_implementation, ...), the dtype (a key part of its own), the transformers version."""
-    dropped = ("dtype", "torch_dtype", "transformers_version")
-    return {k: _architecture(v) if isinstance(v, dict) else v for k, v in config.items()
-            if not str(k).startswith("_") and k not in dropped}
-
-
-def model_identity(model: nn.Module, files: str | None = None) -> str:
-    """A model as a run key records it: a hash of its config, and the fingerprint of the files
-    it was loaded from (the run's files_fingerprint of its checkpoint, handed in as data);
-    a model made in memory has its config alone."""
-    config = getattr(model, "config", None)
-    arch = _sha256(_architecture(config.to_dict()))[:16] if config is not None else \
-        type(model).__name__
-    return f"config {arch}, " + (f"files {files}" if files else "no files (made in memory)")
-
-
-def run_key(parts: dict[str, Any]) -> str:
-    """The hash of a report's run_key_parts."""
-    return _sha256(parts)
-
-
-class Measurement:
-    """One setting measured against a target: the prompts, the sampling, the settings, the EOS
-    ids and the device every batch needs, held once. measure() runs drafters over batches of
-    prompts into per-prompt sums (PromptResult) that add up, however the batches are dealt out
-    or resumed; report() turns one drafter's sums into its AcceptanceReport.
-
-    For each batch (measure_batch), per vocabulary the drafters share: the target's
-    continuation of each prompt (the text speculative decoding would produce) and one
-    teacher-forced pass of the target (target_side), against which every drafter is scored
-    (score); with simulate, each drafter's simulation runs first and its output is that
-    drafter's continuation (speculative sampling is lossless: what it emits is an exact sample
-    from the target), so the two routes score the same text; separate_continuation samples one
-    continuation apart, shared by every drafter."""
-
-    def __init__(self, target: nn.Module, sequences: Sequence[TokenSequence | Sequence[int]],
-                 sampling: SamplingParams = SamplingParams(), settings: Settings | None = None,
-                 device: torch.device | str | None = None):
-        self.target, self.sampling = target, sampling
-        self.settings = settings or Settings()
-        self.sequences = [s if isinstance(s, TokenSequence) else TokenSequence(list(s))
-                          for s in sequences]
-        self.streams = [i if q.document is None else q.document
-                        for i, q in enumerate(self.sequences)]  # each prompt's random streams
-        if len(set(self.streams)) < len(self.streams):
-            raise UsageError("sequences: two prompts name one document (TokenSequence.document) "
-                             "or a document an unnamed prompt's index: their random draws "
-                             "would be one")
-        self.device = device if isinstance(device, torch.device) else resolve_device(device)
-        self.eos = frozenset(eos_ids(target) if self.settings.eos is None else self.settings.eos)
-        self.progress: Any = Quiet()  # the run's progress bar, when it shows one
-        self.target_name = "target"  # what the reports call the target
-        self.route: bool | None = None  # head_route(target), found on the first batch
-        self.files: dict[str, str | None] = {}  # checkpoint -> its files' fingerprint, for the
-        # run key: the run reads them (files_fingerprint), the library has none
-        self.sides: dict[tuple, TargetPass] | None = None  # when a dict: each batch's target
-        # side made once and kept compact, for drafters of one step that read no target
-        # state (TrainingMeter measures one draft after another against them)
-
-    def drafters(self, drafts: Sequence[Drafter | tuple[str, nn.Module]]) -> list[Drafter]:
-        """The drafters as this setting runs them (for_run), once what cannot be measured is
-        refused, before any model work."""
-        drafters = [d if isinstance(d, Drafter) else as_drafter(*d) for d in drafts]
-        s, seqs = self.settings, self.sequences
-        if not seqs or not drafters:
-            raise UsageError("nothing to measure: no sequences or no drafts")
-        if s.continuation_tokens == 0 and all(len(q.ids) < 2 for q in seqs):
-            raise UsageError("with --continuation-tokens 0 the prompts are scored, but every "
-                             "prompt has fewer than 2 tokens: nothing to score; raise "
-                             "--max-length or use --continuation-tokens > 0")
-        vocab = min(shared_vocab(self.target, d) for d in drafters)
-        if any(max(q.ids) >= vocab for q in seqs):
-            raise UsageError(f"a prompt holds a token id >= {vocab}, outside the shared "
-                             f"vocabulary")
-        for spec in s.trees:
-            spec.check(vocab)
-        if s.stopping and s.stopping.rule == "llamacpp" and self.sampling.proposal == "sample" \
-                and not self.sampling.greedy:
-            raise UsageError("--confidence-rule llamacpp: llama.cpp's draft proposes its argmax "
-                             "at every temperature; add --proposal argmax (its rule) at T > 0")
-        if s.trees and s.continuation_tokens < 2:
-            raise UsageError("--tree replays trees on text the target wrote: give "
-                             "--continuation-tokens >= 2")
-        for d in drafters:  # each refuses what it cannot run
-            d.check(s)
-        return [for_run(d, self.eos, s.gammas, s.gamma) for d in drafters]
-
-    def batches(self) -> list[list[int]]:
-        """The prompts' indices in batches, shortest first (length_batches): every process and
-        every resumed run forms the same ones, so every floating-point sum is the same."""
-        return length_batches(self.sequences, self.settings.batch_size)
-
-    def config(self, vocab: int, threshold: float = 0.0) -> LoopConfig:
-        """What a generation over this setting fixes: sampling, block, budget, vocabulary, and
-        with a rule that stops when unsure, the threshold its simulation runs (0: the fixed
-        block, its confidence recorded)."""
-        s = self.settings
-        return LoopConfig(self.sampling, s.gamma, s.continuation_tokens, vocab, self.eos,
-                          self.device, s.seed, s.stopping and (s.stopping.rule, threshold))
-
-    def measure(self, drafters: Sequence[Drafter], batches: Sequence[list[int]],
-                into: Sequence[dict[int, PromptResult]],
-                stop: Callable[[], bool] = lambda: False) -> bool:
-        """Measure the batches in turn, into[k][prompt index] for drafter k, each batch start
-        to finish (so a Ctrl-C leaves whole batches measured). stop() is asked before each
-        batch (the run's signals and ranks); -> True when it stopped early."""
-        for batch in batches:
-            if stop():
-                return True
-            self.measure_batch(drafters, batch, into)
-        return False
-
-    def measure_batch(self, drafters: Sequence[Drafter], batch: list[int],
-                      into: Sequence[dict[int, PromptResult]]) -> None:
-        """One batch against every drafter, per vocabulary group: results land in into[k] as
-        each step finishes, so an interrupted batch keeps what it completed (its simulation
-        only whole: the rows that finish first accept fastest, so a cut batch would bias a
-        partial report upwards). A drafter that needs the target's outputs only where they
-        predict the text (one drafting step, no reading of the target's states) takes them
-        from its simulation's verify passes, which computed them (emitted_pass): no target
-        pass of its own."""
-        s = self.settings
-        if self.route is None:
-            with step("the target's first forward"):
-                self.route = head_route(self.target, _probe([q.ids for q in self.sequences],
-                                                            self.device))
-        groups: dict[int, list[int]] = {}  # drafters by the vocabulary they are measured on:
-        for k, d in enumerate(drafters):  # each group gets what it would get alone
-            groups.setdefault(shared_vocab(self.target, d), []).append(k)
-        for vocab, members in groups.items():
-            if not s.simulate or s.separate_continuation:
-                side = self.target_side(batch, vocab)
-                for k in members:
-                    self.score(drafters[k], side, vocab, into[k])
-                    self.replay(drafters[k], batch, vocab, [r[len(self.sequences[i].ids):]
-                                                            for i, r in zip(batch, side.rows)],
-                                into[k])
-                for k in members if s.simulate else ():
-                    sims = self.simulate(drafters[k], batch, vocab)
-                    self.keep_simulations(drafters[k], batch, vocab, sims, into[k])
-                continue
-            for k in members:  # each drafter's own text, and the target's outputs over it
-                d = drafters[k]
-                kept = {} if self.route and d.can.steps is None and not d.can.reads_target \
-                    else None
-                sims = self.simulate(d, batch, vocab, kept)
-                conts = [sims[i].tokens for i in batch]
-                self.score(d, emitted_pass(batch, self.sequences, conts, kept)
-                           if kept is not None else self.target_side(batch, vocab, conts),
-                           vocab, into[k])
-                self.replay(d, batch, vocab, conts, into[k])
-                self.keep_simulations(d, batch, vocab, sims, into[k])
-
-    def keep_simulations(self, drafter: Drafter, batch: list[int], vocab: int,
-                         sims: dict[int, RowStats], into: dict[int, PromptResult]) -> None:
-        """A batch's simulation into its PromptResults; with a rule that stops when unsure, the
-        simulation under each threshold beside it (under 0 it is that simulation: the rule
-        never stops a block there)."""
-        stopping = self.settings.stopping
-        runs = [sims if not t else self.simulate(drafter, batch, vocab, threshold=t)
-                for t in (stopping.thresholds if stopping else ())]
-        for i, row in sims.items():
-            into[i].sim = row
-            into[i].stopped = [run[i] for run in runs] if stopping else None
-
-    def target_side(self, batch: list[int], vocab: int,
-                    conts: list[list[int]] | None = None) -> TargetPass:
-        """The target's continuation of each prompt of a batch (`conts` when the simulation
-        wrote it already), then one teacher-forced target pass over prompt + continuation."""
-        key = (tuple(batch), vocab)
-        if conts is None and self.sides is not None and key in self.sides:
-            return self.sides[key]
-        sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
-        if conts is None:
-            self.progress.set_description("continuations")
-            with step("sampling the target's continuations"):
-                conts = (sample_continuations(self.target, [q.ids for q in sub],
-                                              self.config(vocab),
-                                              [self.streams[i] for i in batch], self.progress)
-                         if n_tokens else [[] for _ in sub])
-        rows, spans = scored_rows(sub, conts)
-        first = 0 if self.route else min(s for s, _ in spans)
-        with step("the target's teacher-forced pass"):
-            side = TargetPass(batch, rows, spans, teacher_forced(
-                self.target, rows, self.device, self.route, first), first=first)
-        if conts is None and self.sides is not None:  # kept: the scored positions alone
-            side = self.sides[key] = side._replace(states=side.at(0, self.device), compact=True)
-        return side
-
-    def score(self, drafter: Drafter, side: TargetPass, vocab: int,
-              into: dict[int, PromptResult]) -> None:
-        """Teacher-forced alpha_t at every scored position of a batch (step k+1 of a drafter
-        with steps against the target k positions later), summed per prompt into `into`."""
-        self.progress.set_description("teacher-forced")
-        target, route, s = self.target, self.route, self.settings
-        with step(f"the teacher-forced pass of draft {drafter.name}"):
-            reads = side.states if drafter.can.reads_target and route else None
-            steps = drafter.score(side.rows, side.spans, reads, self.sampling, vocab,
-                                  self.device)
-            per_step = []
-            for k, scores in enumerate(steps):  # a later step's positions: the first k dropped
-                states = side.at(k, self.device)
-                sizes = [max(0, e - b - k) for b, e in side.spans]
-                labels = [(i, t) for i, (b, e) in zip(side.batch, side.spans)
-                          for t in range(b + k, e)]
-                stats = position_stats(
-                    lambda a, b: head_logits(target, states[a:b], route), scores,
-                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0, s.stopping),
-                    where=lambda n: "prompt {}, position {}".format(*labels[n]))
-                per_step.append({key: v.split(sizes) for key, v in stats.items()})
-        for j, i in enumerate(side.batch):
-            into[i] = PromptResult.of(i, self.sequences[i].category,
-                                      [{key: v[j] for key, v in st.items()} for st in per_step],
-                                      s, self.sampling.proposal, drafter.can.steps is not None)
-
-    def replay(self, drafter: Drafter, batch: list[int], vocab: int,
-               conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
-        """Each tree of Settings.trees replayed on the batch's texts (prompt and continuation:
-        the target's own sample), into[i].trees one TreeStats per tree."""
-        if not self.settings.trees:
-            return
-        self.progress.set_description("trees")
-        texts = {i: list(self.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
-        firsts = {i: len(self.sequences[i].ids) for i in batch}
-        with step(f"the trees of draft {drafter.name}"):
-            done = replay_trees(self.target, drafter, texts, firsts, self.config(vocab),
-                                list(self.settings.trees))
-        for i in batch:
-            into[i].trees = [d[i] for d in done]
-
-    def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
-                 states: dict[int, torch.Tensor | None] | None = None, threshold: float = 0.0
-                 ) -> dict[int, RowStats]:
-        """The simulation of one batch with a drafter (its budget: continuation_tokens);
-        states: see simulate_batch; threshold: see config."""
-        self.progress.set_description(f"simulation, threshold {threshold:g}" if threshold
-                                      else "simulation")
-        prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
-        seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
-        with step(f"the simulation with draft {drafter.name}"):
-            rows = simulate_batch(self.target, drafter,
-                                  {k: list(self.sequences[i].ids) for k, i in prompt.items()},
-                                  self.config(vocab, threshold), self.progress, seen)
-        if states is not None:
-            states.update({prompt[k]: v for k, v in seen.items()})
-        return {prompt[k]: row for k, row in rows.items()}
-
-    def costs(self, drafters: Sequence[Drafter]) -> list[Cost]:
-        """Each drafter's cost model (cost_model: parameters, timed, or given)."""
-        return [cost_model(self.target, d, self.settings, self.sequences, self.device)
-                for d in drafters]
-
-    def report(self, drafter: Drafter, results: dict[int, PromptResult], cost: Cost,
-               interrupted: bool = False) -> AcceptanceReport:
-        """One drafter's per-prompt results -> its report (notes included; its run key covers
-        this setting alone: a run of several sets the parts of its sweep)."""
-        s, sampling, seqs = self.settings, self.sampling, self.sequences
-        results_ = sorted(results.values(), key=lambda r: r.index)  # bootstrap units' order
-        vocab = shared_vocab(self.target, drafter)
-        run = RunInfo(target=self.target_name, draft=drafter.name,
-                      temperature=sampling.temperature, top_k=sampling.top_k,
-                      top_p=sampling.top_p, gamma=s.gamma, cost_ratio=cost.ratio,
-                      cost_ratio_source=cost.source, verify_cost=cost.verify[s.gamma],
-                      proposal=sampling.proposal, drafted_by=drafter.drafted_by(s.gamma),
-                      vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
-                      costs=cost.timings, per_prompt=[r.row() for r in results_
-                                                      if r.positions or r.sim is not None],
-                      one_draft_pass=cost.per_cycle, drafter=drafter.serving())
-        tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal,
-                                          drafter.can.steps)
-        if tf is None and not interrupted:  # (no position at all to look at)
-            raise UsageError("nothing to score: no scored position in any sequence; use "
-                             "longer prompts or --continuation-tokens > 0")
-        if not drafter.can.teacher_forced:  # of that route, p's mass on its vocabulary
-            tf, table = TeacherForced(**pooled_means([r for r in results_ if r.positions])), []
-        tf = tf or TeacherForced()
-        tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
-                        if s.simulate and not s.separate_continuation else "continuation")
-        done = [r.sim for r in results_ if r.sim is not None]
-        sim, width = None, drafter.block(s.gamma)  # (target tokens a cycle proposes, at most)
-        if s.simulate and done:
-            sim = simulation_fields(done, width, cost if width == s.gamma else
-                                    replace(cost, draft_steps=s.gamma), s.seed)
-            add_simulated_gammas(table, sim, s.gamma, cost)
-        if interrupted:
-            simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
-            run.partial = True
-            run.progress_note = (f"interrupted: {tf.n_sequences} of {len(seqs)} sequences "
-                                 f"scored{simulated}")
-        run.notes = report_notes(run, sampling, s.continuation_tokens) + list(cost.notes)
-        if drafter.width is not None and drafter.width != vocab_width(self.target):
-            run.notes.insert(0, f"vocab widths differ (target {vocab_width(self.target)}, "
-                                f"draft {drafter.width}): both cut to the first {vocab} ids "
-                                f"before sampling; exact only if the surplus rows are padding")
-        if drafter.translation() is not None:
-            run.cross_vocab = {**drafter.translation(), "p_mass_shared": tf.draft_vocab_coverage,
-                               "draft_tokens_per_cycle": s.gamma,
-                               "most_target_tokens_per_cycle": width}
-            run.notes[:0] = cross_vocab_notes(run.cross_vocab)
-        run.run_key_parts = self.run_key_parts(drafter, run.target, self.files)
-        run.run_key = run_key(run.run_key_parts)
-        unsure = unsure_fields(results_, s, cost, tf.alpha, run_of(
-            [r for r in results_ if r.positions], sampling.proposal, tf.proposal_rate or 1.0,
-            drafter.can.steps)) if tf.alpha is not None else None
-        speed = (speed_fields(cost, table, tf, sim, s.gamma, drafter)
-                 if tf.alpha is not None or sim is not None else None)
-        return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure,
-                                speed)
-
-    def run_key_parts(self, drafter: Drafter, target_name: str,
-                      files: dict[str, str | None] | None = None) -> dict[str, Any]:
-        """Everything a report's per-prompt numbers depend on (how the costs are found aside),
-        by name, as its JSON holds them: a resumed run reuses only results whose parts are all
-        equal. The temperatures are this setting's; a run of several records its whole sweep
-        (and its context lengths) instead."""
-        models = drafter.networks()
-        dtypes = [str(next(m.parameters(), torch.empty(0)).dtype).removeprefix("torch.")
-                  for m in [self.target, *models]]
-        files = files or {}  # checkpoint -> the fingerprint of its files (files_fingerprint)
-        parts = {"target": target_name,
-                 "target model": model_identity(self.target, files.get(target_name)),
-                 "draft": drafter.name,
-                 "draft model": "; ".join(model_identity(m, files.get(drafter.checkpoint))
-                                          for m in models) or "none (no network)",
-                 "dtype": dtypes[0] + ("" if len(set(dtypes)) == 1 else f" (draft {dtypes[1]})"),
-                 "device": self.device.type, "temperatures": [self.sampling.temperature],
-                 **asdict(self.sampling),
-                 **{k: v for k, v in asdict(self.settings).items()
-                    if k not in COSTS and (k not in ("trees", "stopping") or v)},  # (trees
-                 # and thresholds: when given)
-                 "prompts": f"sha256 {_sha256([s.ids for s in self.sequences])[:16]} "
-                            f"({len(self.sequences)} prompts)"}
-        return json.loads(json.dumps(parts, default=sorted))  # as it reads back from the JSON
+# sums' next step, a free function of them: these keep scripts that called the methods)
 
 
 def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
@@ -5412,13 +5710,14 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     elif run.get("progress"):
         m.progress = run["progress"]
     drafters = m.drafters(drafts)
-    costs = run.get("costs") or m.costs(drafters)
+    costs = run.get("costs") or costs_of(m, drafters)
     results: list[dict[int, PromptResult]] = [{} for _ in drafters]
     try:
         interrupted = m.measure(drafters, m.batches(), results)
     except KeyboardInterrupt:
         interrupted = True
-    return [m.report(d, res, cost, interrupted) for d, res, cost in zip(drafters, results, costs)]
+    return [build_report(m, d, res, cost, interrupted)
+            for d, res, cost in zip(drafters, results, costs)]
 
 
 def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
@@ -5430,10 +5729,6 @@ def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
     name = options.pop("draft_name", "draft")
     return measure_drafts(target, [(name, draft)], sequences, sampling=sampling,
                           settings=settings, **options)[0]
-
-
-# ----------------------------------------------------------------------------------------------
-# training: alpha as a metric of the draft being trained
 
 
 class TrainingMeter:
@@ -5472,7 +5767,7 @@ class TrainingMeter:
         timed = m.settings.cost_ratio == "measure"  # not at every evaluation: parameters
         cost = cost_model(m.target, drafter, replace(m.settings, cost_ratio=None) if timed
                           else m.settings, m.sequences, m.device)
-        return m.report(drafter, results, cost)
+        return build_report(m, drafter, results, cost)
 
 
 def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, float]:
@@ -5488,14 +5783,38 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
 
 
 # ==============================================================================================
-# PART II. THE DRAFTER KINDS: each one block (its network, its session, its drafter and the
-# checkpoint layouts it reads), all on the interface of Part I, then the registry that finds
-# them. Each declares what it can do (Abilities) and refuses, in its own check, what it cannot.
+# PART 3. THE DRAFTER KINDS: each one block (its network, its session, its drafter and the
+# checkpoint layouts it reads), all on the interface of Part 1, then the registry that finds
+# them. Each declares what it can do (Abilities), what it shows the outside (its options, the
+# engines' proposers for it) and refuses, in its own checks, what it cannot.
 # ==============================================================================================
 
 
 # ----------------------------------------------------------------------------------------------
 # what several kinds share: reading checkpoints, the target's states, a loaded model's vocabulary
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str, bars: bool = False):
+    """Silence the loaders' warnings (and, with bars, their progress bars) for a while, then put
+    the caller's settings back: importing specdec must not change anyone's logging."""
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    hf_logging = None  # set when we switched transformers' bars off and owe them back
+    if bars and "transformers" in names:
+        from transformers.utils import logging as hf_logging
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+        else:
+            hf_logging = None
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+        if hf_logging is not None:
+            hf_logging.enable_progress_bar()
 
 
 def left_pad_states(states: Sequence[torch.Tensor | None], width: int, size: int,
@@ -5746,6 +6065,14 @@ def index_ngrams(seq: Sequence[int], first: dict[tuple, int], sizes: range, star
                 first.setdefault(tuple(seq[end + 1 - n:end + 1]), end + 1 - n)
 
 
+def lookup_scores(found: list[int], vocab: int, device: torch.device) -> list[Scores]:
+    """A model-free drafter's teacher-forced Scores: at each scored position the one token a
+    lookup drafts there (-1: none; nothing is proposed), q one-hot on it."""
+    found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
+    return [Scores(found_t.clamp_min(0), found_t >= 0,
+                   lambda x, where: nn.functional.one_hot(x, vocab).float())]
+
+
 class NgramSession(Session):
     """Each row's committed tokens and its n-gram index."""
 
@@ -5758,13 +6085,13 @@ class NgramSession(Session):
 
     def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
         c, d = self.drafting, self.drafter
-        found = [ngram_lookup(seq, first, d.sizes, c.steps, d.eos) if d.rule == "transformers"
-                 else ngram_simple(seq, d.sizes[0], c.steps)
+        found = [ngram_lookup(seq, first, d.sizes, c.per_call, d.eos) if d.rule == "transformers"
+                 else ngram_simple(seq, d.sizes[0], c.per_call)
                  for seq, first in zip(self.seqs, self.firsts)]
-        tokens = torch.tensor([f + [0] * (c.steps - len(f)) for f in found], dtype=torch.long)
+        tokens = torch.tensor([f + [0] * (c.per_call - len(f)) for f in found], dtype=torch.long)
         count = torch.tensor([len(f) for f in found])
         q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.steps) < count[:, None])[..., None]  # (B, G, V)
+            torch.arange(c.per_call) < count[:, None])[..., None]  # (B, G, V)
         return Proposal(tokens.to(c.device), q.to(c.device),
                         torch.ones(len(found), dtype=torch.bool, device=c.device),
                         count.to(c.device))
@@ -5786,6 +6113,32 @@ class NgramDrafter(Drafter):
     plain target step."""
 
     can = Abilities("n-gram", trees=False, distribution=False)
+    names = ("ngram",)
+    options = (
+        KindOption("--ngram-max", "--draft ngram: the longest n-gram matched, tried first "
+                   "(default 2, transformers' max_matching_ngram_size)", 2, int, metavar="N"),
+        KindOption("--ngram-min", "--draft ngram: the shortest n-gram matched (default 1)", 1,
+                   int, metavar="N"),
+        KindOption("--ngram-rule", "--draft ngram: whose lookup runs: transformers (prompt "
+                   "lookup: the earliest match of the longest n-gram, --ngram-max down to "
+                   "--ngram-min) or llamacpp (ngram-simple: the latest match of exactly "
+                   "--ngram-max tokens, copying gamma tokens, as --spec-type ngram-simple; "
+                   "default transformers)", "transformers", str, NGRAM_RULES))
+    proposers = {"vllm": Proposer("ngram", False), "sglang": Proposer("NGRAM", False),
+                 "llamacpp": Proposer("ngram-simple", False),
+                 "transformers": Proposer("prompt_lookup", False)}
+
+    @classmethod
+    def proposer(cls, serving, engine):
+        found = super().proposer(serving, engine)
+        if engine != "llamacpp" or found is None:
+            return found
+        note = "" if serving.get("rule") == "llamacpp" else (
+            "llama.cpp's lookup takes the latest match of exactly n tokens, transformers' "
+            "(measured here) the earliest of the longest: measure with --ngram-rule llamacpp "
+            "to predict llama.cpp's")
+        return found._replace(args=("--spec-ngram-simple-size-n",
+                                    str(max(serving.get("ngram") or [1]))), note=note)
 
     def __init__(self, max_n: int = 2, min_n: int = 1, eos: Sequence[int] | None = None,
                  rule: str = "transformers", block: int | None = None):
@@ -5800,7 +6153,7 @@ class NgramDrafter(Drafter):
         self.copies = block  # the run's gamma: llama.cpp's lookup copies at most that (m)
         self.name = (f"ngram (n={min_n}..{max_n})" if rule == "transformers" else
                      f"ngram (llama.cpp ngram-simple, n={max_n})")
-        self.width = None
+        self.vocab_width = None
 
     def for_run(self, eos, gammas, gamma=None):
         return NgramDrafter(self.sizes[0], self.min_n, self.eos if self.eos_given else eos,
@@ -5820,9 +6173,7 @@ class NgramDrafter(Drafter):
                           if self.rule == "transformers" else
                           ngram_simple(row, self.sizes[0], self.copies or 1, t + 1))
                 found.append(copied[0] if copied else -1)
-        found_t = torch.tensor(found, dtype=torch.long, device=device)  # (N,), -1: none
-        return [Scores(found_t.clamp_min(0), found_t >= 0,
-                       lambda x, where: nn.functional.one_hot(x, vocab).float())]
+        return lookup_scores(found, vocab, device)
 
     def start(self, prompts, view, drafting):
         return NgramSession(self, prompts, drafting)
@@ -5836,6 +6187,412 @@ class NgramDrafter(Drafter):
             return None
         return cls(options.ngram_max, options.ngram_min, eos_ids(target, options.tokenizer),
                    options.ngram_rule)
+
+
+# ----------------------------------------------------------------------------------------------
+# suffix decoding: drafts from a suffix tree of the prompt and of earlier responses (Arctic
+# Inference's SuffixDecodingCache, vLLM's `suffix` method)
+
+
+_F32 = struct.Struct("f")
+
+
+def f32(x: float) -> float:
+    """x rounded to a C float: arctic-inference's suffix tree computes in float32, and its
+    rounding decides near-ties between matches."""
+    return _F32.unpack(_F32.pack(x))[0]
+
+
+class SuffixDraft(NamedTuple):
+    """A suffix tree's chain draft: its tokens, each one's estimated probability, their sum
+    (the score matches compete by) and the length of the context matched."""
+
+    token_ids: list[int]
+    probs: list[float]
+    score: float
+    match_len: int
+
+
+class SuffixNode:
+    """A node of the suffix trie: the token on the edge into it, how many stored suffixes pass
+    through it, and its children by token and in the order drafts follow (by decreasing
+    count; among equal counts, where arctic-inference's sibling list puts them)."""
+
+    __slots__ = ("token", "count", "children", "order")
+
+    def __init__(self, token: int = -1, count: int = 0):
+        self.token, self.count = token, count
+        self.children: dict[int, SuffixNode] = {}
+        self.order: list[SuffixNode] = []
+
+    def bump(self, child: SuffixNode, by: int) -> None:
+        """Change a child's count by +1 or -1 and move it as arctic-inference's list does: up
+        a count, to the front of its new group if it led its old one, else to that group's
+        end; down a count, to the front of its new group."""
+        order, c = self.order, child.count
+        i = lo = hi = order.index(child)
+        while lo and order[lo - 1].count == c:  # the first of its group
+            lo -= 1
+        while hi + 1 < len(order) and order[hi + 1].count == c:  # the last
+            hi += 1
+        child.count += by
+        del order[i]
+        if by < 0:
+            order.insert(hi, child)  # just after its old group's last
+            return
+        while i == lo and lo and order[lo - 1].count == c + 1:  # (led it: the new group's
+            lo -= 1  # front; else just before the old group's first: the new group's end)
+        order.insert(lo, child)
+
+
+class SuffixTrie:
+    """Every suffix of some token sequences, each cut to max_depth tokens, with counts: the
+    suffix tree arctic-inference's suffix decoding drafts from, as a plain trie (the same
+    counts and orders, so the same drafts; arctic compresses its paths)."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth, self.root = max_depth, SuffixNode()
+        self.seqs: dict[int, list[int]] = {}
+        self.growing: dict[int, collections.deque[SuffixNode]] = {}  # where each sequence's
+        # newest max_depth suffixes end
+
+    def extend(self, seq: int, tokens: Sequence[int]) -> None:
+        """Append tokens to sequence seq: each grows its newest max_depth suffixes."""
+        ids = self.seqs.setdefault(seq, [])
+        ends = self.growing.setdefault(seq, collections.deque())
+        for token in map(int, tokens):
+            ends.append(self.root)
+            self.root.count += 1
+            if len(ends) > self.max_depth:
+                ends.popleft()
+            ids.append(token)
+            for k, node in enumerate(ends):
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = SuffixNode(token, 1)
+                    node.order.append(child)
+                else:
+                    node.bump(child, 1)
+                ends[k] = child
+
+    def remove(self, seq: int) -> None:
+        """Take sequence seq's suffixes out, oldest first: down each one's path a count at a
+        time, the first node no other suffix passes dropped with all below it."""
+        ids = self.seqs.pop(seq, [])
+        self.growing.pop(seq, None)
+        for start in range(len(ids)):
+            node = self.root
+            node.count -= 1
+            for token in ids[start:start + self.max_depth]:
+                child = node.children.get(token)
+                if child is None:
+                    break
+                if child.count == 1:
+                    del node.children[token]
+                    node.order.remove(child)
+                    break
+                node.bump(child, -1)
+                node = child
+
+    def speculate(self, context: Sequence[int], most: int, factor: float, least: float,
+                  offset: float = 0.0) -> SuffixDraft:
+        """The chain draft from the best match of the context's suffixes (lengths 1 up to
+        all but one token, until one is absent): from where each ends, the most frequent
+        continuation while its estimated probability stays >= least, at most
+        min(most, int(match length x factor + offset)) tokens; the highest score wins, a
+        longer match on a tie (arctic-inference's SuffixTree::speculate, path mode)."""
+        factor32, least32, offset32 = f32(factor), f32(least), f32(offset)
+        best = SuffixDraft([], [], 0.0, 0)
+        for n in range(1, len(context)):
+            node = self.root
+            for token in context[len(context) - n:]:
+                node = node.children.get(token)
+                if node is None:
+                    return best
+            cap = max(min(most, int(f32(f32(n * factor32) + offset32) + 1e-6)), 0)
+            tokens, probs, score, prob = [], [], 0.0, 1.0
+            while len(tokens) < cap and node.order:
+                child = node.order[0]
+                prob = f32(prob * f32(f32(child.count) / f32(node.count)))
+                if prob < least32:
+                    break
+                tokens.append(child.token)
+                probs.append(prob)
+                score = f32(score + prob)
+                node = child
+            if score >= best.score:
+                best = SuffixDraft(tokens, probs, score, n)
+        return best
+
+
+class SuffixCache:
+    """arctic-inference's SuffixDecodingCache, as vLLM's suffix method drives it: per active
+    request a trie of its prompt and its response so far (one sequence), and one global trie
+    of the responses of the last max_cached_requests requests started (-1: all; 0: none),
+    the oldest started evicted first (an active one too)."""
+
+    def __init__(self, max_tree_depth: int = 64, max_cached_requests: int = -1):
+        self.depth, self.most = max_tree_depth, max_cached_requests
+        self.shared, self.local = SuffixTrie(max_tree_depth), {}
+        self.cached: dict[Hashable, int] = {}  # request -> its sequence in the global trie,
+        self.next_seq = 0  # in the order they started
+
+    def start_request(self, req: Hashable, prompt: Sequence[int]) -> None:
+        if req in self.local:
+            raise ValueError(f"request {req!r} is already active")
+        self.local[req] = SuffixTrie(self.depth)
+        self.local[req].extend(0, prompt)
+        if self.most == 0:
+            return
+        if req in self.cached:
+            self.evict_cached_response(req)
+        live = {self.cached[r] for r in self.local if r in self.cached}
+        while self.next_seq in live:
+            self.next_seq = (self.next_seq + 1) & 0x7FFFFFFF
+        seq, self.next_seq = self.next_seq, (self.next_seq + 1) & 0x7FFFFFFF
+        for old in [r for r, s in self.cached.items() if s == seq]:  # (ids wrapped round)
+            self.evict_cached_response(old)
+        self.cached[req] = seq
+        while 0 < self.most < len(self.cached):
+            self.evict_cached_response(next(r for r, s in self.cached.items() if s != seq))
+
+    def stop_request(self, req: Hashable) -> None:
+        if req not in self.local:
+            raise ValueError(f"request {req!r} is not active")
+        del self.local[req]
+
+    def add_active_response(self, req: Hashable, tokens: Sequence[int]) -> None:
+        if req not in self.local:
+            raise ValueError(f"request {req!r} is not active")
+        self.local[req].extend(0, tokens)
+        if req in self.cached:
+            self.shared.extend(self.cached[req], tokens)
+
+    def evict_cached_response(self, req: Hashable) -> None:
+        if req not in self.cached:
+            raise ValueError(f"request {req!r} is not cached")
+        self.shared.remove(self.cached.pop(req))
+
+    def speculate(self, req: Hashable, context: Sequence[int], max_spec_tokens: int,
+                  max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
+                  min_token_prob: float = 0.1) -> SuffixDraft:
+        """The better of the request's own trie's draft and the global trie's (its own on a
+        tie), from the context's last max_tree_depth tokens."""
+        if req not in self.local:
+            raise ValueError(f"request {req!r} is not active")
+        context = [int(t) for t in context][-self.depth:]
+        args = (context, max_spec_tokens, max_spec_factor, min_token_prob, max_spec_offset)
+        own, other = self.local[req].speculate(*args), self.shared.speculate(*args)
+        return own if own.score >= other.score else other
+
+
+def suffix_cache(options: Any) -> Any:
+    """A suffix cache with the drafter's options: arctic-inference's own SuffixDecodingCache
+    where it is installed (the optional extra), else specdec's, which a test holds equal to
+    it draft for draft."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError:
+        return SuffixCache(options.max_depth, options.max_cached)
+    return SuffixDecodingCache(max_tree_depth=options.max_depth,
+                               max_cached_requests=options.max_cached)
+
+
+def read_history(path: str, tok: Any) -> list[list[int]]:
+    """Logged responses for the global tree, in the order served: a .jsonl file (one JSON
+    object a line: "response" or "text", a string, or "ids", token ids) or any other text
+    file (one response a line). One clear line for anything else."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--suffix-history {path}: cannot read it ({_one_line(e)})") from e
+    out = []
+    for n, line in lines:
+        if not path.endswith(".jsonl"):
+            out.append(tok.encode(line.rstrip("\n"), add_special_tokens=False))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--suffix-history {path}: line {n} is not JSON ({e.msg})") from e
+        text = row.get("response", row.get("text")) if isinstance(row, dict) else None
+        ids = row.get("ids") if isinstance(row, dict) else None
+        if isinstance(text, str):
+            out.append(tok.encode(text, add_special_tokens=False))
+        elif isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids):
+            out.append(ids)
+        else:
+            raise UsageError(f"--suffix-history {path}: line {n} has no \"response\" text "
+                             f"(or \"ids\", a list of token ids)")
+    return out
+
+
+class SuffixOptions(NamedTuple):
+    """What suffix decoding drafts by, vLLM's suffix_decoding_* settings."""
+
+    max_depth: int = 24  # the longest suffix stored and matched
+    max_spec_factor: float = 1.0  # a match of n tokens drafts at most n x this
+    min_token_prob: float = 0.1  # drafting stops where a token's estimated probability drops
+    max_cached: int = 10000  # the responses the global tree holds (0: none, -1: all)
+
+
+class SuffixSession(Session):
+    """Each row as one request of the suffix cache the drafter built for it: its prompt and
+    its first token, then every committed token, added as vLLM adds them; each cycle drafts
+    up to gamma tokens, as many as the best match gives."""
+
+    def __init__(self, drafter: SuffixDrafter, prompts: list[list[int]], drafting: Drafting):
+        self.drafter, self.drafting = drafter, drafting
+        self.caches = [drafter.cache_for(p[:-1]) for p in prompts]
+        self.seqs = [list(p) for p in prompts]
+        for cache, p in zip(self.caches, prompts):
+            cache.add_active_response("now", p[-1:])
+
+    def propose(self, pending, npos, u):  # (a lookup proposes what it finds)
+        c, o = self.drafting, self.drafter.options
+        found = [list(cache.speculate("now", seq[-o.max_depth:], c.per_call,
+                                      o.max_spec_factor, 0.0, o.min_token_prob).token_ids)
+                 for cache, seq in zip(self.caches, self.seqs)]
+        tokens = torch.tensor([f + [0] * (c.per_call - len(f)) for f in found], dtype=torch.long)
+        count = torch.tensor([len(f) for f in found])
+        q = nn.functional.one_hot(tokens, c.vocab).float() * (
+            torch.arange(c.per_call) < count[:, None])[..., None]  # (B, G, V)
+        return Proposal(tokens.to(c.device), q.to(c.device),
+                        torch.ones(len(found), dtype=torch.bool, device=c.device),
+                        count.to(c.device))
+
+    def advance(self, n_acc, committed, view):
+        for cache, seq, new in zip(self.caches, self.seqs, committed):
+            seq += new
+            cache.add_active_response("now", new)
+
+    def keep(self, rows):
+        keep = rows.tolist()
+        self.caches, self.seqs = [self.caches[r] for r in keep], [self.seqs[r] for r in keep]
+
+
+class SuffixDrafter(Drafter):
+    """Suffix decoding (Oliaro et al., "SuffixDecoding", arXiv 2411.04975; Arctic Inference;
+    vLLM's `suffix` method): model-free drafts from a suffix tree of the request's prompt and
+    response so far and a global one of earlier responses, the draft as long as the match
+    supports (at most gamma). q is one-hot on the drafted token. Earlier responses: a
+    --suffix-history file's, then the target's own continuations of the prompts before this
+    one in the data's order (prompt i sees prompts 0..i-1; the order and max_cached_requests
+    change the number: a benchmark's prompts are not a deployment's history). Teacher-forced,
+    each position's first drafted token, the request's tree holding the text up to it."""
+
+    can = Abilities("suffix decoding", trees=False, distribution=False)
+    names = ("suffix",)
+    options = (
+        KindOption("--suffix-max-depth", "--draft suffix: the longest suffix stored and matched "
+                   "(default 24, vLLM's suffix_decoding_max_tree_depth)", 24, int, metavar="N"),
+        KindOption("--suffix-max-spec-factor", "--draft suffix: a match of n tokens drafts at "
+                   "most n x F (default 1.0)", 1.0, float, metavar="F"),
+        KindOption("--suffix-min-token-prob", "--draft suffix: stop drafting where a token's "
+                   "estimated probability falls below P (default 0.1)", 0.1, float,
+                   metavar="P"),
+        KindOption("--suffix-max-cached-requests", "--draft suffix: earlier responses the "
+                   "global tree holds, oldest evicted first (default 10000; 0: the request's "
+                   "own tree alone; -1: all)", 10000, int, metavar="N"),
+        KindOption("--suffix-history", "--draft suffix: logged responses that fill the global "
+                   "tree first (.jsonl: {\"response\": TEXT} a line; else one a line)", None,
+                   str, metavar="FILE"))
+    proposers = {"vllm": Proposer("suffix", False)}
+
+    def __init__(self, options: SuffixOptions = SuffixOptions(),
+                 history: Sequence[Sequence[int]] = (), earlier: bool = True,
+                 block: int | None = None):
+        o = options
+        if o.max_depth < 1 or o.max_spec_factor < 0 or not 0 <= o.min_token_prob <= 1 or (
+                o.max_cached < -1):
+            raise UsageError(f"--draft suffix: give --suffix-max-depth >= 1, "
+                             f"--suffix-max-spec-factor >= 0, --suffix-min-token-prob in "
+                             f"[0, 1] and --suffix-max-cached-requests >= -1; got {tuple(o)}")
+        self.options, self.history, self.earlier = o, [list(h) for h in history], earlier
+        self.most = block  # the run's gamma: vLLM's num_speculative_tokens, the most a draft
+        # holds (teacher-forced drafts compete with it, as in a cycle)
+        self.name = (f"suffix decoding (depth {o.max_depth}, "
+                     f"{len(self.history)} logged responses)" if self.history else
+                     f"suffix decoding (depth {o.max_depth})")
+        self.vocab_width = None
+        self.before: dict[tuple[int, ...], list[tuple[list[int], list[int]]]] = {}  # a
+        # prompt's -> the earlier requests' (prompt, response), in order served (meet)
+
+    def for_run(self, eos, gammas, gamma=None):
+        run = SuffixDrafter(self.options, self.history, self.earlier, gamma or max(gammas))
+        run.before = self.before  # (what it was told of earlier requests, kept)
+        return run
+
+    def serving(self):
+        o = self.options
+        return {**super().serving(), "suffix": {
+            "suffix_decoding_max_tree_depth": o.max_depth,
+            "suffix_decoding_max_spec_factor": o.max_spec_factor,
+            "suffix_decoding_min_token_prob": o.min_token_prob,
+            "suffix_decoding_max_cached_requests": o.max_cached}}
+
+    @classmethod
+    def proposer(cls, serving, engine):
+        found = super().proposer(serving, engine)
+        if found is None:
+            return None
+        return found._replace(extra=tuple((serving.get("suffix") or {}).items()),
+                              note="vLLM's global tree holds what your deployment served "
+                                   "before; the measurement's held the responses it says")
+
+    def meet(self, batch, prompts, texts):
+        served = texts(range(max(batch))) if self.earlier else []
+        for i, prompt in zip(batch, prompts):
+            self.before.setdefault(tuple(prompt), served[:i])
+
+    def cache_for(self, prompt: Sequence[int]) -> Any:
+        """The suffix cache a request for this prompt meets: the logged responses served,
+        then the earlier prompts' (prompt and response each, as vLLM adds them), then this
+        request started ("now")."""
+        cache = suffix_cache(self.options)
+        earlier = [([], h) for h in self.history] + self.before.get(tuple(prompt), [])
+        for k, (asked, said) in enumerate(earlier):
+            cache.start_request(k, asked)
+            cache.add_active_response(k, said)
+            cache.stop_request(k)
+        cache.start_request("now", prompt)
+        return cache
+
+    def score(self, rows, spans, states, sampling, vocab, device):
+        o, most, found = self.options, self.most or 1, []
+        for row, (s, e) in zip(rows, spans):
+            cache = self.cache_for(row[:s])
+            cache.add_active_response("now", row[s:s + 1])
+            for t in range(s, e):  # position t predicts row[t + 1] from row[:t + 1]
+                if t > s:
+                    cache.add_active_response("now", row[t:t + 1])
+                draft = cache.speculate("now", row[max(0, t + 1 - o.max_depth):t + 1], most,
+                                        o.max_spec_factor, 0.0, o.min_token_prob)
+                found.append(draft.token_ids[0] if len(draft.token_ids) else -1)
+        return lookup_scores(found, vocab, device)
+
+    def start(self, prompts, view, drafting):
+        return SuffixSession(self, prompts, drafting)
+
+    def param_cost(self, target):
+        return 0.0, "no network: a lookup in a suffix tree costs nothing next to a target step"
+
+    @classmethod
+    def from_name(cls, name, target, options):
+        if name != "suffix":
+            return None
+        o = SuffixOptions(options.suffix_max_depth, options.suffix_max_spec_factor,
+                          options.suffix_min_token_prob, options.suffix_max_cached_requests)
+        history = (read_history(options.suffix_history, options.tokenizer)
+                   if options.suffix_history else ())
+        return cls(o, history)
+
+    @classmethod
+    def check_found(cls, options, found):
+        if options.suffix_history and not any(isinstance(d, SuffixDrafter) for d in found):
+            raise UsageError("--suffix-history fills suffix decoding's global tree: add "
+                             "--draft suffix")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5868,7 +6625,7 @@ class MtpSession(CommittedStates, TreeSession):
     def __init__(self, drafter: MtpDrafter, prompts: list[list[int]], view: TargetView | None,
                  drafting: Drafting):
         self.drafter, rows = drafter, len(prompts)
-        steps = min(drafting.steps, drafter.can.steps)
+        steps = min(drafting.per_call, drafter.can.max_steps)
         self.slots = [new_slots(rows, drafting.device) for _ in range(steps)]
         weight = next(drafter.mtp.parameters())
         self.last = [torch.zeros(rows, drafter.mtp.config.hidden_size, dtype=weight.dtype,
@@ -5901,7 +6658,7 @@ class MtpSession(CommittedStates, TreeSession):
             qs.append(q)
             ls.append(logits)
             ds.append(pick(k, qs[-1]))
-        steps, pad = len(qs), c.steps - len(qs)  # offsets past the last step: none proposed
+        steps, pad = len(qs), c.per_call - len(qs)  # offsets past the last step: none proposed
         q = torch.stack(qs, 1) * ready[:, None, None]  # (B, steps, V)
         logits = kept_logits(c, ls, c.device)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
@@ -5918,7 +6675,7 @@ class MtpSession(CommittedStates, TreeSession):
     def fork(self, rows, drafting):
         twin = copy.copy(self)
         twin.drafting, twin.held = drafting, [self.held[r] for r in rows.tolist()]
-        steps = min(drafting.steps, self.drafter.can.steps)  # a step this session never ran
+        steps = min(drafting.per_call, self.drafter.can.max_steps)  # a step this session never ran
         twin.slots = [fork_slots(s, rows) for s in self.slots[:steps]]
         twin.last = [last[rows] for last in self.last[:steps]]
         return twin
@@ -5939,6 +6696,21 @@ class MtpDrafter(Drafter):
     token through every step once (MtpSession), a cycle only the steps' drafted positions."""
 
     can = Abilities("MTP", reads_target=True)
+    names = ("mtp",)
+    options = (KindOption("--mtp-steps", "--draft mtp: drafting steps per cycle; step k runs "
+                          "MTP layer (k-1) mod L of the model's L, fed its own last output, as "
+                          "vLLM (num_speculative_tokens) and SGLang (--speculative-num-steps) "
+                          "reuse a model's MTP layer (default: L, each layer once)", None, int,
+                          metavar="K"),)
+    proposers = {"vllm": Proposer("mtp", False), "sglang": Proposer("EAGLE", False),
+                 "llamacpp": Proposer("draft-mtp", False)}
+
+    @classmethod
+    def check_options(cls, options, asked):
+        if options.mtp_steps is not None and "mtp" not in asked.drafts:
+            raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
+        if options.mtp_steps is not None and options.mtp_steps < 1:
+            raise UsageError(f"--mtp-steps must be >= 1, got {options.mtp_steps}")
 
     def __init__(self, target: nn.Module, mtp: nn.Module, name: str | None = None,
                  steps: int | None = None):
@@ -5947,11 +6719,11 @@ class MtpDrafter(Drafter):
         steps = self.heads if steps is None else steps
         if steps < 1:
             raise UsageError(f"--mtp-steps must be >= 1, got {steps}")
-        self.can = replace(self.can, steps=steps)
+        self.can = replace(self.can, max_steps=steps)
         heads = f"{self.heads} head{'s' if self.heads > 1 else ''}"
         self.name = name or (f"mtp ({heads})" if steps == self.heads
                              else f"mtp ({heads}, {steps} steps)")
-        self.width = vocab_width(target)
+        self.vocab_width = vocab_width(target)
 
     @classmethod
     def of(cls, target: nn.Module, steps: int | None = None) -> MtpDrafter:
@@ -5977,7 +6749,7 @@ class MtpDrafter(Drafter):
         return step % self.heads
 
     def drafted_by(self, gamma):
-        return [f"layer {self.layer_of(k) + 1}" if k < self.can.steps else "-"
+        return [f"layer {self.layer_of(k) + 1}" if k < self.can.max_steps else "-"
                 for k in range(gamma)]
 
     def forward_step(self, k: int, slots: Slots, ids: torch.Tensor, hidden: torch.Tensor,
@@ -6032,7 +6804,7 @@ class MtpDrafter(Drafter):
                             device=device)
         pos = torch.arange(1, width + 1, device=device).expand(len(rows), width)
         states = states[:, :width]  # (B, T-1, H) the last has no token after it
-        steps = self.can.steps
+        steps = self.can.max_steps
         slots = [new_slots(len(rows), device) for _ in range(steps)]
         last = [states.new_zeros(len(rows), states.shape[-1]) for _ in range(steps)]
         outs = [[states[:, :0]] for _ in range(steps)]
@@ -6083,14 +6855,14 @@ class AssistantSession(LastState):
         hidden = hidden[:, None]  # (B, 1, H)
         token, qs, ds, ls = pending[:, None], [], [], []
         finite = torch.ones_like(ready)
-        for i in range(c.steps):  # every step at the pending token's position
+        for i in range(c.per_call):  # every step at the pending token's position
             out, hidden = d.step(token, hidden, npos[:, None], self.slots)
             ls.append(d.logits(out[:, -1])[..., :c.vocab].to(pending.device))
             finite &= torch.isfinite(ls[-1]).flatten(1).all(1)
             qs.append(draft_probs(ls[-1], c.sampling) * ready[:, None])
             ds.append(pick(i, qs[-1]))
             token = ds[-1][:, None]
-        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.steps,
+        return Proposal(torch.stack(ds, 1), torch.stack(qs, 1), finite, ready.long() * c.per_call,
                         kept_logits(c, ls, pending.device))
 
     def advance(self, n_acc, committed, view):
@@ -6115,6 +6887,7 @@ class AssistantDrafter(Drafter):
     uses (transformers drafts the argmax and tests it against the raw softmax: not lossless)."""
 
     can = Abilities("Gemma-4 assistant", reads_target=True)
+    proposers = {"vllm": Proposer("mtp")}  # (vLLM's gemma4_mtp)
 
     def __init__(self, target: nn.Module, assistant: nn.Module, name: str = "assistant",
                  checkpoint: str | None = None):
@@ -6122,7 +6895,7 @@ class AssistantDrafter(Drafter):
             raise UsageError(f"{name}: a Gemma-4 assistant drafts for a Gemma-4 (or Gemma-3n) "
                              f"target, not {type(target).__name__}")
         self.target, self.assistant, self.name = target, assistant, name
-        self.width, self.checkpoint = vocab_width(target), checkpoint
+        self.vocab_width, self.checkpoint = vocab_width(target), checkpoint
         config = target.config.get_text_config(decoder=True)
         modes = getattr(config, "kv_sharing_modes", None) or [None] * len(config.layer_types)
         self.kv_layers = {t: max(i for i, (lt, m) in enumerate(zip(config.layer_types, modes))
@@ -6321,10 +7094,10 @@ class Eagle3Session(CommittedStates, TreeSession):
             ds.append(pick(k, qs[-1]))
             return ds[-1][:, None]
 
-        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.steps, draw)
-        draw(c.steps - 1, outs[-1])
+        outs = d.net.later(self.last[:, None], seen, at, self.slots.cache, c.per_call, draw)
+        draw(c.per_call - 1, outs[-1])
         return Proposal(torch.stack(ds, 1), torch.stack(qs, 1) * ready[:, None, None],
-                        torch.ones_like(ready), ready.long() * c.steps,
+                        torch.ones_like(ready), ready.long() * c.per_call,
                         kept_logits(c, ls, c.device))
 
     def keep(self, rows):
@@ -6348,12 +7121,14 @@ class Eagle3Drafter(Drafter):
     accepted, and the report gives the share of p's mass the draft vocabulary covers."""
 
     can = Abilities("EAGLE-3", reads_target=True)
+    proposers = {"vllm": Proposer("eagle3"), "sglang": Proposer("EAGLE3"),
+                 "llamacpp": Proposer("draft-eagle3")}
 
     def __init__(self, target: nn.Module, net: Eagle3Net, layers: Sequence[int], name: str,
                  steps: int = max(GAMMA_TABLE), checkpoint: str | None = None):
         self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
-        self.width = vocab_width(target)
-        self.can = replace(self.can, target_layers=tuple(layers), steps=steps)
+        self.vocab_width = vocab_width(target)
+        self.can = replace(self.can, target_layers=tuple(layers), max_steps=steps)
 
     def for_run(self, eos, gammas, gamma=None):
         """As many steps as the run's largest block (the best-gamma table included)."""
@@ -6376,7 +7151,7 @@ class Eagle3Drafter(Drafter):
         return q_head(lambda out: self.net.logits(out, vocab), sampling, vocab, propose)
 
     def score(self, rows, spans, states, sampling, vocab, device):
-        layers, steps = self.can.target_layers, self.can.steps
+        layers, steps = self.can.target_layers, self.can.max_steps
         with layer_inputs(self.target, layers) as got:
             teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # positions p = 1..T-1, each read with the state at p-1
@@ -6424,8 +7199,8 @@ class Eagle3Drafter(Drafter):
         if not speculators and "Eagle3" not in " ".join(config.get("architectures") or []):
             return None
         from transformers import LlamaConfig
-        layer = dict(config.get("transformer_layer_config") or config) if speculators \
-            else config
+        layer = (dict(config.get("transformer_layer_config") or config) if speculators
+            else config)
         cfg = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures",)})
         cfg._attn_implementation = "sdpa"
         w = {re.sub(r"^(model\.)?(layers\.0\.)", "midlayer.", k.removeprefix("model.")): v
@@ -6436,8 +7211,8 @@ class Eagle3Drafter(Drafter):
                   or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                   or [2, n_layers // 2, n_layers - 3])
         draft_vocab = cls.check_checkpoint(w, config, cfg, target, layers, folder)
-        embed = nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w \
-            else target.get_input_embeddings()
+        embed = (nn.Embedding(*w["embed_tokens.weight"].shape) if "embed_tokens.weight" in w
+            else target.get_input_embeddings())
         net = Eagle3Net(cfg, target.config.get_text_config(decoder=True).hidden_size,
                         draft_vocab, bool(config.get("norm_before_residual", speculators)),
                         embed)
@@ -6547,14 +7322,14 @@ class MedusaSession(LastState):
         if hidden is None:
             return Proposal.none(len(pending), c)
         hidden = hidden.to(d.net.blocks[0][0].weight)  # (B, H)
-        steps, qs, ds, ls = min(c.steps, d.can.steps), [], [], []
+        steps, qs, ds, ls = min(c.per_call, d.can.max_steps), [], [], []
         for k in range(steps):
             q, logits = d.head(k, c.sampling, c.vocab, propose=True).both(
                 d.net.block(k, hidden), lambda r: f"row {r}")
             qs.append(q.to(c.device) * ready[:, None])
             ls.append(logits.to(c.device))
             ds.append(pick(k, qs[-1]))
-        pad = c.steps - steps  # offsets past the last head: nothing proposed
+        pad = c.per_call - steps  # offsets past the last head: nothing proposed
         logits = kept_logits(c, ls, c.device)
         return Proposal(nn.functional.pad(torch.stack(ds, 1), (0, pad)),
                         nn.functional.pad(torch.stack(qs, 1), (0, 0, 0, pad)),
@@ -6593,10 +7368,11 @@ class MedusaDrafter(Drafter):
     def __init__(self, target: nn.Module, net: MedusaNet, name: str,
                  checkpoint: str | None = None):
         self.target, self.net, self.name, self.checkpoint = target, net, name, checkpoint
-        self.width, self.can = vocab_width(target), replace(self.can, steps=len(net.blocks))
+        self.vocab_width = vocab_width(target)
+        self.can = replace(self.can, max_steps=len(net.blocks))
 
     def drafted_by(self, gamma):
-        return [f"head {k + 1}" if k < self.can.steps else "-" for k in range(gamma)]
+        return [f"head {k + 1}" if k < self.can.max_steps else "-" for k in range(gamma)]
 
     def support(self, vocab: int) -> torch.Tensor | None:
         """(vocab,) the target ids its token map holds (None: every id)."""
@@ -6614,17 +7390,17 @@ class MedusaDrafter(Drafter):
             states = teacher_forced(self.target, rows, device, True)
         width = max(map(len, rows)) - 1  # slot j: the target's state at j, which head k
         outs = [self.net.block(k, states[:, :width].to(self.net.blocks[0][0].weight))
-                for k in range(self.can.steps)]  # reads to draft row[j + 2 + k]
+                for k in range(self.can.max_steps)]  # reads to draft row[j + 2 + k]
         return step_scores(outs, spans, [self.head(k, sampling, vocab)
-                                         for k in range(self.can.steps)], device,
+                                         for k in range(self.can.max_steps)], device,
                            self.support(vocab))
 
     def start(self, prompts, view, drafting):
         return MedusaSession(self, prompts, view, drafting)
 
     def param_cost(self, target):
-        head = sum(p.numel() for p in self.net.blocks[0].parameters()) + \
-            self.net.out(0).weight.numel()
+        head = (sum(p.numel() for p in self.net.blocks[0].parameters()) +
+            self.net.out(0).weight.numel())
         return head / params_per_token(target), "parameters per token: one Medusa head"
 
     def networks(self):
@@ -6727,12 +7503,12 @@ class PardSession(Session):
         pending, npos = pending.to(dev), npos.to(dev)
         ids, live, _ = left_pad(self.unread, dev)  # (B, n): fed before the pending token
         n, rows = ids.shape[1], len(pending)
-        x = torch.cat([ids, pending[:, None], torch.full((rows, c.steps - 1), d.mask,
+        x = torch.cat([ids, pending[:, None], torch.full((rows, c.per_call - 1), d.mask,
                                                          device=dev)], 1)  # (B, n + G)
-        pos = (npos[:, None] - n + torch.arange(n + c.steps, device=dev)).clamp_min(0)
-        live = torch.cat([live, torch.ones(rows, c.steps, dtype=torch.long, device=dev)], 1)
+        pos = (npos[:, None] - n + torch.arange(n + c.per_call, device=dev)).clamp_min(0)
+        live = torch.cat([live, torch.ones(rows, c.per_call, dtype=torch.long, device=dev)], 1)
         logits = extend(d.model, self.slots, x, pos, live)[:, n:, :c.vocab]  # (B, G, V)
-        drop_slots(self.slots, c.steps - 1)  # the masks' slots: never part of the history
+        drop_slots(self.slots, c.per_call - 1)  # the masks' slots: never part of the history
         self.unread = [[] for _ in self.unread]
         q = draft_probs(logits, c.sampling)  # (B, G, V): each offset from this one pass
         back = c.device  # the target's: where the acceptance test runs
@@ -6746,6 +7522,10 @@ class PardSession(Session):
     def keep(self, rows):
         select_slots(self.slots, rows.to(self.device))
         self.unread = [self.unread[r] for r in rows.tolist()]
+
+
+PARD_WITHOUT_MODEL = ("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
+                      "--draft-layers N, or drop --pard-mask")
 
 
 class PardDrafter(OwnDraftModel, Drafter):
@@ -6763,6 +7543,24 @@ class PardDrafter(OwnDraftModel, Drafter):
     proposes, as many offsets as the run's largest block."""
 
     can = Abilities("PARD", trees=False, one_pass=True)
+    options = (KindOption("--pard-mask", "run each draft model (--draft MODEL, --draft-layers "
+                          "N) in PARD mode: per cycle one forward over the context and gamma - "
+                          "1 copies of this mask token (an id, or a token of the target's "
+                          "tokenizer) drafts the whole block. A PARD checkpoint (config "
+                          "pard_token) and a DFlash folder need no flag; a model never trained "
+                          "for it gives an honest lower bound", None, str, metavar="TOKEN|ID"),)
+    proposers = {"vllm": Proposer("draft_model", extra=(("parallel_drafting", True),))}
+
+    @classmethod
+    def check_options(cls, options, asked):  # (a name a kind makes from the target alone
+        named = {n for kind in all_kinds() for n in getattr(kind, "names", ())}  # is no model)
+        if options.pard_mask is not None and not asked.layers and set(asked.drafts) <= named:
+            raise UsageError(PARD_WITHOUT_MODEL)
+
+    @classmethod
+    def check_found(cls, options, found):  # (every draft a head, or of another tokenizer)
+        if options.pard_mask is not None and not any(isinstance(d, cls) for d in found):
+            raise UsageError(PARD_WITHOUT_MODEL)
 
     def __init__(self, name: str, model: nn.Module, mask: int, steps: int = max(GAMMA_TABLE),
                  checkpoint: str | None = None):
@@ -6772,8 +7570,8 @@ class PardDrafter(OwnDraftModel, Drafter):
                              f"vocabulary (ids 0..{rows - 1}); give an id it has, or a token "
                              f"of its tokenizer (--pard-mask)")
         self.name, self.model, self.mask, self.checkpoint = name, model, mask, checkpoint
-        self.can = replace(self.can, steps=steps)
-        self.width = vocab_width(model)
+        self.can = replace(self.can, max_steps=steps)
+        self.vocab_width = vocab_width(model)
         self.route: bool | None = None  # head_route, found on the first rows scored
 
     def for_run(self, eos, gammas, gamma=None):
@@ -6782,15 +7580,15 @@ class PardDrafter(OwnDraftModel, Drafter):
 
     @torch.no_grad()
     def score(self, rows, spans, states, sampling, vocab, device):
-        model, k = self.model, self.can.steps - 1  # k: mask tokens after each start
+        model, k = self.model, self.can.max_steps - 1  # k: mask tokens after each start
         device = model_device(model) or device
         if self.route is None:
             self.route = head_route(model, _probe(rows, device))
         module, key = (model.base_model, "last_hidden_state") if self.route else (model, "logits")
         ids, live, pos = right_pad(rows, device)  # (B, T)
         slots, width = new_slots(len(rows), device), ids.shape[1]
-        real = torch.cat([getattr(feed(model, slots, ids[:, c], pos[:, c], live[:, c], module),
-                                  key) for c in column_chunks(width)], 1)  # (B, T, ...)
+        real = torch.cat([getattr(feed(module, slots, ids[:, c], pos[:, c], live[:, c]), key)
+                          for c in column_chunks(width)], 1)  # (B, T, ...)
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
         masked = [real[:, :0, None].expand(-1, -1, k, -1)]  # (B, starts, k, ...) by chunk
         for a in range(lo, hi, SCORE_STARTS) if k else ():
@@ -6812,7 +7610,7 @@ class PardDrafter(OwnDraftModel, Drafter):
             masked.append(getattr(out, key).unflatten(1, (len(t), k)))
         masked_t = torch.cat(masked, 1)  # (B, hi - lo, k, ...)
         head, scores = model_head(model, self.route, sampling, vocab), []
-        for step in range(self.can.steps):  # offset step + 1 at start t drafts row[t+1+step]
+        for step in range(self.can.max_steps):  # offset step + 1 at start t drafts row[t+1+step]
             picked = torch.cat([real[b, s:e] if step == 0 else
                                 masked_t[b, s - lo:max(e - step, s) - lo, step - 1]
                                 for b, (s, e) in enumerate(spans)]).to(device)
@@ -6834,14 +7632,14 @@ class PardDrafter(OwnDraftModel, Drafter):
         measured, and its name says so."""
         config = getattr(loaded.model, "config", None)
         mask = getattr(config, "pard_token", None)
-        if (mask is None and options.pard_mask is None) or \
-                vocabulary_method(loaded, target, options) is not None:
+        if ((mask is None and options.pard_mask is None) or
+                vocabulary_method(loaded, target, options) is not None):
             return None
         if options.pard_mask is not None:
             mask = pard_mask_token(options.pard_mask, options.tokenizer)
             name = f"{name} [PARD, mask {mask}]"
-        elif getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False) \
-                or getattr(config, "spd_type", None) == "pard2":
+        elif (getattr(config, "pard2_target_layers", None) or getattr(config, "pard2", False)
+                or getattr(config, "spd_type", None) == "pard2"):
             name = f"{name} [PARD-2, target-independent mode]"
         return cls(name, loaded.model, mask[0] if isinstance(mask, (list, tuple)) else mask,
                    checkpoint=loaded.path)
@@ -6861,7 +7659,7 @@ class DFlashNet(nn.Module):
     tokens, embedded by the target) attends all its context and itself both ways; `norm`
     ends it, and the target's own output head makes its logits."""
 
-    def __init__(self, config: Any, features: int):
+    def __init__(self, config: Any, features: int, non_causal: bool = True, first: int = 1):
         from transformers.models.qwen3 import modeling_qwen3 as qwen3
         super().__init__()
         h, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
@@ -6876,13 +7674,20 @@ class DFlashNet(nn.Module):
                                ("v_proj", self.kv_heads)):
                 setattr(attn, name, nn.Linear(h, rows * self.dim, bias=bias))
             attn.o_proj = nn.Linear(self.heads * self.dim, h, bias=bias)
-            attn.q_norm, attn.k_norm = qwen3.Qwen3RMSNorm(self.dim, eps), \
-                qwen3.Qwen3RMSNorm(self.dim, eps)
+            attn.q_norm, attn.k_norm = (qwen3.Qwen3RMSNorm(self.dim, eps),
+                qwen3.Qwen3RMSNorm(self.dim, eps))
             layer.self_attn, layer.mlp = attn, qwen3.Qwen3MLP(config)
             layer.input_layernorm = qwen3.Qwen3RMSNorm(h, eps)
             layer.post_attention_layernorm = qwen3.Qwen3RMSNorm(h, eps)
             self.layers.append(layer)
         self.rotary = qwen3.Qwen3RotaryEmbedding(config)
+        # speculators' sliding layers (its trainer's default): the context of the last
+        # `window` positions before the block's anchor, the block causal unless non_causal
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.sliding = [t == "sliding_attention" for t in types]
+        self.window = getattr(config, "sliding_window", None) if any(self.sliding) else None
+        self.non_causal = non_causal
+        self.first = first  # the block's first drafting slot (DFlashLayout.first)
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x (B, heads, t, d) at positions pos (B, t)."""
@@ -6906,24 +7711,54 @@ class DFlashNet(nn.Module):
         ctx = self.hidden_norm(self.fc(feats.to(self.fc.weight)))
         return [self.keys_values(layer, ctx, pos) for layer in self.layers]
 
+    def masks(self, seen: torch.Tensor, ctx_pos: torch.Tensor, pos: torch.Tensor,
+              anchor: torch.Tensor, own: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's allowed keys (B, n, S + n) for n block queries at positions pos
+        (B, n) whose block starts at anchor (B, n): the context they may see (seen, (B, n, S),
+        at ctx_pos (B, S)) and the block keys of their own block (own, (B, n, n)), both ways;
+        a sliding layer sees only the `window` context positions before the anchor, and its
+        own block causally unless non_causal (speculators' dflash/attention.py)."""
+        full = torch.cat([seen, own], -1)
+        if not any(self.sliding):
+            return [full] * len(self.layers)
+        near = seen if self.window is None else (
+            seen & (ctx_pos[:, None, :] >= anchor[..., None] - self.window))
+        inner = own if self.non_causal else own & (pos[:, None, :] <= pos[..., None])
+        slide = torch.cat([near, inner], -1)
+        return [slide if s else full for s in self.sliding]
+
+    def attend(self, layer: nn.Module, h: torch.Tensor, pos: torch.Tensor,
+               kv: tuple[torch.Tensor, torch.Tensor], allowed: torch.Tensor) -> torch.Tensor:
+        """One layer's attention output (B, n, H) for the block's normed inputs h."""
+        (ck, cv), a = kv, layer.self_attn
+        q = a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.dim))).transpose(1, 2)
+        k, v = self.keys_values(layer, h, pos)
+        group = self.heads // self.kv_heads
+        k = torch.cat([ck, k], 2).repeat_interleave(group, 1)  # (B, heads, S + n, d)
+        v = torch.cat([cv, v], 2).repeat_interleave(group, 1)
+        out = nn.functional.scaled_dot_product_attention(
+            self.rope(q, pos), k, v, additive_mask(allowed, h.dtype), scale=self.dim ** -0.5)
+        return a.o_proj(out.transpose(1, 2).flatten(2))
+
+    def layer_forward(self, layer: nn.Module, x: torch.Tensor, pos: torch.Tensor,
+                      kv: tuple[torch.Tensor, torch.Tensor], allowed: torch.Tensor,
+                      slot: torch.Tensor) -> torch.Tensor:
+        """One pre-norm layer over the block (slot: each query's place in its block, which
+        DFlash-2's convolutions read)."""
+        x = x + self.attend(layer, layer.input_layernorm(x), pos, kv, allowed)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
     def block(self, x: torch.Tensor, pos: torch.Tensor,
-              context: Sequence[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor
+              context: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              allowed: torch.Tensor | Sequence[torch.Tensor], slot: torch.Tensor | None = None
               ) -> torch.Tensor:
         """Blocks' embeddings x (B, n, H) at positions pos (B, n) through every layer, each
-        query seeing the context's S keys and the n block keys where allowed (B, n, S + n)
-        says -> the normed outputs (B, n, H)."""
-        mask = additive_mask(allowed, x.dtype)  # (B, 1, n, S + n)
-        for layer, (ck, cv) in zip(self.layers, context):
-            a, h = layer.self_attn, layer.input_layernorm(x)
-            q = a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.dim))).transpose(1, 2)
-            k, v = self.keys_values(layer, h, pos)
-            group = self.heads // self.kv_heads
-            k = torch.cat([ck, k], 2).repeat_interleave(group, 1)  # (B, heads, S + n, d)
-            v = torch.cat([cv, v], 2).repeat_interleave(group, 1)
-            out = nn.functional.scaled_dot_product_attention(self.rope(q, pos), k, v, mask,
-                                                             scale=self.dim ** -0.5)
-            x = x + a.o_proj(out.transpose(1, 2).flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        query seeing the context's S keys and the n block keys where allowed (B, n, S + n;
+        or one such per layer: masks) says -> the normed outputs (B, n, H)."""
+        each = [allowed] * len(self.layers) if torch.is_tensor(allowed) else allowed
+        slot = torch.arange(x.shape[1], device=x.device) if slot is None else slot
+        for layer, kv, ok in zip(self.layers, context, each):
+            x = self.layer_forward(layer, x, pos, kv, ok, slot)
         return self.norm(x)
 
 
@@ -6935,10 +7770,10 @@ class DFlashSession(CommittedStates):
 
     def __init__(self, drafter: DFlashDrafter, prompts: list[list[int]],
                  view: TargetView | None, drafting: Drafting):
-        if drafting.steps > drafter.can.max_gamma:
-            raise UsageError(f"--gamma {drafting.steps}: {drafter.name} drafts at most "
-                             f"{drafter.can.max_gamma} tokens a pass (its block of "
-                             f"{drafter.can.max_gamma + 1})")
+        if drafting.per_call > drafter.can.pass_tokens:
+            raise UsageError(f"--gamma {drafting.per_call}: {drafter.name} drafts at most "
+                             f"{drafter.can.pass_tokens} tokens a pass (its block of "
+                             f"{drafter.size})")
         self.drafter, rows, fc = drafter, len(prompts), drafter.net.fc.weight
         empty = torch.zeros(rows, 0, dtype=torch.long, device=drafting.device)
         self.live, self.pos = empty, empty.clone()  # (B, S) of the context
@@ -6957,19 +7792,15 @@ class DFlashSession(CommittedStates):
 
     def propose(self, pending, npos, u):
         c, d = self.drafting, self.drafter
-        size = d.can.max_gamma + 1
+        size = d.size
         ids = torch.cat([pending[:, None], torch.full((len(pending), size - 1), d.mask,
                                                       device=pending.device)], 1)  # (B, size)
         pos = npos[:, None] + torch.arange(size, device=npos.device)
-        allowed = torch.cat([self.live[:, None, :].bool().expand(-1, size, -1),
-                             torch.ones(len(ids), size, size, dtype=torch.bool,
-                                        device=ids.device)], -1)  # context, then both ways
-        out = d.net.block(d.embed(ids), pos, self.kv, allowed)  # (B, size, H)
-        q, logits = d.head(c.sampling, c.vocab, propose=True).both(
-            out[:, 1:1 + c.steps], lambda r: f"row {r}")  # (B, G, V) each
-        return Proposal(sample_from(q, u), q, torch.ones(len(ids), dtype=torch.bool,
-                                                         device=ids.device),
-                        logits=logits if c.logits else None)
+        seen = self.live[:, None, :].bool().expand(-1, size, -1)  # all the context...
+        own = torch.ones(len(ids), size, size, dtype=torch.bool, device=ids.device)
+        out = d.net.block(d.embed(ids), pos, self.kv,  # ...and the block, both ways
+                          d.net.masks(seen, self.pos, pos, pos[:, :1].expand(-1, size), own))
+        return d.draft_block(out, pending, c, u)  # (B, size, H) -> the drafts
 
     def keep(self, rows):
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
@@ -6979,6 +7810,69 @@ class DFlashSession(CommittedStates):
 
 DFLASH_BLOCK_QUERIES = 256  # block tokens a teacher-forced DFlash forward runs: 256 / size starts
 
+# speculators' defaults for the keys its DFlash-family configs may leave out (its pydantic
+# configs, speculators 0.9.0: models/dflash, dspark, dflash2 config.py)
+SPECULATORS_DFLASH = {
+    "dflash": dict(block_size=8, sample_from_anchor=False, sliding_window_non_causal=False),
+    "dspark": dict(block_size=8, sample_from_anchor=True, sliding_window_non_causal=False,
+                   markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
+                   confidence_head_with_markov=True),
+    "dflash2": dict(block_size=8, sample_from_anchor=False, sliding_window_non_causal=True,
+                    conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                    selector_top_k=16)}
+
+
+class DFlashLayout(NamedTuple):
+    """A DFlash-family checkpoint's config as read, whoever wrote it: z-lab (a Qwen3 config,
+    dflash_config), transformers (muse_glimmer_assistant), speculators (speculators_model_type,
+    transformer_layer_config) or vLLM's own DSpark layout (Qwen3DSparkModel, its keys at the
+    top)."""
+
+    family: str  # "dflash", "dspark" or "dflash2"
+    source: str  # who wrote it
+    keys: dict[str, Any]  # block_size, mask_token_id and the family's own keys
+    layer: dict[str, Any]  # the draft layers' config (Qwen3)
+    ids: list[int] | None  # the target layers read, as z-lab numbers them (the output of layer
+    # i; speculators' aux_hidden_state_layer_ids are i + 1, the input of layer i + 1)
+    first: int  # the block's first drafting slot: 0 anchor-first (each slot drafts the token
+    # after it), 1 the DFlash layout (each mask drafts its own position)
+    non_causal: bool  # sliding layers see their own block both ways
+
+
+def dflash_layout(config: dict[str, Any]) -> DFlashLayout | None:
+    """The DFlash-family layout of a checkpoint's config (None: not one)."""
+    kind = config.get("speculators_model_type")
+    if kind in SPECULATORS_DFLASH:
+        keys = {**SPECULATORS_DFLASH[kind],
+                **{k: v for k, v in config.items() if v is not None}}
+        layer = dict(config.get("transformer_layer_config") or {})
+        rope = layer.get("rope_parameters")
+        if isinstance(rope, dict) and "sliding_attention" in rope:  # per layer type: one
+            layer["rope_parameters"] = rope["sliding_attention"]
+        aux = keys.get("aux_hidden_state_layer_ids")
+        return DFlashLayout(kind, "speculators", keys, layer,
+                            None if aux is None else [int(i) - 1 for i in aux],
+                            0 if keys["sample_from_anchor"] else 1,
+                            bool(keys["sliding_window_non_causal"]))
+    archs = " ".join(config.get("architectures") or [])
+    if kind is not None or not ("DFlash" in archs or "DSpark" in archs or
+                                "dflash_config" in config or
+                                config.get("model_type") == "muse_glimmer_assistant"):
+        return None
+    keys = {**config, **(config.get("dflash_config") or {}), **(config.get("dspark_config") or {})}
+    family = ("dspark" if "DSpark" in archs or "markov_rank" in keys else
+              "dflash2" if "selector_top_k" in keys or "DFlash2" in archs else "dflash")
+    defaults = {k: v for k, v in SPECULATORS_DFLASH[family].items() if k != "block_size"}
+    keys = {**defaults, **{k: v for k, v in keys.items() if v is not None}}
+    if family == "dflash":  # z-lab's and transformers' DFlash: no other layout
+        keys["sample_from_anchor"] = False
+    source = ("transformers" if config.get("model_type") == "muse_glimmer_assistant" else
+              "vllm" if family == "dspark" else "z-lab")
+    layer = {k: v for k, v in config.items() if k not in ("dflash_config", "dspark_config")}
+    ids = keys.get("target_layer_ids") or keys.get("dspark_target_layer_ids")
+    return DFlashLayout(family, source, keys, layer, ids,
+                        0 if keys["sample_from_anchor"] else 1, not keys.get("causal", False))
+
 
 class DFlashDrafter(Drafter):
     """A DFlash block-diffusion draft (z-lab/dflash: from_checkpoint): per cycle one pass of
@@ -6986,18 +7880,47 @@ class DFlashDrafter(Drafter):
     at the committed positions, drafts offsets 1..block_size - 1 (gamma of them are
     proposed; the whole block runs, as z-lab's code, SGLang and transformers run it).
     Teacher-forced, every scored position t starts a block (row[t], then the masks) that sees
-    the target's states before t: offset j's alpha is exactly what a cycle from t proposes."""
+    the target's states before t: offset j's alpha is exactly what a cycle from t proposes.
+    A block drafted anchor-first (speculators' sample_from_anchor) drafts from every slot the
+    token after it: block_size drafts a pass. Its subclasses (DSpark, DFlash-2) draft the
+    block's slots left to right, each reading the token drafted before it (chained)."""
 
+    family = "dflash"  # its DFlashLayout.family
+    chained = False  # whether a slot's draft reads the token drafted before it
+    layout: str | None = None  # who wrote its checkpoint (DFlashLayout.source)
     can = Abilities("DFlash", reads_target=True, trees=False, one_pass=True)
+    proposers = {"vllm": Proposer("dflash"), "sglang": Proposer("DFLASH"),
+                 "llamacpp": Proposer("draft-dflash")}
+
+    def serving(self):
+        out = super().serving()
+        return {**out, "layout": "speculators"} if self.layout == "speculators" else out
+
+    @classmethod
+    def proposer(cls, serving, engine):  # SGLang 0.5.23 reads no speculators config (it has
+        if engine == "sglang" and serving.get("layout") == "speculators":  # no model_type)
+            return None
+        return super().proposer(serving, engine)
+
+    def check(self, settings):
+        gamma, most = settings.gamma, self.can.pass_tokens
+        if most is not None and gamma > most:
+            raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {most} tokens a pass "
+                             f"(its block of {self.size}: the pending token and "
+                             f"{self.size - 1} masks{', anchor first' if not self.first else ''}"
+                             f"); use --gamma {most} or less")
+        super().check(settings)
 
     def __init__(self, target: nn.Module, net: DFlashNet, ids: Sequence[int], size: int,
                  mask: int, folder: str):
         self.target, self.net, self.ids, self.mask = target, net, list(ids), mask
         self.name = self.checkpoint = folder  # (read from its folder alone: from_checkpoint)
         self.n_layers = len(decoder_layers(target))
-        self.width = vocab_width(target)
-        self.can = replace(self.can, steps=size - 1, max_gamma=size - 1, target_layers=tuple(
-            sorted({i + 1 for i in self.ids if i + 1 < self.n_layers})))
+        self.vocab_width = vocab_width(target)
+        self.size, self.first = size, net.first
+        self.can = replace(self.can, max_steps=size - self.first, pass_tokens=size - self.first,
+                           target_layers=tuple(sorted({i + 1 for i in self.ids
+                                                       if i + 1 < self.n_layers})))
 
     def features(self, inputs: dict[int, torch.Tensor], final: torch.Tensor | None
                  ) -> torch.Tensor:
@@ -7013,24 +7936,57 @@ class DFlashDrafter(Drafter):
 
     def head(self, sampling: SamplingParams, vocab: int, propose: bool = False
              ) -> Callable[[torch.Tensor, Callable[[int], str]], torch.Tensor]:
-        """Outputs (..., H) -> q through the target's output head (DFlash borrows it)."""
+        """A slot's states -> q through the target's output head (DFlash borrows it)."""
+        return q_head(self.slot_logits, sampling, vocab, propose)
+
+    def slot_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """What slot_states gave (..., X) -> the slot's logits (..., V)."""
         out = self.target.get_output_embeddings()
-        return q_head(lambda h: out(h.to(out.weight)).to(h.device), sampling, vocab, propose)
+        return out(states.to(out.weight)).to(states.device)
+
+    def slot_states(self, h: torch.Tensor, prev: torch.Tensor, state: Any
+                    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """One slot's outputs h (..., H), the token before the one it drafts prev (...) and
+        what the slots before it carried -> what slot_logits reads, what the next slot is
+        carried, and the draft's own estimate of its acceptance (None: it has none)."""
+        return h, state, None
+
+    def draft_block(self, out: torch.Tensor, pending: torch.Tensor, c: Drafting,
+                    u: torch.Tensor) -> Proposal:
+        """The block's outputs (B, size, H) -> the proposal: its drafting slots from `first`,
+        drawn with u (B, G); chained, left to right, each slot reading the token drawn
+        before it (the pending token before the first)."""
+        head = self.head(c.sampling, c.vocab, propose=True)
+        finite = torch.ones(len(out), dtype=torch.bool, device=out.device)
+        if not self.chained:
+            q, logits = head.both(out[:, self.first:self.first + c.per_call], lambda r: f"row {r}")
+            return Proposal(sample_from(q, u), q, finite, logits=logits if c.logits else None)
+        prev, state, drawn = pending, None, []
+        for j in range(self.first + c.per_call):
+            x, state, estimate = self.slot_states(out[:, j], prev, state)
+            if j >= self.first:  # (a slot before it carries the chain's state alone)
+                q, logits = head.both(x, lambda r: f"row {r}")
+                prev = sample_from(q, u[:, j - self.first])
+                drawn.append((prev, q, logits, estimate))
+        tokens, q, logits, estimate = zip(*drawn)
+        return Proposal(torch.stack(tokens, 1), torch.stack(q, 1), finite,
+                        logits=torch.stack(logits, 1) if c.logits else None,
+                        estimate=None if estimate[0] is None else torch.stack(estimate, 1))
 
     @torch.no_grad()
     def score(self, rows, spans, states, sampling, vocab, device):
         last = self.n_layers - 1 in self.ids
-        with final_states(self.target, last) as seen, \
-                layer_inputs(self.target, self.can.target_layers) as got:
+        with (final_states(self.target, last) as seen,
+                layer_inputs(self.target, self.can.target_layers) as got):
             teacher_forced(self.target, rows, device, True)
         feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
                               torch.cat(seen, 1) if last else None)  # (B, T, F)
         _, live, pos = right_pad(rows, device)
-        context, size = self.net.context(feats, pos), self.can.steps + 1
+        context, size = self.net.context(feats, pos), self.size
         ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
                            device=device)
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        outs = []  # (B, n, size - 1, H) per chunk of starts
+        outs = []  # (B, n, size, H) per chunk of starts
         per = max(1, DFLASH_BLOCK_QUERIES // size)
         for a in range(lo, hi, per):
             t = torch.arange(a, min(a + per, hi), device=device)  # the starts
@@ -7039,17 +7995,40 @@ class DFlashDrafter(Drafter):
             x = torch.where(at == start, ids[:, start], self.mask)  # (B, n size)
             seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
             own = (start[:, None] == start[None, :]).expand(len(rows), -1, -1)
-            out = self.net.block(self.embed(x), at.expand(len(rows), -1), context,
-                                 torch.cat([seen_ctx, own], -1))
-            outs.append(out.unflatten(1, (len(t), size))[:, :, 1:])
-        blocks = torch.cat(outs, 1)  # (B, hi - lo, size - 1, H)
+            b = len(rows)
+            out = self.net.block(self.embed(x), at.expand(b, -1), context, self.net.masks(
+                seen_ctx, pos, at.expand(b, -1), start.expand(b, -1), own), at - start)
+            outs.append(out.unflatten(1, (len(t), size)))
+        blocks, estimate = self.teacher_slots(torch.cat(outs, 1), ids, lo)
         head, scores = self.head(sampling, vocab), []
-        for k in range(self.can.steps):  # offset k + 1 at start t drafts row[t + 1 + k]
-            picked = torch.cat([blocks[b, s - lo:max(e - k, s) - lo, k]
-                                for b, (s, e) in enumerate(spans)]).to(device)
+        for k in range(self.can.max_steps):  # offset k + 1 at start t drafts row[t + 1 + k]
+            pick = [(b, s - lo, max(e - k, s) - lo) for b, (s, e) in enumerate(spans)]
+            picked = torch.cat([blocks[b, s:e, k] for b, s, e in pick]).to(device)
             scores.append(Scores(picked, torch.ones(len(picked), dtype=torch.bool,
-                                                    device=device), head))
+                                                    device=device), head,
+                                 estimate=None if estimate is None else torch.cat(
+                                     [estimate[b, s:e, k] for b, s, e in pick]).to(device)))
         return scores
+
+    def teacher_slots(self, blocks: torch.Tensor, ids: torch.Tensor, lo: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every start's block outputs (B, n, size, H), the starts from lo, and the rows' ids
+        (B, T) -> each start's drafting slots (B, n, G, X), what slot_logits reads, and the
+        draft's estimates (B, n, G) or None; chained, each slot reads the row's own token
+        before the one it drafts (row[t + k] for offset k + 1 at start t)."""
+        if not self.chained:
+            return blocks[:, :, self.first:], None
+        n, last = blocks.shape[1], ids.shape[1] - 1
+        starts = torch.arange(lo, lo + n, device=ids.device)
+        state, xs, estimates = None, [], []
+        for j in range(self.size):
+            at = (starts + max(j - self.first, 0)).clamp_max(last)  # the token before
+            x, state, estimate = self.slot_states(blocks[:, :, j], ids[:, at], state)
+            if j >= self.first:
+                xs.append(x)
+                estimates.append(estimate)
+        return (torch.stack(xs, 2),
+                None if estimates[0] is None else torch.stack(estimates, 2))
 
     def start(self, prompts, view, drafting):
         return DFlashSession(self, prompts, view, drafting)
@@ -7058,8 +8037,8 @@ class DFlashDrafter(Drafter):
         net = sum(p.numel() for p in self.net.parameters())
         head = target.get_output_embeddings().weight.numel()
         return ((net + head) / params_per_token(target),
-                "parameters per token: the DFlash layers, fc and the target's output head, "
-                "against the target")
+                f"parameters per token: the {self.can.kind} layers, fc and the target's output "
+                f"head, against the target")
 
     def networks(self):
         return [self.net]
@@ -7068,8 +8047,8 @@ class DFlashDrafter(Drafter):
     def from_model(cls, name, loaded, target, options):
         """A DFlash checkpoint loaded as a causal LM (a hub id): refused, in one line."""
         config = getattr(loaded.model, "config", None)
-        if getattr(config, "dflash_config", None) is None and "DFlash" not in " ".join(
-                getattr(config, "architectures", None) or []):
+        if cls is not DFlashDrafter or getattr(config, "dflash_config", None) is None and (
+                "DFlash" not in " ".join(getattr(config, "architectures", None) or [])):
             return None
         raise UsageError(f"{name}: a DFlash draft is read from its folder, not loaded as a "
                          f"causal LM; download it (huggingface-cli download {name} --local-dir "
@@ -7077,88 +8056,333 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def from_checkpoint(cls, folder, config, target):
-        """A DFlash draft from its checkpoint: z-lab's (architectures DFlashDraftModel, a
-        Qwen3 config with block_size, num_target_layers and dflash_config {mask_token_id,
-        target_layer_ids}; weights layers.*, fc, hidden_norm, norm) or transformers' (model
-        type muse_glimmer_assistant: block_size, mask_token_id, target_layer_ids at the top;
-        encoder.fc, encoder.output_norm_enc). specdec builds the network itself from the
-        config and the weights: no code of the checkpoint's (its auto_map) runs. Refuses, in
-        one line, a draft that does not fit the target or that specdec cannot build."""
-        archs = " ".join(config.get("architectures") or [])
-        if not ("DFlash" in archs or "dflash_config" in config
-                or config.get("model_type") == "muse_glimmer_assistant"):
+        """A DFlash-family draft from its checkpoint (dflash_layout): z-lab's (architectures
+        DFlashDraftModel, a Qwen3 config with block_size, num_target_layers and dflash_config
+        {mask_token_id, target_layer_ids}; weights layers.*, fc, hidden_norm, norm),
+        transformers' (model type muse_glimmer_assistant: block_size, mask_token_id,
+        target_layer_ids at the top; encoder.fc, encoder.output_norm_enc) or speculators'
+        (speculators_model_type, transformer_layer_config, aux_hidden_state_layer_ids; the
+        same weight names), of this class's family. specdec builds the network itself from
+        the config and the weights: no code of the checkpoint's (its auto_map) runs. Refuses,
+        in one line, a draft that does not fit the target or that specdec cannot build."""
+        layout = dflash_layout(config)
+        if layout is None or layout.family != cls.family:
             return None
-        keys = {**config, **(config.get("dflash_config") or {})}  # dflash_config's first
-        n_draft = int(config.get("num_hidden_layers", 1))
-        n_target = len(decoder_layers(target))
-        ids = keys.get("target_layer_ids") or (
+        keys, n_target = layout.keys, len(decoder_layers(target))
+        n_draft = int(layout.layer.get("num_hidden_layers", 1))
+        ids = layout.ids or (
             [n_target // 2] if n_draft == 1 else  # z-lab's build_target_layer_ids
             [round(1 + i * (n_target - 4) / (n_draft - 1)) for i in range(n_draft)])
-        cfg, w = cls.check_checkpoint(folder, keys, ids, target)
-        net = DFlashNet(cfg, w["fc.weight"].shape[1])
+        cfg, w = cls.check_checkpoint(folder, layout, ids, target)
+        net = cls.build(cfg, w, layout)
         missing, unexpected = net.load_state_dict(w, strict=False)
         if [k for k in missing if not k.startswith("rotary.")] or unexpected:
-            raise UsageError(f"{folder}: not a DFlash checkpoint specdec can build (missing "
-                             f"{missing[:2]}, unexpected {list(unexpected)[:2]}): its own code "
-                             f"({config.get('auto_map') or archs}) would be needed, which "
-                             f"specdec does not run")
-        return cls(target, on_target(net, target), ids, int(keys["block_size"]),
+            raise UsageError(f"{folder}: not a {cls.can.kind} checkpoint specdec can build "
+                             f"(missing {missing[:2]}, unexpected {list(unexpected)[:2]}): its "
+                             f"own code ({config.get('auto_map') or config.get('architectures')})"
+                             f" would be needed, which specdec does not run")
+        made = cls(target, on_target(net, target), ids, int(keys["block_size"]),
                    int(keys["mask_token_id"]), folder)
+        made.layout = layout.source
+        return made
 
-    @staticmethod
-    def check_checkpoint(folder: str, keys: dict[str, Any], ids: Sequence[int],
+    @classmethod
+    def build(cls, cfg: Any, w: dict[str, torch.Tensor], layout: DFlashLayout) -> DFlashNet:
+        """The family's network for a checked config (check_checkpoint), before its weights."""
+        return DFlashNet(cfg, w["fc.weight"].shape[1], layout.non_causal, layout.first)
+
+    @classmethod
+    def check_checkpoint(cls, folder: str, layout: DFlashLayout, ids: Sequence[int],
                          target: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
-        """One clear line for a DFlash draft that does not fit the target or that specdec
-        cannot build; else its layers' config (a Qwen3Config) and its weights, named as
-        DFlashNet names them."""
+        """One clear line for a DFlash-family draft that does not fit the target or that
+        specdec cannot build; else its layers' config (a Qwen3Config) and its weights, named
+        as its network names them."""
+        keys, name = layout.keys, cls.can.kind
         tcfg = target.config.get_text_config(decoder=True)
         n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
         for key in ("block_size", "mask_token_id"):
             if not isinstance(keys.get(key), int):
-                raise UsageError(f"{folder}: a DFlash config without {key}")
-        if keys["block_size"] < 2:
-            raise UsageError(f"{folder}: a DFlash block_size of {keys['block_size']} drafts "
+                raise UsageError(f"{folder}: a {name} config without {key}")
+        if keys["block_size"] < 1 + layout.first:
+            raise UsageError(f"{folder}: a {name} block_size of {keys['block_size']} drafts "
                              f"nothing (the block holds the pending token and the masks)")
         rows = target.get_input_embeddings().weight.shape[0]
         if not 0 <= keys["mask_token_id"] < rows:
             raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
                              f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
                              f"block reads: a draft for another target")
-        told = keys.get("num_target_layers")
-        if not all(0 <= i < n_target for i in ids) or told not in (None, n_target):
-            raise UsageError(f"{folder}: reads target layers {list(ids)} of a target of "
+        if layout.source == "speculators" and layout.ids is None:
+            raise UsageError(f"{folder}: a speculators {name} config without "
+                             f"aux_hidden_state_layer_ids (the target layers it reads)")
+        told, least = keys.get("num_target_layers"), -1 if layout.source == "speculators" else 0
+        if not all(least <= i < n_target for i in ids) or told not in (None, n_target):
+            shown = [i + 1 for i in ids] if layout.source == "speculators" else list(ids)
+            raise UsageError(f"{folder}: reads target layers {shown} of a target of "
                              f"{told or 'more'} layers, but this target has {n_target}: a "
                              f"draft for another target")
-        kinds = set(keys.get("layer_types") or ["full_attention"])
-        if keys.get("use_sliding_window"):
+        draft_vocab = keys.get("draft_vocab_size")
+        if layout.source == "speculators" and draft_vocab not in (None, rows, tcfg.vocab_size):
+            raise UsageError(f"{folder}: a {name} draft with a vocabulary of its own "
+                             f"({draft_vocab} of the target's {tcfg.vocab_size} ids, mapped by "
+                             f"d2t); specdec measures full-vocabulary {name} drafts")
+        kinds = set(layout.layer.get("layer_types") or ["full_attention"])
+        if layout.layer.get("use_sliding_window"):
             kinds.add("sliding_attention")
-        if kinds != {"full_attention"}:
+        if kinds != {"full_attention"} and layout.source != "speculators":
             raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
                              f"whose attention within a block engines run with code of their "
                              f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
                              f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
-                             f"LLaMA-3.1 ones) and cannot run this one")
+                             f"LLaMA-3.1 ones) and those speculators trains, whose sliding "
+                             f"layers it runs as speculators does, and cannot run this one")
         from transformers import Qwen3Config
-        cfg = Qwen3Config(**{k: v for k, v in keys.items() if k not in (
-            "architectures", "auto_map", "dflash_config", "model_type", "layer_types",
-            "target_layer_ids", "transformers_version", "dtype", "torch_dtype")})
+        cfg = Qwen3Config(**{k: v for k, v in layout.layer.items() if k not in (
+            "architectures", "auto_map", "dflash_config", "model_type", "target_layer_ids",
+            "transformers_version", "dtype", "torch_dtype", "speculators_model_type")})
         if cfg.hidden_size != hidden:
-            raise UsageError(f"{folder}: a DFlash draft {cfg.hidden_size} wide reads the "
+            raise UsageError(f"{folder}: a {name} draft {cfg.hidden_size} wide reads the "
                              f"embedding and head of a target {hidden} wide: a draft for "
                              f"another target")
+        return cfg, cls.read_checkpoint_weights(folder, layout, ids, hidden)
+
+    @staticmethod
+    def read_checkpoint_weights(folder: str, layout: DFlashLayout, ids: Sequence[int],
+                                hidden: int) -> dict[str, torch.Tensor]:
+        """A DFlash-family draft's weights, named as its network names them (the target's own
+        tensors and training's left out), its fc checked against the target layers read."""
         names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-        w = {}
+        unused = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                  "verifier_norm.weight", "t2d", "d2t", "mask_embedding")  # the target's own,
+        w = {}  # or training's: speculators saves them beside the network
         for k, v in read_weights(folder).items():
             k = k.removeprefix("model.")
             for old, new in names.items():
                 k = new + k[len(old):] if k.startswith(old) else k
-            w[k] = v
+            if not (layout.source in ("speculators", "vllm") and k in unused):
+                w[k] = v
         if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
             raise UsageError(f"{folder}: its fc reads "
                              f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
                              f"features, but {len(ids)} layers of this target give "
                              f"{len(ids)} x {hidden}: a draft for another target")
+        return w
+
+
+class DSparkNet(DFlashNet):
+    """DSpark's draft network (DeepSeek's DSpark, as speculators' DSparkDraftModel, vLLM's
+    qwen3_dspark, SGLang's dspark_components and llama.cpp's draft-dspark define it): a
+    DFlash backbone; a Markov head, a low-rank transition bias on the token before each slot
+    (markov_w2 . markov_w1[prev]: "vanilla"; gated by the slot's state: "gated"; through a
+    recurrent state over the block's slots: "rnn"); and a confidence head, each slot's
+    estimate that it is accepted once the slots before it are."""
+
+    def __init__(self, config: Any, features: int, layout: DFlashLayout):
+        super().__init__(config, features, layout.non_causal, layout.first)
+        keys = layout.keys
+        h, v, r = config.hidden_size, config.vocab_size, int(keys["markov_rank"])
+        self.rank, self.markov_type = r, keys["markov_head_type"]
+        if r:
+            m = self.markov_head = nn.Module()
+            m.markov_w1, m.markov_w2 = nn.Embedding(v, r), nn.Linear(r, v, bias=False)
+            if self.markov_type == "gated":
+                m.gate_proj = nn.Linear(h + r, r)
+            elif self.markov_type == "rnn":
+                m.joint_proj = nn.Linear(2 * r + h, 3 * r)
+        self.with_markov = bool(keys["confidence_head_with_markov"]) and r > 0
+        self.confidence_head = None
+        if keys["enable_confidence_head"]:
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(h + r * self.with_markov, 1)
+
+    def markov(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The token before a slot prev (...) and the slot's outputs h (..., H) -> what
+        markov_w2 turns into the slot's bias (..., r), markov_w1[prev] (the confidence head
+        reads it) and the recurrent state after the slot ("rnn": from zeros at slot 0)."""
+        m = self.markov_head
+        e = m.markov_w1(prev).to(h)
+        if self.markov_type == "vanilla":
+            return e, e, state
+        if self.markov_type == "gated":
+            return torch.sigmoid(m.gate_proj(torch.cat([h, e], -1))) * e, e, state
+        state = torch.zeros_like(e) if state is None else state
+        gate, cand, out = m.joint_proj(torch.cat([state, e, h], -1)).chunk(3, -1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return torch.tanh(out), e, state
+
+    def confidence(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor | None:
+        """The slot's estimate that it is accepted, given the slots before it are (...)."""
+        if self.confidence_head is None:
+            return None
+        x = torch.cat([h, e], -1) if self.with_markov else h
+        return torch.sigmoid(self.confidence_head.proj(x).squeeze(-1)).float()
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark draft (speculators' "dspark", vLLM's Qwen3DSparkModel layout): DFlash's one
+    pass over the block, then its slots drafted left to right, each slot's logits the target's
+    head on its state plus the Markov head's bias on the token drafted before it (the pending
+    token before the first), each drawn under the run's rule (argmax under the engines' rule,
+    as vLLM's greedy draft_sample_method and llama.cpp; sampled under the textbook rule, as
+    vLLM's probabilistic one); the confidence head's estimate beside each. Anchor-first (its
+    default) drafts block_size tokens a pass. Teacher-forced, each slot reads the text's own
+    token before it."""
+
+    family, chained = "dspark", True
+    can = Abilities("DSpark", reads_target=True, trees=False, one_pass=True)
+    proposers = {"vllm": Proposer("dspark"),
+                 "sglang": Proposer("DSPARK", extra=(
+                     ("drafts_flag", "--speculative-dspark-block-size"),)),
+                 "llamacpp": Proposer("draft-dspark", p_min="dspark")}
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.can = replace(self.can, confidence_head=self.net.confidence_head is not None)
+
+    def slot_states(self, h, prev, state):
+        net = self.net
+        if not net.rank:
+            return h, state, net.confidence(h, None)
+        m, e, state = net.markov(prev, h, state)
+        return torch.cat([h, m], -1), state, net.confidence(h, e)
+
+    def slot_logits(self, states):
+        net, out = self.net, self.target.get_output_embeddings()
+        h = states[..., :states.shape[-1] - net.rank]
+        logits = out(h.to(out.weight)).to(states.device)
+        if not net.rank:
+            return logits
+        bias = net.markov_head.markov_w2(states[..., -net.rank:]).to(logits)
+        return logits + bias  # (the bias covers the head's columns: check_checkpoint)
+
+    @classmethod
+    def build(cls, cfg, w, layout):
+        return DSparkNet(cfg, w["fc.weight"].shape[1], layout)
+
+    @classmethod
+    def check_checkpoint(cls, folder, layout, ids, target):
+        cfg, w = super().check_checkpoint(folder, layout, ids, target)
+        keys, r = layout.keys, int(layout.keys.get("markov_rank") or 0)
+        keys["markov_rank"] = r
+        if r:
+            if keys["markov_head_type"] not in ("vanilla", "gated", "rnn"):
+                raise UsageError(f"{folder}: a DSpark Markov head of type "
+                                 f"{keys['markov_head_type']!r}; specdec runs vanilla, gated "
+                                 f"and rnn ones")
+            lost = [k for k in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+                    if k not in w]
+            if lost:
+                raise UsageError(f"{folder}: a DSpark draft (markov_rank {r}) without its Markov "
+                                 f"head's weights ({', '.join(lost)}): an incomplete checkpoint")
+            rows = target.get_output_embeddings().weight.shape[0]
+            if w["markov_head.markov_w2.weight"].shape[0] != rows:
+                raise UsageError(f"{folder}: its Markov head biases "
+                                 f"{w['markov_head.markov_w2.weight'].shape[0]} ids, the "
+                                 f"target's head gives {rows}: a draft for another target")
+        else:
+            keys["confidence_head_with_markov"] = False  # (nothing to read beside the state)
+        if keys["enable_confidence_head"] and "confidence_head.proj.weight" not in w:
+            keys["enable_confidence_head"] = False  # as vLLM: a draft without one
         return cfg, w
+
+
+class DFlash2Net(DFlashNet):
+    """DFlash-2's draft network (speculators' DFlash2DraftModel, vLLM's qwen3_dflash2): a
+    DFlash backbone whose layers wrap attention and the MLP in grouped dynamic convolutions
+    causal within the block (their kernels: a base plus a projection of the input), and a
+    candidate selector that rescores each slot's top-k candidates by a low-rank edge from the
+    token before it (predecessor and successor codebooks, gated by the slot's state)."""
+
+    def __init__(self, config: Any, features: int, layout: DFlashLayout):
+        super().__init__(config, features, layout.non_causal, layout.first)
+        keys = layout.keys
+        h, v = config.hidden_size, config.vocab_size
+        self.taps, self.group = int(keys["conv_kernel_size"]), int(keys["conv_group_size"])
+        self.top_k, rank = int(keys["selector_top_k"]), int(keys["selector_rank"])
+        for layer in self.layers:
+            for name in ("attention_conv", "mlp_conv"):
+                conv = nn.Module()
+                conv.base_kernel = nn.Parameter(torch.zeros(2, self.taps, h))
+                conv.kernel_projection = nn.Linear(h, 2 * self.taps * (h // self.group),
+                                                   bias=False)
+                setattr(layer, name, conv)
+        s = self.candidate_selector = nn.Module()
+        s.predecessor_codebook = nn.Parameter(torch.zeros(v, rank))
+        s.successor_codebook = nn.Parameter(torch.zeros(v, rank))
+        s.hidden_projection = nn.Linear(h, rank, bias=False)
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor,
+                 slot: torch.Tensor) -> torch.Tensor:
+        """x (B, n, H) through a causal convolution within each block: out[t] = sum over taps
+        j <= slot[t] of (base[j] + delta[t, j], per group of channels) * x[t - j]."""
+        out = torch.zeros_like(x)
+        for j in range(self.taps):
+            shifted = nn.functional.pad(x, (0, 0, j, 0))[:, :x.shape[1]]
+            kernel = base[j] + delta[:, :, j].repeat_interleave(self.group, -1)
+            out = out + shifted * kernel * (slot >= j)[None, :, None].to(x)
+        return out
+
+    def layer_forward(self, layer, x, pos, kv, allowed, slot):
+        x = x + self.wrapped(layer.attention_conv, layer.input_layernorm(x),
+                             lambda y: self.attend(layer, y, pos, kv, allowed), slot)
+        return x + self.wrapped(layer.mlp_conv, layer.post_attention_layernorm(x), layer.mlp,
+                                slot)
+
+    def wrapped(self, conv: nn.Module, y: torch.Tensor,
+                inner: Callable[[torch.Tensor], torch.Tensor], slot: torch.Tensor
+                ) -> torch.Tensor:
+        """inner (attention or the MLP) on the normed y (B, n, H), a convolution before it
+        and one after, their kernels' deltas both projected from y."""
+        k = conv.kernel_projection(y).unflatten(-1, (2, self.taps, -1))  # (B, n, 2, taps, G)
+        y = self.convolve(y, k[:, :, 0], conv.base_kernel[0], slot)
+        return self.convolve(inner(y), k[:, :, 1], conv.base_kernel[1], slot)
+
+    def select(self, unary: torch.Tensor, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """A slot's head logits unary (..., V), its outputs h (..., H) and the token before it
+        prev (...) -> the selector's logits (..., V): its top_k candidates rescored, -inf
+        elsewhere (never proposed)."""
+        s = self.candidate_selector
+        cand = unary.topk(self.top_k, -1).indices  # (..., K)
+        gate = s.predecessor_codebook[prev].to(h) * s.hidden_projection(h)  # (..., R)
+        edge = (gate[..., None, :] * s.successor_codebook[cand].to(h)).sum(-1)  # (..., K)
+        score = unary.gather(-1, cand) + edge.to(unary)
+        return torch.full_like(unary, float("-inf")).scatter(-1, cand, score)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash-2 draft (speculators' "dflash2"): DFlash-2's one pass over the block, then its
+    slots drafted left to right among each slot's selector_top_k candidates of the target's
+    head, rescored by the selector on the token drafted before (the pending token before the
+    first), drawn under the run's rule (vLLM, SGLang and llama.cpp walk the argmax at T = 0).
+    Teacher-forced, each slot reads the text's own token before it."""
+
+    family, chained = "dflash2", True
+    can = Abilities("DFlash-2", reads_target=True, trees=False, one_pass=True)
+    proposers = {"vllm": Proposer("dflash"), "sglang": Proposer("DFLASH"),
+                 "llamacpp": Proposer("draft-dflash")}
+
+    def slot_states(self, h, prev, state):
+        return torch.cat([h.float(), prev.float()[..., None]], -1), state, None  # (ids < 2^24)
+
+    def slot_logits(self, states):
+        out = self.target.get_output_embeddings()
+        h = states[..., :-1].to(out.weight)
+        unary = out(h)[..., :self.net.candidate_selector.successor_codebook.shape[0]]
+        return self.net.select(unary, h.to(self.net.fc.weight), states[..., -1].long()).to(
+            states.device)
+
+    @classmethod
+    def build(cls, cfg, w, layout):
+        keys, hidden = layout.keys, cfg.hidden_size
+        taps, group = int(keys["conv_kernel_size"]), int(keys["conv_group_size"])
+        if hidden % group or not 1 <= taps <= keys["block_size"] or not (
+                1 <= keys["selector_top_k"] <= cfg.vocab_size):
+            raise UsageError(f"DFlash-2: conv_group_size {group} must divide hidden_size "
+                             f"{hidden}, conv_kernel_size {taps} be 1..block_size "
+                             f"{keys['block_size']}, selector_top_k {keys['selector_top_k']} "
+                             f"be 1..{cfg.vocab_size}")
+        return DFlash2Net(cfg, w["fc.weight"].shape[1], layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -7370,14 +8594,14 @@ class TliSession(ReadingSession):
         at, u, cut = self.positions(), u.to(self.device), d.cut(c.vocab)
         qs, ds, ls = [], [], []
         finite = torch.ones(len(self.held), dtype=torch.bool, device=self.device)
-        for i in range(c.steps):
+        for i in range(c.per_call):
             finite &= torch.isfinite(logits).flatten(1).all(1)
             masked = d.masked(logits[:, -1, :cut])  # (B, V_d), -inf off the shared tokens
             q = draft_probs(masked, c.sampling)  # (B, V_d), 0 off I
             ds.append(sample_from(q, u[:, i]))  # (B,) the draft's own id
             qs.append(d.vocab.on_target(q, c.vocab))  # (B, V)
             ls.append(d.vocab.on_target(masked, c.vocab, float("-inf")) if c.logits else None)
-            if i < c.steps - 1:
+            if i < c.per_call - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (at + i)[:, None],
                                 last_only=True)
         self.drafted = torch.stack(ds, 1)  # (B, G)
@@ -7390,7 +8614,7 @@ class TliSession(ReadingSession):
         # (no block before it: a timed step's session, measure_costs, commits one token first)
         drafted = [[]] * len(committed) if self.drafted is None else self.drafted.tolist()
         for b, new in enumerate(committed):
-            self.held[b] += drafted[b][:self.drafting.steps - 1]  # fed while drafting; sync
+            self.held[b] += drafted[b][:self.drafting.per_call - 1]  # fed while drafting; sync
             self.text[b] += drafted[b][:len(new) - 1] + self.drafter.vocab.read(new[-1])
         self.drafted = None  # keeps what was accepted
 
@@ -7405,6 +8629,24 @@ class OtherVocabDrafter(OwnDraftModel, Drafter):
     draft model, and recognising a loaded model of its method (vocabulary_method)."""
 
     method = ""  # "TLI" or "SLEM"
+    options = (KindOption("--cross-vocab", "a --draft model whose tokenizer is not the "
+                          "target's: auto = token-level intersection (TLI: it proposes only "
+                          "tokens both vocabularies hold, lossless at every temperature), a "
+                          "draft of the target's tokenizer as before; tli or slem = that method "
+                          "for every draft model, of one tokenizer too; slem = string-level "
+                          "exact match (its greedy text re-tokenised into the target's tokens, "
+                          "as transformers' universal assisted generation runs it), simulated "
+                          "route only: needs --simulate (default auto)", "auto", str,
+                          ("auto", "tli", "slem")),)
+    description = ""  # how it drafts, for the report's header
+
+    @classmethod
+    def kinds(cls):
+        return (cls.can.kind,) if cls.method else ()
+
+    @classmethod
+    def translation_lines(cls, info):
+        return []
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
@@ -7414,7 +8656,7 @@ class OtherVocabDrafter(OwnDraftModel, Drafter):
         self.vocab = SharedVocab(target_tokenizer, draft_tokenizer, vocab_width(target),
                                  vocab_width(model))
         # q lives on the target's ids; a pair of one tokenizer keeps today's vocabulary cut
-        self.width = vocab_width(model) if self.vocab.same else None
+        self.vocab_width = vocab_width(model) if self.vocab.same else None
 
     def translation(self):
         return self.vocab.describe(self.method)
@@ -7439,6 +8681,12 @@ class TliDrafter(OtherVocabDrafter):
     off them can never be accepted (its share: draft_vocab_coverage)."""
 
     method, can = "TLI", Abilities("TLI", trees=False)
+    description = "token-level intersection: it proposes only tokens both vocabularies hold"
+    thin_vocabulary = "TLI can accept no more than that"  # (a thin shared vocabulary's note)
+    proposers = {"vllm": Proposer("draft_model", extra=(("use_heterogeneous_vocab", True),)),
+                 "transformers": Proposer("assistant", extra=(
+                     ("tokenizer", "TARGET_TOKENIZER"),
+                     ("assistant_tokenizer", "DRAFT_TOKENIZER")))}
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any):
@@ -7485,6 +8733,8 @@ class TliDrafter(OtherVocabDrafter):
 
 
 SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
+
+
 # target_lookbehind)
 
 
@@ -7492,8 +8742,12 @@ SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
 
 
 SLEM_STOPS = ("target", "own")  # where the draft's block ends: the target's EOS ids read in the
+
+
 # draft's vocabulary, as transformers' assistant stops (default), or the draft's own EOS
 SLEM_CACHES = ("transformers", "exact")  # the draft's cache cropped as transformers crops it,
+
+
 # entries of replaced ids left in (default), or exactly its input
 
 
@@ -7539,7 +8793,7 @@ class SlemSession(ReadingSession):
 
     def __init__(self, drafter: SlemDrafter, prompts: list[list[int]], drafting: Drafting):
         self.drafter = drafter
-        self.steps = drafting.steps  # the draft's own tokens a cycle
+        self.steps = drafting.per_call  # the draft's own tokens a cycle
         self.text = [list(p) for p in prompts]
         self.last: list[list[int] | None] = [None] * len(prompts)
         self.seen = [0] * len(prompts)
@@ -7579,8 +8833,9 @@ class SlemSession(ReadingSession):
             # leaves it (the drafts after a stop were fed, and die at the next sync)
             self.held[b] = (self.held[b] + new[:k - 1])[:None if d.vocab.same else
                                                           len(self.last[b]) - 1]
-        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:d.block(k)]
-                    for p in proposed]  # ids the target has, a cycle's most
+        most = d.proposal_width(k)  # ids the target has, a cycle's most
+        proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:most]
+                    for p in proposed]
         width = max(1, max(len(p) for p in proposed))
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposed], device=c.device)
         count = torch.tensor([len(p) for p in proposed], device=c.device)
@@ -7620,6 +8875,50 @@ class SlemDrafter(OtherVocabDrafter):
 
     method = "SLEM"
     can = Abilities("SLEM", trees=False, teacher_forced=False, distribution=False)
+    description = ("string-level exact match: its greedy text re-tokenised into the target's "
+                   "tokens")
+    no_teacher_forced = ("none for SLEM: whether a drafted token is kept\n"
+                         "depends on how the draft's whole block re-tokenises and aligns with "
+                         "the\ntarget's tokens, which no single position's p and q determine")
+    options = (
+        KindOption("--slem-stop", "with --cross-vocab slem, where the draft's block of gamma "
+                   "tokens ends early: target = at the target's EOS ids read as ids of the "
+                   "draft's vocabulary, as transformers' assistant stops (so it writes on past "
+                   "its own EOS, into a turn of its own); own = at the draft's own EOS ids "
+                   "(default target)", "target", str, SLEM_STOPS),
+        KindOption("--slem-cache", "with --cross-vocab slem, what the draft's cache keeps "
+                   "between cycles: transformers = as transformers crops it (its input's "
+                   "length less 2 and less the ids replaced, whatever ids it held there: "
+                   "entries of replaced ids can stay); exact = the draft reads exactly its "
+                   "input (default transformers)", "transformers", str, SLEM_CACHES))
+    deviations = (("stop", "own", "its block ends at its own EOS (--slem-stop own; "
+                                  "transformers' assistant writes on past it)"),
+                  ("cache", "exact", "it reads exactly its input (--slem-cache exact; "
+                                     "transformers' cache can keep replaced ids)"))
+
+    @classmethod
+    def check_options(cls, options, asked):
+        if options.cross_vocab == "slem" and not asked.simulate:
+            raise UsageError("--cross-vocab slem has no teacher-forced form, only a simulated "
+                             "one: add --simulate")
+        changed = [f"--slem-{k}" for k, v, default in (
+            ("stop", options.slem_stop, "target"), ("cache", options.slem_cache, "transformers"))
+                   if v != default]
+        if changed and options.cross_vocab != "slem":
+            verb, them = ("apply", "them") if len(changed) > 1 else ("applies", "it")
+            raise UsageError(f"{' and '.join(changed)} {verb} to --cross-vocab slem; add it or "
+                             f"drop {them}")
+
+    @classmethod
+    def translation_lines(cls, info):
+        if info["same_tokenizer"]:
+            return []
+        lines = [f"    {info['draft_tokens_per_cycle']} draft tokens a cycle, proposed as what "
+                 f"they re-tokenise to (at most {info['most_target_tokens_per_cycle']}): tokens "
+                 f"per cycle count the target's"]
+        unlike = [why for key, value, why in cls.deviations if info.get(key) == value]
+        return lines + ([f"    unlike transformers: {why}" for why in unlike] if unlike else
+                        ["    as transformers' universal assisted generation runs it"])
 
     def __init__(self, name: str, model: nn.Module, target: nn.Module, target_tokenizer: Any,
                  draft_tokenizer: Any, way: SlemWay = SlemWay()):
@@ -7657,7 +8956,7 @@ class SlemDrafter(OtherVocabDrafter):
         found.checkpoint = loaded.path  # (its kind's constructors take no path)
         return found
 
-    def block(self, gamma):
+    def proposal_width(self, gamma):
         return gamma * self.factor
 
     def convert(self, ids: Sequence[int], to_draft: bool) -> list[int]:
@@ -7726,9 +9025,10 @@ class SlemDrafter(OtherVocabDrafter):
 # checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
 # causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
 # __all__.
-DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
-                                       DFlashDrafter, AssistantDrafter, PardDrafter,
-                                       TliDrafter, SlemDrafter, ModelDrafter)
+DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, SuffixDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
+                                       DFlashDrafter, DSparkDrafter, DFlash2Drafter,
+                                       AssistantDrafter, PardDrafter, TliDrafter, SlemDrafter,
+                                       ModelDrafter)
 
 
 def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
@@ -7765,10 +9065,10 @@ def find_drafter(name: str, target: nn.Module, options: DraftOptions,
 
 
 # ==============================================================================================
-# THE LINE, and PART III. THE RUN. Above: the library (Parts I and II: maths, caches, drafters,
-# the two routes, statistics, the report, one setting measured). Below: the run, which calls
-# up into it: loading models and data, files, plots, resuming, several processes and signals,
-# the sweep of settings, the command line. Nothing above knows of any of these.
+# THE LINE, and PART 4. THE RUN. Above: the library (Parts 1 to 3: maths, caches, the two
+# routes, the report, the drafters). Below: the run, which calls up into it: loading models and
+# data, files, plots, resuming, several processes and signals, the sweep of settings, the
+# command line. Nothing above knows of any of these.
 # ==============================================================================================
 
 
@@ -7953,6 +9253,49 @@ def load_model_and_tokenizer(name: str, device: torch.device | str | None = None
     else:
         device = _input_device(model)
     return model.eval().requires_grad_(False), tok, device
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object with dicts of its own (children, parameters, buffers, hooks) that
+    hold the same tensors, so changing one module's structure leaves the other's alone."""
+    clone = copy.copy(module)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):
+            setattr(clone, name, copy.copy(value))
+    # accelerate (device maps) binds forward to the original instance: the copy runs its own
+    # class's forward; its children keep their hooks, which place each layer's work
+    for name in ("forward", "_old_forward", "_hf_hook"):
+        clone.__dict__.pop(name, None)
+    return clone
+
+
+def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
+    """A self-speculative draft: the first n_layers decoder layers + final norm + head of `model`.
+
+    Shares every weight with `model` (no copy in memory); `model` itself is left unchanged.
+    """
+    path, parent = _layer_path(model), decoder_layers(model)
+    total = len(parent)
+    if not 1 <= n_layers <= total:
+        raise UsageError(f"--draft-layers must be between 1 and {total} for this model "
+                         f"({total} decoder layers), got {n_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    draft = node = _shallow_copy(model)
+    copies = [draft]  # the modules on the path to the layer list, now the draft's own
+    for part in path[:-1]:
+        node = _shallow_copy(getattr(node, part))
+        setattr(copies[-1], part, node)
+        copies.append(node)
+    setattr(node, path[-1], nn.ModuleList(list(parent)[:n_layers]))
+    for m in copies:
+        if hasattr(m, "config"):
+            m.config = config
+    if getattr(model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft
 
 
 # ----------------------------------------------------------------------------------------------
@@ -8888,15 +10231,58 @@ class SweepPoint(NamedTuple):
                 + ("" if self.length is None else f" at context length {self.length:,}"))
 
 
+class Models(NamedTuple):
+    """What the command line loads, and where (read_options)."""
+
+    target: str | None = None  # --target
+    drafts: tuple[str, ...] = ()  # --draft, in order
+    dtype: str = "auto"
+    device: str = "auto"
+    placement: dict[str, Any] = {}  # load_model_and_tokenizer's device_map, offload_folder,
+    # max_memory (--device-map, --offload-folder, --max-memory)
+    use_unsloth: bool = False
+
+
+class Inputs(NamedTuple):
+    """Where the prompts come from and how they are cut (read_options)."""
+
+    data: str = "builtin"  # --data
+    max_samples: int | None = None
+    max_length: int | None = None
+    chat_template: str = "auto"
+    same_documents: bool = False
+
+
+class Outputs(NamedTuple):
+    """What the run writes and prints, and when it fails (read_options)."""
+
+    json: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    plot: str | None = None
+    engine_config: str | None = None
+    min_alpha: float | None = None
+    quiet: bool = False
+    dist_timeout: float = 1800.0
+    stop_timeout: float = 30.0
+
+
 class Options(NamedTuple):
-    """What the command line asks, each option read once (read_options): the settings of every
-    measurement, the sweep of settings, and what the run keys record of it."""
+    """What the command line asks, every option read once (read_options) and nothing below it
+    reading the command line: the settings of every measurement, the sweep of settings, what
+    the run keys record of it, the models, the drafters' own options, the inputs and the
+    outputs."""
 
     settings: Settings
     sweep: list[SweepPoint]  # context length, then system prompt, then temperature
     temperatures: list[float]  # --temperature as given, for the run keys
     lengths: list[int] | None  # --context-lengths, ascending (None without it)
     layers: list[int]  # --draft-layers
+    models: Models = Models()
+    drafting: DraftOptions = DraftOptions()  # each kind's options (its tokenizer: the
+    # target's, once loaded)
+    inputs: Inputs = Inputs()
+    outputs: Outputs = Outputs()
 
 
 @dataclass
@@ -8907,7 +10293,6 @@ class Plan:
     results to resume (by run key), this process's place among the ranks, how the run stops,
     and each context length's costs (found once)."""
 
-    args: argparse.Namespace
     options: Options
     target: nn.Module
     drafters: list[Drafter]
@@ -8925,14 +10310,14 @@ def measurement(plan: Plan, point: SweepPoint) -> Measurement:
     """The Measurement of one setting of the sweep."""
     m = Measurement(plan.target, plan.inputs[point.length, point.system][0], point.sampling,
                     plan.options.settings, plan.device)
-    m.target_name, m.files = plan.args.target, plan.files
+    m.target_name, m.files = plan.options.models.target, plan.files
     return m
 
 
 def sweep_key_parts(plan: Plan, m: Measurement, drafter: Drafter) -> dict[str, Any]:
     """A report's run key parts as the command line records them: its setting's, with the
     whole temperature sweep (and --context-lengths' list), so --resume never mixes runs."""
-    parts = m.run_key_parts(drafter, plan.args.target, plan.files)
+    parts = run_key_parts(m, drafter, plan.options.models.target, plan.files)
     parts["temperatures"] = list(plan.options.temperatures)
     if plan.options.lengths is not None:
         parts["context lengths"] = list(plan.options.lengths)
@@ -8950,8 +10335,8 @@ def collect(plan: Plan, m: Measurement, drafters: Sequence[Drafter],
     mine = [b for b in deal(m.batches(), launch.rank, launch.world)
             if not all(i in r and (r[i].sim is not None or not s.simulate) for r in into
                        for i in b)]
-    passes = len({shared_vocab(m.target, d) for d in drafters}) \
-        if not s.simulate or s.separate_continuation else 0
+    passes = (len({shared_vocab(m.target, d) for d in drafters})
+        if not s.simulate or s.separate_continuation else 0)
     sims = 1 + sum(1 for t in (s.stopping.thresholds if s.stopping else ()) if t)
     m.progress = _progress(sum(map(len, mine)) * s.continuation_tokens
                            * (passes + s.simulate * sims * len(drafters)), "measuring",
@@ -8982,7 +10367,7 @@ def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
     launch, stop, m = plan.launch, plan.stop, measurement(plan, point)
     drafters = m.drafters(plan.drafters)
     if point.length not in plan.costs:  # timed once per context length
-        plan.costs[point.length] = m.costs(drafters)
+        plan.costs[point.length] = costs_of(m, drafters)
     keys = [sweep_key_parts(plan, m, d) for d in drafters]
     into = [dict(plan.done.get(run_key(k), {})) for k in keys]
     interrupted = collect(plan, m, drafters, into)
@@ -8997,7 +10382,7 @@ def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
     weights = str(next(plan.target.parameters()).dtype).removeprefix("torch.")
     reports = []
     for d, res, cost, parts in zip(drafters, into, plan.costs[point.length], keys):
-        r = m.report(d, res, cost, interrupted)
+        r = build_report(m, d, res, cost, interrupted)
         r.run.run_key_parts, r.run.run_key = parts, run_key(parts)
         r.run.system_prompt = point.system
         r.run.context = plan.inputs[point.length, point.system][1]
@@ -9101,55 +10486,17 @@ def _sampling_options(ap: Any) -> None:
                     "(default 0)")
 
 
-def _drafters_options(ap: Any) -> None:
-    ap.add_argument("--ngram-max", type=int, default=2, metavar="N",
-                    help="--draft ngram: the longest n-gram matched, tried first (default 2, "
-                    "transformers' max_matching_ngram_size)")
-    ap.add_argument("--ngram-min", type=int, default=1, metavar="N",
-                    help="--draft ngram: the shortest n-gram matched (default 1)")
-    ap.add_argument("--ngram-rule", default="transformers", choices=NGRAM_RULES,
-                    help="--draft ngram: whose lookup runs: transformers (prompt lookup: the "
-                    "earliest match of the longest n-gram, --ngram-max down to --ngram-min) or "
-                    "llamacpp (ngram-simple: the latest match of exactly --ngram-max tokens, "
-                    "copying gamma tokens, as --spec-type ngram-simple; default transformers)")
-    ap.add_argument("--mtp-steps", type=int, default=None, metavar="K",
-                    help="--draft mtp: drafting steps per cycle; step k runs MTP layer "
-                    "(k-1) mod L of the model's L, fed its own last output, as vLLM "
-                    "(num_speculative_tokens) and SGLang (--speculative-num-steps) reuse a "
-                    "model's MTP layer (default: L, each layer once)")
-
-
-def _parallel_options(ap: Any) -> None:
-    ap.add_argument("--pard-mask", default=None, metavar="TOKEN|ID",
-                    help="run each draft model (--draft MODEL, --draft-layers N) in PARD mode: "
-                    "per cycle one forward over the context and gamma - 1 copies of this mask "
-                    "token (an id, or a token of the target's tokenizer) drafts the whole "
-                    "block. A PARD checkpoint (config pard_token) and a DFlash folder need no "
-                    "flag; a model never trained for it gives an honest lower bound")
-
-
-def _cross_vocab_options(ap: Any) -> None:
-    ap.add_argument("--cross-vocab", default="auto", choices=["auto", "tli", "slem"],
-                    help="a --draft model whose tokenizer is not the target's: auto = "
-                    "token-level intersection (TLI: it proposes only tokens both vocabularies "
-                    "hold, lossless at every temperature), a draft of the target's tokenizer "
-                    "as before; tli or slem = that method for every draft model, of one "
-                    "tokenizer too; slem = string-level exact match (its greedy text "
-                    "re-tokenised into the target's tokens, as transformers' universal "
-                    "assisted generation runs it), simulated route only: needs --simulate "
-                    "(default auto)")
-    ap.add_argument("--slem-stop", default="target", choices=SLEM_STOPS,
-                    help="with --cross-vocab slem, where the draft's block of gamma tokens "
-                    "ends early: target = at the target's EOS ids read as ids of the draft's "
-                    "vocabulary, as transformers' assistant stops (so it writes on past its "
-                    "own EOS, into a turn of its own); own = at the draft's own EOS ids "
-                    "(default target)")
-    ap.add_argument("--slem-cache", default="transformers", choices=SLEM_CACHES,
-                    help="with --cross-vocab slem, what the draft's cache keeps between "
-                    "cycles: transformers = as transformers crops it (its input's length "
-                    "less 2 and less the ids replaced, whatever ids it held there: entries of "
-                    "replaced ids can stay); exact = the draft reads exactly its input "
-                    "(default transformers)")
+def _kinds_options(ap: Any) -> None:
+    """Each kind's own options (Drafter.options), a group for each class that declares some,
+    named by the kinds that read them."""
+    owners = dict.fromkeys(c for kind in DRAFTERS for c in kind.__mro__
+                           if issubclass(c, Drafter) and c.__dict__.get("options"))
+    for owner in owners:
+        readers = [k.can.kind for k in DRAFTERS if issubclass(k, owner)]
+        group = ap.add_argument_group(f"{', '.join(readers)} drafters")
+        for o in owner.__dict__["options"]:
+            group.add_argument(o.flag, default=o.default, type=o.type, choices=o.choices,
+                               metavar=o.metavar, help=o.help)
 
 
 def _measurement_options(ap: Any) -> None:
@@ -9205,7 +10552,9 @@ def _trees_options(ap: Any) -> None:
                     "assistant_confidence_threshold: the token's probability under the draft's "
                     "distribution; an unsure token is kept and ends the block) or llamacpp "
                     "(--spec-draft-p-min: the argmax's probability over the draft's top 10 at "
-                    "T = 1; an unsure token is not proposed); needs --confidence-threshold")
+                    "T = 1; an unsure token is not proposed) or dspark (llama.cpp's p-min for a "
+                    "DSpark draft: its confidence head's estimate; its calibration and Brier "
+                    "score printed); needs --confidence-threshold")
     ap.add_argument("--engine-config", default=None, choices=list(ENGINE_NAMES),
                     help="also print (and write to the JSON) a serving engine's settings that "
                     "replay the measured acceptance while its proposer for your drafter (or a "
@@ -9278,11 +10627,7 @@ def build_parser() -> argparse.ArgumentParser:
     _models_options(ap.add_argument_group("models", "what to measure"))
     _data_options(ap.add_argument_group("data", "the prompts and the text scored"))
     _sampling_options(ap.add_argument_group("sampling", "the serving-time sampling"))
-    _drafters_options(ap.add_argument_group("drafters", "options of built-in drafters"))
-    _parallel_options(ap.add_argument_group("parallel drafters", "PARD and DFlash: a whole "
-                                            "block from one draft pass"))
-    _cross_vocab_options(ap.add_argument_group("other vocabularies",
-                                               "a draft model with a tokenizer of its own"))
+    _kinds_options(ap)
     _measurement_options(ap.add_argument_group("measurement", "routes, estimators and costs"))
     _trees_options(ap.add_argument_group("trees", "trees of drafts, engine settings"))
     _output_options(ap.add_argument_group("output", "what is written, and when a run fails"))
@@ -9337,16 +10682,16 @@ def _cost_ratio(text: str) -> float | str:
                          f"got {text!r}") from None
 
 
-def _trees(args: argparse.Namespace) -> tuple[TreeSpec, ...]:
+def _trees(tree: Sequence[str], tree_choices: Sequence[str]) -> tuple[TreeSpec, ...]:
     """--tree K,D,N and --tree-choices (a list of paths, or a file holding one) as TreeSpecs,
     in the order given, each once."""
     specs = []
-    for text in args.tree or []:
+    for text in tree:
         k = _number_list(text, "--tree", int)
         if len(k) != 3:
             raise UsageError(f"--tree takes K,D,N (top-k, steps, draft tokens), got {text!r}")
         specs.append(TreeSpec(*k))
-    for text in args.tree_choices or []:
+    for text in tree_choices:
         source = text
         if not text.lstrip().startswith(("[", "(")):
             try:
@@ -9366,42 +10711,71 @@ def _trees(args: argparse.Namespace) -> tuple[TreeSpec, ...]:
     return tuple(dict.fromkeys(specs))
 
 
-def _stopping(args: argparse.Namespace) -> Stopping | None:
+def _stopping(rule: str | None, threshold: str | None) -> Stopping | None:
     """--confidence-rule with --confidence-threshold (None without either)."""
-    if args.confidence_threshold is None and args.confidence_rule is None:
+    if threshold is None and rule is None:
         return None
-    if args.confidence_rule is None:
-        raise UsageError("--confidence-threshold needs --confidence-rule transformers or "
-                         "llamacpp (which engine's rule stops the drafts)")
-    thresholds = [] if args.confidence_threshold is None else _number_list(
-        args.confidence_threshold, "--confidence-threshold", float)
-    return Stopping(args.confidence_rule, tuple(dict.fromkeys(thresholds)))
+    if rule is None:
+        raise UsageError("--confidence-threshold needs --confidence-rule transformers, "
+                         "llamacpp or dspark (which engine's rule stops the drafts)")
+    thresholds = [] if threshold is None else _number_list(threshold, "--confidence-threshold",
+                                                           float)
+    return Stopping(rule, tuple(dict.fromkeys(thresholds)))
 
 
-def _context_lengths(args: argparse.Namespace) -> list[int] | None:
+def _context_lengths(text: str | None) -> list[int] | None:
     """--context-lengths, ascending, each once (None without it)."""
-    if args.context_lengths is None:
+    if text is None:
         return None
-    return sorted(set(_number_list(args.context_lengths, "--context-lengths", int)))
+    return sorted(set(_number_list(text, "--context-lengths", int)))
 
 
-def _check_context_options(args: argparse.Namespace, lengths: list[int]) -> None:
+def _check_context_options(lengths: list[int], max_length: int | None, chat_template: str,
+                           system_prompt: Sequence[str] | None) -> None:
     """Refuse options that --context-lengths replaces or cannot honour."""
     if lengths[0] < 1:
         raise UsageError(f"--context-lengths must be >= 1, got {lengths[0]}")
-    if args.max_length is not None:
+    if max_length is not None:
         raise UsageError("--max-length and --context-lengths: the context lengths set how many "
                          "tokens each prompt has; drop --max-length")
-    if args.chat_template == "on" or args.system_prompt:
+    if chat_template == "on" or system_prompt:
         raise UsageError("--context-lengths continues documents as plain text (the prompt is "
                          "a document's first L tokens): drop --chat-template on and "
                          "--system-prompt")
 
 
+def _placement(device_map: str | None, max_memory: str | None, offload_folder: str | None
+               ) -> dict[str, Any]:
+    """--device-map, --max-memory and --offload-folder as load_model_and_tokenizer's keywords."""
+    if device_map is None:
+        if max_memory or offload_folder:
+            raise UsageError("--max-memory and --offload-folder need --device-map (auto, "
+                             "balanced or sequential)")
+        return {}
+    if offload_folder and not os.path.isdir(os.path.dirname(os.path.abspath(offload_folder))):
+        raise UsageError(f"--offload-folder: the folder above {offload_folder!r} does not "
+                         f"exist")
+    return {"device_map": device_map, "offload_folder": offload_folder,
+            "max_memory": parse_max_memory(max_memory) if max_memory else None}
+
+
+def _check_drafters(drafting: DraftOptions, asked: Asked) -> None:
+    """Refuse, before any model loads, drafter options that cannot work together: no drafter
+    asked for, and each kind's own checks of its options (Drafter.check_options)."""
+    if not asked.drafts and not asked.layers:
+        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
+                         "first N decoder layers")
+    for kind in all_kinds():
+        if "check_options" in kind.__dict__:
+            kind.check_options(drafting, asked)
+
+
 def read_options(args: argparse.Namespace) -> Options:
-    """The command line's options, each read once and checked before any model loads: the
-    settings, and the sweep in the order it is measured, context length, then system prompt,
-    then temperature (--system-prompt none is an empty system message)."""
+    """The command line's options, every one read here once and checked before any model
+    loads (nothing below reads the command line): the settings, the sweep in the order it is
+    measured, context length, then system prompt, then temperature (--system-prompt none is an
+    empty system message), the models, each kind's own options (DraftOptions), the inputs and
+    the outputs."""
     temperatures = _number_list(args.temperature, "--temperature", float)
     samplings = [SamplingParams(t, args.top_k, args.top_p, args.proposal) for t in temperatures]
     systems = [None] if not args.system_prompt else [
@@ -9409,9 +10783,9 @@ def read_options(args: argparse.Namespace) -> Options:
     if args.same_documents and args.context_lengths is None:
         raise UsageError("--same-documents applies to --context-lengths; add it or drop "
                          "--same-documents")
-    lengths = _context_lengths(args)
+    lengths = _context_lengths(args.context_lengths)
     if lengths is not None:
-        _check_context_options(args, lengths)
+        _check_context_options(lengths, args.max_length, args.chat_template, args.system_prompt)
     concurrency = tuple(_number_list(args.concurrency, "--concurrency", int))
     if args.step_costs and args.cost_ratio not in ("auto", None):
         raise UsageError("--step-costs and --cost-ratio both set what a cycle costs; give one")
@@ -9421,62 +10795,50 @@ def read_options(args: argparse.Namespace) -> Options:
     costs = read_step_costs(args.step_costs) if args.step_costs else None
     settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
-                        separate_continuation=args.separate_continuation, trees=_trees(args),
-                        stopping=_stopping(args), step_costs=costs, concurrency=concurrency)
+                        separate_continuation=args.separate_continuation,
+                        trees=_trees(args.tree or [], args.tree_choices or []),
+                        stopping=_stopping(args.confidence_rule, args.confidence_threshold),
+                        step_costs=costs, concurrency=concurrency)
     if costs is not None:  # the target's forwards every run needs, checked before any model
         for b in settings.concurrency:
             for g in {0, *settings.gammas}:
                 costs.forward("target", b, g + 1)
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])
+    drafting = DraftOptions(None, **{o.dest: getattr(args, o.dest)
+                                     for o in declared_options() if hasattr(args, o.dest)})
+    outputs = Outputs(args.json, args.resume, args.overwrite, args.plot, args.engine_config,
+                      args.min_alpha, args.quiet, args.dist_timeout, args.stop_timeout)
+    _check_json_target(outputs.json)
+    _check_plot_target(outputs.plot)
+    _check_drafters(drafting, Asked(tuple(args.draft or ()), tuple(layers), args.simulate))
+    models = Models(args.target, tuple(args.draft or ()), args.dtype, args.device,
+                    _placement(args.device_map, args.max_memory, args.offload_folder),
+                    args.use_unsloth)
+    inputs = Inputs(args.data, args.max_samples, args.max_length, args.chat_template,
+                    args.same_documents)
     return Options(settings, [SweepPoint(n, sp, sampling) for n in lengths or [None]
                               for sp in systems for sampling in samplings],
-                   temperatures, lengths, layers)
+                   temperatures, lengths, layers, models, drafting, inputs, outputs)
 
 
-PARD_WITHOUT_MODEL = ("--pard-mask runs a draft model in PARD mode: add --draft MODEL or "
-                      "--draft-layers N, or drop --pard-mask")
-
-
-def _check_drafters(args: argparse.Namespace, layers: list[int]) -> None:
-    """Refuse, before any model loads, drafter options that cannot work together."""
-    if not args.draft and not layers:
-        raise UsageError("give --draft MODEL, or --draft-layers N to draft with the target's "
-                         "first N decoder layers")
-    if args.mtp_steps is not None and "mtp" not in args.draft:
-        raise UsageError("--mtp-steps applies to --draft mtp; add it or drop --mtp-steps")
-    if args.mtp_steps is not None and args.mtp_steps < 1:
-        raise UsageError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
-    if args.cross_vocab == "slem" and not args.simulate:
-        raise UsageError("--cross-vocab slem has no teacher-forced form, only a simulated one: "
-                         "add --simulate")
-    changed = [f"--slem-{k}" for k, v, default in (("stop", args.slem_stop, "target"),
-                                                   ("cache", args.slem_cache, "transformers"))
-               if v != default]
-    if changed and args.cross_vocab != "slem":
-        verb, them = ("apply", "them") if len(changed) > 1 else ("applies", "it")
-        raise UsageError(f"{' and '.join(changed)} {verb} to --cross-vocab slem; add it or "
-                         f"drop {them}")
-    if args.pard_mask is not None and not layers and set(args.draft) <= {"ngram", "mtp"}:
-        raise UsageError(PARD_WITHOUT_MODEL)
-
-
-def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _earlier_reports(outputs: Outputs) -> list[dict[str, Any]]:
     """--resume: the reports (their JSON) in the --json file of an earlier run, read before any
     model is loaded ([] if there is no file yet). A file that holds no specdec reports, or
     reports without run key parts (an earlier version's), is refused: nothing in it can be
     matched to this run; with --overwrite the run starts afresh and replaces it."""
-    if not args.resume:
+    path = outputs.json
+    if not outputs.resume:
         return []
-    if not args.json or args.json == "-":
+    if not path or path == "-":
         raise UsageError("--resume needs --json PATH: the file the interrupted run wrote")
-    if not os.path.exists(args.json):
+    if not os.path.exists(path):
         return []  # nothing measured yet: a fresh start
     try:
-        with open(args.json, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
-        raise UsageError(f"--resume: cannot read {args.json} ({_one_line(e)[:120]})") from None
+        raise UsageError(f"--resume: cannot read {path} ({_one_line(e)[:120]})") from None
     except ValueError as e:
         data, problem = None, f"is not valid JSON ({_one_line(e)[:80]})"
     else:
@@ -9489,9 +10851,9 @@ def _earlier_reports(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "specdec's), so its results cannot be matched to this run")
         else:
             return reports
-    if args.overwrite:
+    if outputs.overwrite:
         return []
-    raise UsageError(f"--resume: {args.json} {problem}; pass --overwrite to measure afresh and "
+    raise UsageError(f"--resume: {path} {problem}; pass --overwrite to measure afresh and "
                      f"replace it, or pick another --json path")
 
 
@@ -9512,21 +10874,6 @@ def _resumable(earlier: Sequence[dict[str, Any]], keys: Sequence[dict[str, Any]]
                          f"({type(e).__name__}: {_one_line(e)[:120]})") from None
 
 
-def _placement(args: argparse.Namespace) -> dict[str, Any]:
-    """--device-map, --max-memory and --offload-folder as load_model_and_tokenizer's keywords."""
-    if args.device_map is None:
-        if args.max_memory or args.offload_folder:
-            raise UsageError("--max-memory and --offload-folder need --device-map (auto, "
-                             "balanced or sequential)")
-        return {}
-    if args.offload_folder and not os.path.isdir(os.path.dirname(
-            os.path.abspath(args.offload_folder))):
-        raise UsageError(f"--offload-folder: the folder above {args.offload_folder!r} does not "
-                         f"exist")
-    return {"device_map": args.device_map, "offload_folder": args.offload_folder,
-            "max_memory": parse_max_memory(args.max_memory) if args.max_memory else None}
-
-
 def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Launch
                     ) -> tuple[torch.device, dict[str, Any]]:
     """On CUDA with several processes per machine, each takes its own GPUs: one (its local
@@ -9542,83 +10889,83 @@ def _rank_placement(device: torch.device, placement: dict[str, Any], launch: Lau
     return torch.device("cuda", gpus[0]), {**placement, "max_memory": cut}
 
 
-def cli_models(args: argparse.Namespace, layers: list[int], progress: bool, launch: Launch
+def cli_models(options: Options, progress: bool, launch: Launch
                ) -> tuple[nn.Module, Any, list[Drafter], torch.device]:
     """Load the target, then each --draft as the kinds of DRAFTERS recognise it (a model
-    named twice is loaded once; the kinds read the drafter options, DraftOptions), and the
+    named twice is loaded once; the kinds read their options, DraftOptions), and the
     early-exit drafts of --draft-layers: views of the single --draft model, or else of the
-    target. Returns them and the device inputs go to."""
-    device, placement = _rank_placement(resolve_device(args.device), _placement(args), launch)
-    target, tok, device = load_model_and_tokenizer(args.target, device, args.dtype,
-                                                   args.use_unsloth, progress, **placement)
-    loaded = {args.target: Loaded(target, tok, args.target)}
+    target; each kind then refuses its options set with none of its drafters among them.
+    Returns them and the device inputs go to."""
+    m = options.models
+    device, placement = _rank_placement(resolve_device(m.device), m.placement, launch)
+    target, tok, device = load_model_and_tokenizer(m.target, device, m.dtype, m.use_unsloth,
+                                                   progress, **placement)
+    loaded = {m.target: Loaded(target, tok, m.target)}
 
     def load(name: str) -> Loaded:
         if name not in loaded:
-            model, tok_q, _ = load_model_and_tokenizer(name, device, args.dtype,
-                                                       args.use_unsloth, progress, **placement)
+            model, tok_q, _ = load_model_and_tokenizer(name, device, m.dtype, m.use_unsloth,
+                                                       progress, **placement)
             loaded[name] = Loaded(model, tok_q, name)
         return loaded[name]
-    options = DraftOptions(tok, args.ngram_max, args.ngram_min, args.mtp_steps, args.pard_mask,
-                           args.cross_vocab, args.slem_stop, args.slem_cache, args.ngram_rule)
-    found = {n: find_drafter(n, target, options, load) for n in dict.fromkeys(args.draft)}
+    drafting = DraftOptions(tok, **options.drafting.values)
+    found = {n: find_drafter(n, target, drafting, load) for n in dict.fromkeys(m.drafts)}
     models = [n for n in found if n in loaded]  # the --draft names that are models
-    base = models[0] if len(models) == 1 else args.target
-    if len(models) == 1 and layers:  # its early-exit views are the drafts, not it
+    base = models[0] if len(models) == 1 else m.target
+    if len(models) == 1 and options.layers:  # its early-exit views are the drafts, not it
         del found[base]
-    for n in layers:
+    for n in options.layers:
         view = loaded[base]._replace(model=early_exit_draft(loaded[base].model, n), layers=n)
         found[f"{base} [first {n} layers]"] = drafter_of(f"{base} [first {n} layers]", view,
-                                                         target, options)
-    return target, tok, list(found.values()), device
+                                                         target, drafting)
+    drafts = list(found.values())
+    for kind in all_kinds():
+        if "check_found" in kind.__dict__:
+            kind.check_found(drafting, drafts)
+    return target, tok, drafts, device
 
 
-def _cli_prompts(args: argparse.Namespace, prompts: list[Prompt], tok: Any,
-                 sweep: Sequence[SweepPoint]
+def _cli_prompts(options: Options, prompts: list[Prompt], tok: Any
                  ) -> dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]:
     """The tokenised prompts of each (context length, system prompt) of the sweep, and what a
     report records of how they were cut (RunInfo.context; None without --context-lengths).
     A context length no document reaches is left out; if none is reached, refused."""
-    if args.context_lengths is None:
+    i, sweep = options.inputs, options.sweep
+    if options.lengths is None:
         return {(None, sp): (build_sequences(
-                    prompts, tok, max_samples=args.max_samples, max_length=args.max_length or 512,
-                    chat_template=args.chat_template, system_prompt=sp), None)
+                    prompts, tok, max_samples=i.max_samples, max_length=i.max_length or 512,
+                    chat_template=i.chat_template, system_prompt=sp), None)
                 for sp in dict.fromkeys(p.system for p in sweep)}
-    documents = build_documents(prompts, tok, args.max_samples)
-    at = at_context_lengths(documents, [p.length for p in sweep], args.same_documents)
+    documents = build_documents(prompts, tok, i.max_samples)
+    at = at_context_lengths(documents, [p.length for p in sweep], i.same_documents)
     inputs = {(a.length, None): (a.sequences, a.describe()) for a in at if a.sequences}
     if not inputs:
-        need = at[-1].length if args.same_documents else at[0].length
+        need = at[-1].length if i.same_documents else at[0].length
         raise UsageError(f"--context-lengths: no document has {need:,} tokens (the longest "
                          f"of {len(documents)} has {at[0].longest:,}); use shorter lengths or "
                          f"longer documents")
     return inputs
 
 
-def cli_plan(args: argparse.Namespace, options: Options, status: Callable[[str], None],
+def cli_plan(options: Options, status: Callable[[str], None],
              where: tuple[Launch, str] | None, stop: Stop) -> Plan:
-    """What the run needs before it measures, in order: the checks no model is needed for,
-    this process's place among the ranks, the models, the prompts of each setting, the
-    fingerprints of the models' files (the run keys), and what earlier reports finished."""
-    _check_json_target(args.json)
-    _check_plot_target(args.plot)
-    earlier = _earlier_reports(args)
-    _check_drafters(args, options.layers)
-    prompts = load_texts(args.data, documents=args.context_lengths is not None)
-    launch = join_processes(args.dist_timeout, where)
-    progress = not args.quiet and sys.stderr.isatty() and launch.rank == 0
-    target, tok, drafts, device = cli_models(args, options.layers, progress, launch)
-    if args.pard_mask is not None and not any(d.can.kind == "PARD" for d in drafts):
-        raise UsageError(PARD_WITHOUT_MODEL)  # (every draft a head, or of another tokenizer)
-    inputs = _cli_prompts(args, prompts, tok, options.sweep)
+    """What the run needs before it measures, in order: what earlier reports finished, the
+    prompts, this process's place among the ranks, the models, the prompts of each setting,
+    the fingerprints of the models' files (the run keys)."""
+    earlier = _earlier_reports(options.outputs)
+    prompts = load_texts(options.inputs.data, documents=options.lengths is not None)
+    launch = join_processes(options.outputs.dist_timeout, where)
+    progress = not options.outputs.quiet and sys.stderr.isatty() and launch.rank == 0
+    target, tok, drafts, device = cli_models(options, progress, launch)
+    inputs = _cli_prompts(options, prompts, tok)
     options = options._replace(settings=replace(options.settings, eos=eos_ids(target, tok)))
     for length, _ in inputs:
         if length is not None:
             check_context_room(target, drafts, length, options.settings)
     files = {path: files_fingerprint(path)
-             for path in dict.fromkeys([args.target] + [d.checkpoint for d in drafts
-                                                        if d.checkpoint])}
-    plan = Plan(args, options, target, drafts, device, inputs, launch, stop, progress, files)
+             for path in dict.fromkeys([options.models.target] + [d.checkpoint for d in drafts
+                                                                  if d.checkpoint])}
+    plan = Plan(options, target, drafts, device, inputs, launch, stop, progress, files)
     sweep = [p for p in options.sweep if (p.length, p.system) in inputs]
     if launch.rank == 0:
         context = next(iter(inputs.values()))[1]  # (every length's has the longest)
@@ -9628,27 +10975,29 @@ def cli_plan(args: argparse.Namespace, options: Options, status: Callable[[str],
         ranks = f" by {launch.world} processes" if launch.world > 1 else ""
         status(f"specdec: measuring {max(len(v[0]) for v in inputs.values())} prompts, "
                f"{len(drafts)} draft(s), {len(sweep)} setting(s) of "
-               f"{'context length, ' if args.context_lengths else ''}system prompt and "
+               f"{'context length, ' if options.lengths else ''}system prompt and "
                f"temperature on {device}{ranks}")
     if earlier:  # every earlier report must be one of this run's: never mixed
         keys = [sweep_key_parts(plan, m, d) for p in sweep for m in [measurement(plan, p)]
                 for d in m.drafters(drafts)]
-        plan.done = _resumable(earlier, keys, args.json)
+        plan.done = _resumable(earlier, keys, options.outputs.json)
     return plan
 
 
-def cli_reports(args: argparse.Namespace, status: Callable[[str], None] = lambda line: None,
+def cli_reports(args: argparse.Namespace | None = None,
+                status: Callable[[str], None] = lambda line: None,
                 where: tuple[Launch, str] | None = None, stop: Stop | None = None,
                 options: Options | None = None) -> list[AcceptanceReport]:
     """The CLI's run between parsing and printing: one report per (setting of the sweep,
-    draft). status(line) is told what is about to be measured; where: this process's place in
-    a multi-process launch (launch_from_env; read from the environment when not given);
-    stop: main's (see Stop), which a signal fills in; options: read_options(args), read
-    here when not given. The settings are measured in turn (run_setting), resuming what
+    draft). options: read_options(args), read here when not given; status(line) is told what
+    is about to be measured; where: this process's place in a multi-process launch
+    (launch_from_env; read from the environment when not given); stop: main's (see Stop),
+    which a signal fills in. The settings are measured in turn (run_setting), resuming what
     earlier reports finished; a stop ends the sweep after the setting it cut short."""
-    stop = stop if stop is not None else Stop(timeout_s=args.dist_timeout,
-                                              grace_s=args.stop_timeout)
-    plan = cli_plan(args, options or read_options(args), status, where, stop)
+    options = options or read_options(args)
+    stop = stop if stop is not None else Stop(timeout_s=options.outputs.dist_timeout,
+                                              grace_s=options.outputs.stop_timeout)
+    plan = cli_plan(options, status, where, stop)
     stop.raising = False  # started: from here a signal stops the run at its next look
     reports: list[AcceptanceReport] = []
     for point in plan.options.sweep:
@@ -9694,14 +11043,14 @@ def _stopped(stop: Stop) -> str:
 def _hand_over_nothing(stop: Stop, launch: Launch) -> None:
     """Under torchrun or srun, a rank that ends without results tells the others (see
     hand_over_nothing), if the process group is up and its store still answers."""
-    if launch.world > 1 and "torch.distributed" in sys.modules \
-            and torch.distributed.is_initialized():
+    if (launch.world > 1 and "torch.distributed" in sys.modules
+            and torch.distributed.is_initialized()):
         with contextlib.suppress(Exception):
             hand_over_nothing(stop, launch.rank)
 
 
-def finish(args: argparse.Namespace, options: Options, reports: Sequence[AcceptanceReport],
-           stop: Stop, launch: Launch) -> int:
+def finish(options: Options, reports: Sequence[AcceptanceReport], stop: Stop, launch: Launch
+           ) -> int:
     """After the run: print the reports (rank 0 only), write the JSON and the plot, say what
     was left unmeasured -> the exit status."""
     tag = f" (rank {launch.rank})" if launch.rank else ""
@@ -9711,24 +11060,24 @@ def finish(args: argparse.Namespace, options: Options, reports: Sequence[Accepta
                "this rank's batches may be missing from the report"), file=sys.stderr)
     if not reports:
         return stop_status(stop) or 0  # a rank other than 0: rank 0 reports for all
-    out = sys.stderr if args.json == "-" else sys.stdout
-    configs = [engine_config(r, args.engine_config) if args.engine_config else None
-               for r in reports]
-    print("\n\n".join(format_report(r) + ("\n" + format_engine_config(c, args.engine_config)
+    o = options.outputs
+    out = sys.stderr if o.json == "-" else sys.stdout
+    configs = [engine_config(r, o.engine_config) if o.engine_config else None for r in reports]
+    print("\n\n".join(format_report(r) + ("\n" + format_engine_config(c, o.engine_config)
                                            if c else "")
                        for r, c in zip(reports, configs)), file=out)
-    if args.context_lengths is not None:
+    if options.lengths is not None:
         print("\n" + format_context_table(reports, options.lengths), file=out)
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
     data = [r.to_dict() | ({"engine_config": c} if c else {}) for r, c in zip(reports, configs)]
     data = data[0] if len(data) == 1 else data
-    if args.json == "-":
+    if o.json == "-":
         print(json.dumps(data, indent=2))
-    elif args.json:
-        write_json_atomic(args.json, data)
-    if args.plot:
-        plot_reports(reports, args.plot)
+    elif o.json:
+        write_json_atomic(o.json, data)
+    if o.plot:
+        plot_reports(reports, o.plot)
     rest = _unmeasured(options.sweep, reports)
     if stop.ended and rest:
         print(f"specdec: {_stopped(stop)}: {', '.join(p.describe() for p in rest)} not "
@@ -9736,7 +11085,7 @@ def finish(args: argparse.Namespace, options: Options, reports: Sequence[Accepta
     status = stop_status(stop)
     if status is not None:
         return status
-    failures = [] if args.min_alpha is None else gate_failures(reports, args.min_alpha)
+    failures = [] if o.min_alpha is None else gate_failures(reports, o.min_alpha)
     for line in failures:
         print(line, file=sys.stderr)
     return 1 if failures else 0
@@ -9787,7 +11136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _caught_signals(stop):
         try:
             options = read_options(args)
-            reports = cli_reports(args, say, (launch, address), stop, options=options)
+            reports = cli_reports(status=say, where=(launch, address), stop=stop,
+                                  options=options)
         except (UsageError, FloatingPointError) as e:
             _hand_over_nothing(stop, launch)
             print(f"specdec: error{tag}: {_one_line(e)}", file=sys.stderr)
@@ -9809,7 +11159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     " (--traceback shows where)"),
                   file=sys.stderr)
             return 3
-        return finish(args, options, reports, stop, launch)
+        return finish(options, reports, stop, launch)
 
 
 if __name__ == "__main__":

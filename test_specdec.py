@@ -42,10 +42,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import ast  # noqa: E402
 import copy  # noqa: E402
+import importlib.util  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import itertools  # noqa: E402
 import math  # noqa: E402
+import random  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -1347,6 +1349,7 @@ def sliding_case(family, tok_plain):
     return _SLIDING[family]
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_sliding_window_simulation_equals_the_plain_loop(family, batch_size, tok_plain,
@@ -1364,6 +1367,7 @@ def test_sliding_window_simulation_equals_the_plain_loop(family, batch_size, tok
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_sliding_window_continuations_alpha_and_costs(family, tok_plain, monkeypatch):
     t, d, seqs, _ = sliding_case(family, tok_plain)
     s = SAMPLINGS["topk_topp"]
@@ -1757,6 +1761,7 @@ def reference(family, key, pairs, seqs, gamma=3, budget=12):
 @pytest.mark.parametrize("family,key,batch_size", [
     (f, k, b) for f in ("llama", "gpt2") for k in SAMPLINGS for b in ((1, 3, 8) if k == "t1"
                                                                        else (1, 8))])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_run_simulation_equals_uncached_reference(family, key, batch_size, pairs, seqs):
     t, d = pairs[family]
     want = reference(family, key, pairs, seqs)
@@ -1879,6 +1884,7 @@ EOS_GRID = [pytest.param(e, budget, marks=[] if (e, budget) == (0.03, 30) else p
             for e in (0.0, 0.01, 0.03, 0.08) for budget in (7, 30)]
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("e,budget", EOS_GRID)
 def test_mean_accepted_length_is_unbiased_under_eos_and_budget_censoring(e, budget):
     """i.i.d. acceptances (alpha 0.8, gamma 4) cut by EOS and by the budget, through the real
@@ -2031,6 +2037,7 @@ def test_simulation_is_lossless_and_the_test_can_tell_a_5_percent_error(s, n, ll
 
 
 @pytest.mark.parametrize("same", [False, True])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_simulation_stops_at_eos(same, eos_model, llama2, seqs):
     draft = eos_model if same else llama2
     eos = sd.eos_ids(eos_model)
@@ -2147,6 +2154,7 @@ def test_identical_models_accept_the_expected_max_under_the_argmax_rule(llama, s
     assert r.empirical_alpha < 1
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("key", ["t1", "topk_topp"])
 def test_argmax_rule_simulation_equals_the_papers_loop_with_a_point_mass_q(key, llama, llama2,
                                                                           seqs):
@@ -2172,6 +2180,7 @@ def test_argmax_rule_simulation_equals_the_papers_loop_with_a_point_mass_q(key, 
         1 + sum(w["accepted"] for w in want) / cycles, abs=1e-12)  # no EOS here: no censoring
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_argmax_rule_is_lossless_and_the_test_can_tell_a_resampling_error(llama, llama2,
                                                                          tok_plain, monkeypatch):
     """The first cycle's token under the engines' rule follows the target's law (chi-square,
@@ -2273,6 +2282,7 @@ SHAPES = (sd.TreeSpec(1, 3, 4), sd.TreeSpec(2, 3, 6), sd.TreeSpec(3, 2, 9),
                                                      (0, 0, 0))))
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("kind", ["model", "early-exit", "mistral", "gemma3"])
 def test_trees_are_drafted_as_the_engines_draft_them(kind, llama, llama2, tok_plain,
                                                      monkeypatch):
@@ -2342,6 +2352,7 @@ def test_tree_accept_length_matches_the_closed_form_of_a_constant_law(tok_plain)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_a_draft_that_is_the_target_accepts_the_whole_depth(temperature, llama, tok_plain):
     """Draft = target. T = 0: a tree that holds the argmax chain (K = 1, a static tree with
     (0, 0, 0)) accepts its whole depth, accept length D + 1 exactly; every tree accepts its
@@ -2564,6 +2575,9 @@ KINDS_SERVED = {  # kind -> (vLLM method or None: the ngram stand-in, SGLang alg
     "Medusa": (None, None, None),
     "PARD": ("draft_model", None, None),
     "DFlash": ("dflash", "DFLASH", "draft-dflash"),
+    "DSpark": ("dspark", "DSPARK", "draft-dspark"),
+    "DFlash-2": ("dflash", "DFLASH", "draft-dflash"),  # (vLLM: the DFlash runtime, its arch)
+    "suffix decoding": ("suffix", None, None),
     "TLI": ("draft_model", None, None),
     "SLEM": (None, None, None),
 }
@@ -2645,7 +2659,8 @@ def test_engine_settings_replay_the_reports_rates_under_the_engines_rule(llama, 
                     name or "ngram-simple"), kind
                 has_model = "--model-draft" in entry["args"]
             assert ("stands in" in words) == (name is None), (kind, engine)
-            assert has_model == (name is not None and kind not in ("MTP", "n-gram")), kind
+            assert has_model == (name is not None and kind not in (
+                "MTP", "n-gram", "suffix decoding")), kind
     knowing_none = dataclasses.replace(argmax, run=dataclasses.replace(
         argmax.run, drafter={"kind": "draft model", "checkpoint": None}))
     assert "not known" in sd.engine_config(knowing_none, "vllm")[0]["note"]
@@ -2707,7 +2722,7 @@ def judge_sglang(args: list[str], env: dict, target: str) -> dict:
         got = server.resolved_dict()  # (what the resolution set, as the server reads it)
         length = envs.SGLANG_SIMULATE_ACC_LEN.get()
         width = got["speculative_num_draft_tokens"] if got["speculative_algorithm"] in (
-            "NGRAM", "DFLASH") else (got["speculative_num_steps"] or 0) + 1
+            "NGRAM", "DFLASH", "DSPARK") else (got["speculative_num_steps"] or 0) + 1
         drawn = sample_simulated_acc_len(length, envs.SGLANG_SIMULATE_ACC_METHOD.get(), width)
         return {"algorithm": got["speculative_algorithm"],
                 "steps": got["speculative_num_steps"], "topk": got["speculative_eagle_topk"],
@@ -2737,6 +2752,15 @@ def engine_folders(root) -> dict[str, tuple[str, str]]:
         "dflash": dict(small, architectures=["DFlashDraftModel"], model_type="qwen3",
                        head_dim=16, block_size=8,
                        dflash_config={"target_layer_ids": [0], "mask_token_id": PARD_MASK}),
+        "dspark": dict(small, architectures=["DSparkDraftModel"], model_type="qwen3",
+                       head_dim=16, block_size=4, enable_confidence_head=True,
+                       dflash_config={"target_layer_ids": [0], "mask_token_id": PARD_MASK,
+                                      "markov_rank": 6, "markov_head_type": "vanilla"}),
+        "dflash2": dict(small, architectures=["DFlash2DraftModel"], model_type="qwen3",
+                        head_dim=16, block_size=8,
+                        dflash_config={"target_layer_ids": [0], "mask_token_id": PARD_MASK,
+                                       "conv_kernel_size": 2, "conv_group_size": 8,
+                                       "selector_rank": 5, "selector_top_k": 6}),
         "deepseek": dict(small, architectures=["DeepseekV3ForCausalLM"],
                          model_type="deepseek_v3", num_nextn_predict_layers=1,
                          moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
@@ -2760,10 +2784,15 @@ def engine_folders(root) -> dict[str, tuple[str, str]]:
     assistant.save_pretrained(root / "assistant")  # (its target's config aside: a Llama's
     at = {name: str(root / name) for name in [*configs, "assistant"]}  # is checked alike)
     t = at["target"]
+    for name, c in (("dspark", DSPARK), ("dflash2", DFLASH2)):  # speculators' layouts, which
+        at[f"{name}-speculators"] = save_speculators(  # vLLM reads (SGLang 0.5.23 reads none)
+            root / f"{name}-speculators", {}, dict(c, verifier=t))
     return {"draft model": (at["draft"], t), "early exit": (t, t), "n-gram": (None, t),
             "MTP": (None, at["deepseek"]), "Gemma-4 assistant": (at["assistant"], t),
             "EAGLE-3": (at["eagle3"], t), "Medusa": (at["draft"], t), "PARD": (at["pard"], t),
-            "DFlash": (at["dflash"], t), "TLI": (at["wide"], t), "SLEM": (at["wide"], t)}
+            "DFlash": (at["dflash"], t), "DSpark": (at["dspark"], t),
+            "DFlash-2": (at["dflash2"], t), "suffix decoding": (None, t),
+            "TLI": (at["wide"], t), "SLEM": (at["wide"], t)}
 
 
 @pytest.mark.slow
@@ -2809,7 +2838,7 @@ def test_engine_settings_pass_the_engines_own_checks(llama, llama2, tok_plain, t
                 assert got["rates"] == pytest.approx(chain_rates, abs=6e-5)
             assert got["model"] == config.get("model", got["model"]), kind
             assert got["hetero"] == (kind == "TLI"), kind  # (DFlash: parallel by vLLM's own
-            assert got["parallel"] == (kind in ("PARD", "DFlash")), kind  # choice)
+            assert got["parallel"] == (kind in ("PARD", "DFlash", "DSpark", "DFlash-2")), kind
         for entry in sd.engine_config(report, "sglang"):
             if "unsupported" in entry:
                 assert "dynamically" in entry["unsupported"] or "own trees" in entry[
@@ -2818,7 +2847,7 @@ def test_engine_settings_pass_the_engines_own_checks(llama, llama2, tok_plain, t
             args = dict(zip(entry["args"][::2], entry["args"][1::2]))
             got = judge_sglang(entry["args"], entry["env"], target)
             n = int(args["--speculative-num-draft-tokens"])
-            want = {"NGRAM": (n, 1, n), "DFLASH": (1, 1, n)}.get(
+            want = {"NGRAM": (n, 1, n), "DFLASH": (1, 1, n), "DSPARK": (1, 1, n)}.get(
                 got["algorithm"], (int(args.get("--speculative-num-steps", 0)),
                                    int(args.get("--speculative-eagle-topk", 0)), n))
             assert got["algorithm"] == args["--speculative-algorithm"], (kind, entry)
@@ -2830,42 +2859,108 @@ def test_engine_settings_pass_the_engines_own_checks(llama, llama2, tok_plain, t
             assert got["mode"] == entry["env"]["SGLANG_SIMULATE_ACC_TOKEN_MODE"]
             assert got["mode"] == "fixed" or (got["topk"] == 1 and got["algorithm"] != "NGRAM")
             assert 1 <= got["drawn"] <= want[2]
+    for kind, name in (("DSpark", "dspark"), ("DFlash-2", "dflash2")):  # speculators' layout:
+        target = folders[kind][1]  # vLLM reads it; SGLang does not, and the n-gram stands in
+        run = dataclasses.replace(r.run, target=target, drafter={
+            "kind": kind, "checkpoint": str(tmp_path / f"{name}-speculators"),
+            "layout": "speculators"})
+        report = dataclasses.replace(r, run=run)
+        config = sd.engine_config(report, "vllm")[0]["speculative_config"]
+        got = judge_vllm(config, target)
+        assert (got["method"], got["parallel"]) == (config["method"], True), kind
+        entry = sd.engine_config(report, "sglang")[0]
+        assert judge_sglang(entry["args"], entry["env"], target)["algorithm"] == "NGRAM", kind
+        assert "drafter in speculators' layout" in entry["note"], kind
+    # the draft length by concurrency (a speed part at concurrency 1, 2, 4 whose best gammas
+    # are 3, 2 and one below 1x): vLLM's scheduler builds its lookup from the schedule printed
+    # (its configuration code accepts any), SGLang's router picks each slot's steps
+    rows = [sd.SpeedRow(b, 100.0, 90.0, 0.9, None, g, x, 0.5)
+            for b, g, x in ((1, 3, 1.3), (2, 2, 1.1), (4, 1, 0.9))]
+    timed = dataclasses.replace(r, speed=sd.Speed("made up", 20, "simulated", rows))
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    for kind in ("draft model", "EAGLE-3"):
+        checkpoint, target = folders[kind]
+        run = dataclasses.replace(timed.run, target=target, drafter={
+            "kind": kind, "checkpoint": checkpoint})
+        report = dataclasses.replace(timed, run=run)
+        config = sd.engine_config(report, "vllm")[0]["speculative_config"]
+        assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 3, 2],
+                                                                   [4, 4, 0]]
+        judge_vllm(config, target)
+        lookup = build_dynamic_sd_schedule_lookup(
+            config["num_speculative_tokens_per_batch_size"], vllm_max_batch_size=8,
+            vllm_num_speculative_tokens=config["num_speculative_tokens"])
+        assert lookup[1:9] == [3, 2, 2, 0, 0, 0, 0, 0], kind
+    entry = sd.engine_config(report, "sglang")[0]  # (EAGLE-3: SGLang's adaptive steps)
+    assert entry["adaptive_config"] == {"1": {"candidate_steps": [3]},
+                                        "2": {"candidate_steps": [2]},
+                                        "4": {"candidate_steps": [0]}}
+    schedule = tmp_path / "SCHEDULE.json"
+    schedule.write_text(json.dumps(entry["adaptive_config"]))
+    args = [str(schedule) if a == "SCHEDULE.json" else a for a in entry["args"]]
+    judge_sglang(args, entry["env"], target)
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+    router = AdaptiveSpeculativeParams(initial_steps=3, cfg_path=str(schedule))
+    router.set_cuda_graph_bs(None)
+    assert [router.get_steps_for_batch(b) for b in range(1, 7)] == [3, 2, 2, 0, 0, 0]
 
 
 class RepeatSession(sd.Session):
-    """docs/design.md's example kind: the pending token proposed again, a chain session."""
+    """docs/design.md's example kind: the pending token proposed again, at most `most` times
+    a cycle, a chain session."""
 
-    def __init__(self, prompts, drafting):
-        self.drafting = drafting
+    def __init__(self, prompts, drafting, most):
+        self.drafting, self.most = drafting, most
 
     def propose(self, pending, npos, u):
         d = self.drafting
-        tokens = pending[:, None].expand(-1, d.steps)
-        q = torch.nn.functional.one_hot(tokens, d.vocab).float()
-        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool))
+        tokens = pending[:, None].expand(-1, d.per_call)  # (B, G): the pending token again
+        live = torch.arange(d.per_call) < min(self.most, d.per_call)  # (G,)
+        q = torch.nn.functional.one_hot(tokens, d.vocab).float() * live[:, None]  # (B, G, V)
+        count = torch.full((len(pending),), int(live.sum()))
+        return sd.Proposal(tokens, q, torch.ones(len(pending), dtype=torch.bool), count)
 
     def advance(self, n_acc, committed, view):
-        pass
+        pass  # it reads the pending token alone
 
     def keep(self, rows):
         pass
 
 
 class RepeatDrafter(sd.Drafter):
-    name, width = "repeat", None
+    """docs/design.md's example kind, with an option of its own and an engine proposer."""
+
+    name, vocab_width = "repeat", None
     can = sd.Abilities("repeat", trees=False, distribution=False)
+    names = ("repeat",)  # (a name it makes from the target alone: no model to load)
+    options = (sd.KindOption("--repeat-most", "--draft repeat: the most times a cycle proposes "
+                             "the pending token again (default 8)", 8, int, metavar="K"),)
+    proposers = {"vllm": sd.Proposer("ngram", False)}
+
+    def __init__(self, most: int = 8):
+        self.most = most
+
+    @classmethod
+    def check_options(cls, options, asked):
+        if options.repeat_most < 1:
+            raise sd.UsageError(f"--repeat-most must be >= 1, got {options.repeat_most}")
 
     def score(self, rows, spans, states, sampling, vocab, device):
+        # scored position t predicts row[t + 1]; this drafter proposes row[t]
         last = torch.tensor([r[t] for r, (s, e) in zip(rows, spans) for t in range(s, e)],
-                            device=device)
+                            device=device)  # (N,)
         return [sd.Scores(last, torch.ones_like(last, dtype=torch.bool),
                           lambda x, where: torch.nn.functional.one_hot(x, vocab).float())]
 
     def start(self, prompts, view, drafting):
-        return RepeatSession(prompts, drafting)
+        return RepeatSession(prompts, drafting, self.most)
 
     def param_cost(self, target):
         return 0.0, "no network"
+
+    @classmethod
+    def from_name(cls, name, target, options):
+        return cls(options.repeat_most) if name == "repeat" else None
 
 
 def test_a_kind_that_lacks_a_capability_is_refused_by_its_own_check(llama, tok_plain):
@@ -2883,6 +2978,24 @@ def test_a_kind_that_lacks_a_capability_is_refused_by_its_own_check(llama, tok_p
         assert RepeatDrafter().drafts_trees is False
     with pytest.warns(DeprecationWarning, match="drafter.can.teacher_forced"):
         assert RepeatDrafter().simulated_only is False
+
+
+def test_a_new_kind_is_its_block_and_one_drafters_line(capsys, monkeypatch, model_dirs,
+                                                       data_txt):
+    """docs/design.md's worked example: the kind's block (above) and one line in DRAFTERS, and
+    the command line has its option in a group of its own (--help), reads it into
+    DraftOptions for the kind, refuses a bad value with the kind's own check (one line, exit
+    2), and --engine-config vllm prints the kind's proposer; nothing else names it."""
+    monkeypatch.setattr(sd, "DRAFTERS", (RepeatDrafter, *sd.DRAFTERS))
+    assert "repeat drafters" in sd.build_parser().format_help()
+    argv = ["--target", model_dirs["target"], "--draft", "repeat", "--data", data_txt,
+            "--quiet", "--continuation-tokens", "6", "--temperature", "0", "--simulate"]
+    rc, out, err = run_cli(capsys, argv + ["--repeat-most", "1", "--engine-config", "vllm"])
+    assert rc == 0, err
+    assert "1.00 tokens proposed per cycle" in out  # (its option read: one proposal a cycle)
+    assert '"method": "ngram"' in out
+    rc, out, err = run_cli(capsys, argv + ["--repeat-most", "0"])
+    assert rc == 2 and err.count("\n") == 1 and "--repeat-most must be >= 1" in err
 
 
 def test_a_report_with_trees_reads_back_and_prices_each_tree(llama, llama2, tok_plain,
@@ -2916,7 +3029,7 @@ def test_a_report_with_trees_reads_back_and_prices_each_tree(llama, llama2, tok_
     r, = sd.measure_drafts(llama, [("d", llama2)], seqs, **{**kw, "cost_ratio": "measure"})
     # the verify widths of every gamma (2..9) and of the trees' 5 nodes; the rows of their
     # drafting steps, 1 and 2
-    assert seen[0][4] == list(range(2, 10)) and seen[0][6] == [1, 2]
+    assert seen[0][4].widths == list(range(2, 10)) and seen[0][4].rows == [1, 2]
     assert r.trees.rows[0].cost == pytest.approx(2 * 1.5 + 1.4)  # 2 steps of 2 rows, 5 nodes
     assert r.trees.rows[1].cost == pytest.approx(2 * 1.2 + 1.4)  # static: one row a step
 
@@ -3001,6 +3114,7 @@ def every_drafter(kind, tmp_path, llama, llama2, llama4, mtp_pair):
 DRAFTER_KINDS = ["model", "early-exit", "mtp", "mellum", "eagle3", "medusa", "assistant"]
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_drafters_top1_tree_is_its_argmax_chain(kind, tok_plain, tmp_path, llama,
                                                       llama2, llama4, mtp_pair):
@@ -3064,9 +3178,8 @@ def test_a_document_draws_the_same_wherever_it_sits_in_the_list(llama, llama2, t
         sd.Measurement(llama, [sd.TokenSequence(ids[0], document=1), ids[1]])
 
 
-@pytest.mark.parametrize("kind", [k if k in ("model", "mtp") else pytest.param(
-    k, marks=pytest.mark.slow) for k in DRAFTER_KINDS + ["gemma3"]])  # (a session that grows
-# and one that does not in the unit suite; every kind in CI)
+@pytest.mark.parametrize("kind", DRAFTER_KINDS + ["gemma3"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_shapes_replayed_together_count_what_each_counts_alone(kind, tok_plain, tmp_path, llama,
                                                                llama2, llama4, mtp_pair,
                                                                monkeypatch):
@@ -3099,6 +3212,7 @@ def test_shapes_replayed_together_count_what_each_counts_alone(kind, tok_plain, 
         assert got == alone[k], k
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain, tmp_path,
                                                                 monkeypatch, llama, llama2,
@@ -3113,7 +3227,7 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
 
     def check(session, pending, npos, shapes):
         rows = torch.arange(len(pending))
-        drafting = session.drafting._replace(sampling=sd.SamplingParams(1.0), steps=3)
+        drafting = session.drafting._replace(sampling=sd.SamplingParams(1.0), per_call=3)
         u = torch.rand(len(pending), 3, generator=torch.Generator().manual_seed(len(checked)))
         free = session.fork(rows, drafting).propose(pending, npos, u)
         told = session.fork(rows, drafting).given(pending, npos, free.tokens)
@@ -3127,7 +3241,7 @@ def test_every_drafter_drafts_a_given_path_as_it_drafts_its_own(kind, tok_plain,
     sd.measure_drafts(target, [drafter], seqs, sampling=sd.SamplingParams(0.7),
                       settings=sd.Settings(gamma=3, continuation_tokens=10, seed=2,
                                            trees=(sd.TreeSpec(2, 2, 4),)))
-    assert len(checked) > 5 and max(checked) >= min(2, drafter.can.steps or 3)
+    assert len(checked) > 5 and max(checked) >= min(2, drafter.can.max_steps or 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3262,6 +3376,7 @@ def test_bootstrap_ci_is_the_percentile_interval_of_resampled_ratios():
     assert same[0] == pytest.approx(0.5, abs=1e-12) and same[1] == pytest.approx(0.5, abs=1e-12)
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_bootstrap_ci_coverage_resamples_prompts_not_tokens():
     """Seeded repeat experiment on prompts whose tokens are correlated (each prompt has its own
     acceptance rate, Beta(3, 2), mean 0.6): the 95% interval over prompts covers the true ratio
@@ -3523,8 +3638,8 @@ def gate_report(alpha, alpha_ci, empirical=None, empirical_ci=None):
 def test_min_alpha_gate_known_outcomes(report, threshold, fails, capsys, monkeypatch):
     lines = sd.gate_failures([report], threshold)
     assert bool(lines) == fails
-    monkeypatch.setattr(sd, "cli_reports",
-                        lambda args, status, where, stop, options: [report])
+    monkeypatch.setattr(sd, "cli_reports", lambda args=None, status=None, where=None,
+                        stop=None, options=None: [report])
     rc = sd.main(["--target", "t", "--draft", "d", "--min-alpha", str(threshold), "--quiet"])
     out, err = capsys.readouterr()
     assert rc == (1 if fails else 0) and "speculative-decoding acceptance" in out
@@ -3641,6 +3756,7 @@ def lying_clock(monkeypatch, items: int, lead: int = 2):
     monkeypatch.setattr(sd, "time", Clock)
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_a_noisy_timer_never_ranks_a_drafter_that_accepts_nothing_above_one(
         monkeypatch, llama, llama2, tok_plain, tmp_path):
     """Under the lying clock, drafters that run a network and accept almost nothing (tokens
@@ -3667,6 +3783,7 @@ def test_a_noisy_timer_never_ranks_a_drafter_that_accepts_nothing_above_one(
     assert all(max(row.est_speedup for row in r.gamma_table) > 1.5 for r in ranked())
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, tok_plain):
     """--cost-ratio measure times each drafter's own drafting step (advance, then propose),
     so MTP layers and Gemma-4 assistants cost something (nothing was timed for them before:
@@ -3679,7 +3796,7 @@ def test_measured_cost_of_a_drafter_that_runs_a_network_is_never_free(mtp_one, t
         r = sd.measure_acceptance(t, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
                                   gamma=2, continuation_tokens=4, cost_ratio="measure")
         assert r.costs["draft_step_s"] > 0 and r.cost_ratio > 0.05, drafter.name
-        k = min(2, drafter.can.steps or 2)  # proposals a cycle, and a verify pass of k + 1
+        k = min(2, drafter.can.max_steps or 2)  # proposals a cycle, and a verify pass of k + 1
         draft_s = r.cost_ratio * r.costs["plain_step_s"]  # (clamped to its parameter share)
         assert draft_s >= r.costs["draft_step_s"] > 0
         assert r.est_speedup == pytest.approx(
@@ -4009,6 +4126,23 @@ def test_the_speed_part_in_the_report_json_and_engine_settings(capsys, tmp_path,
     assert sched == [[1, 1, want[0]], [2, 3, want[1]], [4, 4, want[2]]]
 
 
+def test_a_draft_the_step_times_do_not_time_is_marked_not_measured(llama, llama2, seqs):
+    """Step times with no forward of the draft price a drafter that runs a network no
+    better than a guess: its speed part says "not measured" (why, and where its est. speedup
+    comes from), and the est. speedup is the parameter guide's, labelled so, never silently;
+    a lookup needs no draft timings and is priced."""
+    times = made_up_times(lambda b, w: 10.0 + w)
+    kw = dict(sampling=SAMPLINGS["t1"], device=CPU, gamma=2, continuation_tokens=4,
+              step_costs=times)
+    r = sd.measure_acceptance(llama, llama2, seqs[:3], **kw)
+    assert r.speed.not_measured.startswith("not measured") and not r.speed.rows
+    assert r.cost_ratio_source.startswith("parameters")
+    assert r.est_speedup == pytest.approx(r.tokens_per_cycle / (2 * r.cost_ratio + 1))
+    assert "not measured" in sd.format_report(r) and "rough" in sd.format_report(r)
+    n = sd.measure_acceptance(llama, sd.NgramDrafter(), seqs[:3], **kw)
+    assert n.speed.not_measured is None and n.speed.rows[0].speedup == n.est_speedup
+
+
 def test_the_speedups_interval_adds_the_timings_spread_in_quadrature():
     """Cost.interval: without a timing spread it is the token side's interval; without a token
     side, speedup x exp(+-1.96 spread); with both, each side's log half-width is the
@@ -4136,6 +4270,7 @@ def chunked_reports(monkeypatch, chunk, target, drafts, seqs, **kw):
     return reports, emitted
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_long_prompts_in_chunks_give_the_numbers_of_one_forward(llama4, llama2, tmp_path,
                                                                 monkeypatch):
     """A whole report, simulation included, on prompts of 12-41 tokens fed 5 tokens a chunk
@@ -4284,6 +4419,7 @@ def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
     assert r.alpha == pytest.approx(sum(flat) / len(flat), abs=1e-5)
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, capsys, tmp_path,
                                                                  model_dirs, data_txt):
     """Ctrl-C in the second batch (of 2 prompts each, of 4 prompts), then --resume with the
@@ -4313,6 +4449,7 @@ def test_an_interrupted_run_resumed_gives_the_numbers_of_one_run(monkeypatch, ca
 
 
 @pytest.mark.parametrize("key", ["greedy", "t1"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_one_continuation_serves_both_routes(key, llama, llama2, seqs, monkeypatch):
     """With simulate, the teacher-forced route scores the text the simulation emitted: no
     continuation is sampled apart (sample_continuations never runs), the simulated numbers are
@@ -4462,6 +4599,7 @@ def test_resume_refuses_a_file_of_other_weights_files_or_another_config(
     ("[1, 2]", "not a specdec report ([1, 2])"), ('{"a": 1}', "not a specdec report"),
     ("[]", "not a specdec report"), ("{oops", "not valid JSON"),
     ('{"alpha": 0.5}', "without a run key"), (LEGACY_REPORT_JSON, "without a run key")])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_resume_refuses_a_file_it_cannot_match_unless_told_to_overwrite(
         capsys, tmp_path, model_dirs, data_txt, content, says):
     """A --json file that holds no report (valid JSON or not), or reports without a run key (a
@@ -4530,6 +4668,7 @@ def assisted_with_confidence(monkeypatch, target, draft, seqs, thresholds, gamma
     return cuts
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_drafts_that_stop_when_unsure_are_transformers_assistant_confidence_threshold(
         llama, tok_plain, monkeypatch):
     """The oracle is transformers' own assisted generation with assistant_confidence_threshold
@@ -4581,6 +4720,7 @@ def llamacpp_reference(target, draft, ids, gamma, budget, p_min, temperature, ge
     return out, steps, drafted, accepted
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_zero(llama, tok_plain):
     """--confidence-rule llamacpp against a plain loop of llama.cpp's rule (llamacpp_reference)
     at T = 0: prompt by prompt the same tokens, verify steps, drafted and accepted tokens.
@@ -4601,6 +4741,7 @@ def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_zero(llama, t
     assert empty >= 5 and sum(row["stopped"][1]["unsure_cuts"] for row in r.per_prompt) >= 20
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_drafts_that_stop_when_unsure_are_llamacpps_at_temperature_above_zero(llama,
                                                                                tok_plain):
     """At T = 0.8 (--proposal argmax, llama.cpp's) the simulation and the plain loop draw
@@ -4730,6 +4871,7 @@ def test_the_closed_form_of_drafts_that_stop_when_unsure_is_the_enumeration(
 
 
 @pytest.mark.parametrize("rule", ["transformers", "llamacpp"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_identical_models_accept_every_draft_and_a_sure_one_drafts_whole_blocks(rule, llama,
                                                                                seqs):
     """A draft identical to the target at T = 0 has every draft accepted under any threshold,
@@ -4783,6 +4925,7 @@ def test_cli_refuses_bad_confidence_thresholds_in_one_line(args, word, capsys, m
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_cli_confidence_thresholds_report_json_plot_engine_settings_and_resume(
         capsys, tmp_path, model_dirs, data_txt, monkeypatch):
     """--confidence-threshold with --simulate: the report's rows and calibration, the JSON's
@@ -4856,6 +4999,7 @@ def test_smollm2_drafts_that_stop_when_unsure_are_transformers_own(smol, monkeyp
 # training: alpha as a Trainer metric
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(tok_plain,
                                                                                 tmp_path):
     """A tiny random draft trained (plain Trainer, cross-entropy on the target's samples,
@@ -4913,6 +5057,7 @@ def test_acceptance_callback_logs_a_rising_alpha_that_equals_measure_acceptance(
     assert logged[-1]["specdec/est_speedup"] == again.est_speedup
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_meet(tok_plain,
                                                                                 tmp_path):
     """every=4 (from the start) and an evaluation every 2 steps, 8 steps: the callback measures
@@ -4936,6 +5081,7 @@ def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_mee
     assert sum("eval_loss" in h for h in trainer.state.log_history) == 4  # they all ran
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
     """Target on the CPU, the draft on another device: torch's lazy (TorchScript) backend, a
     real second device on a machine without a GPU, where an input on the wrong device fails as
@@ -5144,6 +5290,7 @@ def test_ngram_greedy_simulation_is_transformers_prompt_lookup(llama, tok_plain,
     assert accepted >= 5  # drafts were accepted, not only proposed
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_draft_model_greedy_simulation_is_transformers_assisted_generation(llama, tok_plain,
                                                                            monkeypatch):
     """A draft model against transformers' assisted generation (assistant_model, a constant
@@ -5370,6 +5517,7 @@ def mtp_step_alphas(target, mtp, seqs, s, n_tokens, seed, steps):
     return out
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("kind", ["deepseek-live-attention", "mellum-window-3"])
 def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plain, monkeypatch):
     """With MTP attention that matters (weights times 10: it flips about a third of the
@@ -5388,14 +5536,14 @@ def test_mtp_attention_over_its_history_is_transformers(kind, tmp_path, tok_plai
     s = SAMPLINGS["t1"]
     r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU,
                               continuation_tokens=6, seed=2, batch_size=4)
-    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.can.steps)
+    per_prompt = mtp_step_alphas(target, drafter.mtp, seqs, s, 6, 2, drafter.can.max_steps)
     means = [sum(sum(w[k]) for w in per_prompt) / sum(len(w[k]) for w in per_prompt)
-             for k in range(drafter.can.steps)]
+             for k in range(drafter.can.max_steps)]
     assert r.alpha_by_head == pytest.approx(means, abs=1e-5)
     accepted = 0
     for out, theirs, row, ours in transformers_from_the_prefill(
             monkeypatch, MTPCandidateGenerator, target, drafter, MTP_MORE_PROMPTS, tok_plain,
-            drafter.can.steps, budget=20, use_mtp=True):
+            drafter.can.max_steps, budget=20, use_mtp=True):
         assert row.tokens == out
         assert ours[:-1] == theirs[:-1]
         accepted += sum(n for _, n in theirs)
@@ -5424,6 +5572,7 @@ def test_one_mtp_head_claims_at_most_two_tokens_per_cycle(mtp_one, tok_plain, es
 
 
 @pytest.mark.parametrize("layers,steps", [(2, None), (1, 3), (2, 3)])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tmp_path,
                                                               tok_plain):
     """Each step's alpha against forward_layer (a layer reused past the last, vLLM's
@@ -5433,7 +5582,7 @@ def test_mtp_steps_teacher_forced_alphas_and_chained_estimates(layers, steps, tm
     make_mtp_checkpoint(tmp_path, heads=layers, noise=0.05, seed=2)
     target = load_mtp_target(tmp_path)
     drafter = sd.MtpDrafter.of(target, steps)
-    K = drafter.can.steps
+    K = drafter.can.max_steps
     s, gamma = SAMPLINGS["topk_topp"], 4
     seqs = sd.build_sequences(MTP_PROMPTS, tok_plain)
     r = sd.measure_acceptance(target, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
@@ -5529,8 +5678,8 @@ class RecomputedSession(sd.Session):
 
     def propose(self, pending, npos, u):
         c = self.drafting
-        tokens = torch.zeros(len(pending), c.steps, dtype=torch.long)
-        q = torch.zeros(len(pending), c.steps, c.vocab)
+        tokens = torch.zeros(len(pending), c.per_call, dtype=torch.long)
+        q = torch.zeros(len(pending), c.per_call, c.vocab)
         count = torch.zeros(len(pending), dtype=torch.long)
         for b, (seq, states) in enumerate(zip(self.seqs, self.states)):
             if states is not None:  # no target state yet: nothing proposed
@@ -5557,7 +5706,7 @@ def recomputed_mtp(drafter, prompts, view, drafting):
 
     def draft(seq, states, u, c):
         hidden, drafts, qs = states[None], [], []
-        for k in range(min(c.steps, drafter.can.steps)):
+        for k in range(min(c.per_call, drafter.can.max_steps)):
             ids = torch.tensor([(seq[1:] + drafts)[k:]])  # (1, T)
             hidden = recomputed_step(drafter, k, ids, hidden)
             qs.append(head(hidden[:, -1], lambda r: "row"))
@@ -5575,6 +5724,7 @@ CACHE_EOS = frozenset({3 + CHARS.index("!"), 3 + CHARS.index("q")})
 @pytest.mark.parametrize("model,steps,gamma,key", [
     (1, 1, 2, "t1"), (1, 3, 4, "t1"), (1, 3, 2, "topk_topp"), (2, None, 3, "t1"),
     ("mellum", 3, 3, "t1"), ("mellum", None, 1, "greedy")])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_mtp_cache_gives_what_recomputing_every_cycle_gave(model, steps, gamma, key, mtp_live,
                                                            tok_plain):
     """The per-step caches (each committed position run once, the drafted ones each cycle and
@@ -5676,6 +5826,7 @@ def assistant_logits(target, assistant):
     return logits
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("batch_size,window", [(1, 64), (4, 64), (1, 3), (4, 3)])
 def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batch_size, window,
                                                                             tok_plain):
@@ -5694,6 +5845,7 @@ def test_assistant_simulation_equals_a_plain_loop_over_transformers_forward(batc
 
 
 @pytest.mark.parametrize("window,assistant_window", [(4, 4), (6, 3), (3, 6)])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_assistant_window_past_its_end_is_transformers_forward(window, assistant_window):
     """Every query of rows several windows long (batched, left-padded): the assistant's
     logits equal transformers' Gemma4AssistantForCausalLM.forward over the target's keys of the
@@ -5762,6 +5914,7 @@ def test_cli_recognises_an_assistant_and_refuses_a_foreign_target(capsys, tmp_pa
 EAGLE_PROMPTS = ["hello there", "the cat sat", "abc abc", "what is 2+2?", "one two three"]
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("fmt", ["specforge", "speculators", "eagle"])
 def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_plain, tmp_path):
     """Each published layout loads as the same head; per step k, teacher-forced alpha equals
@@ -5785,6 +5938,7 @@ def test_eagle3_teacher_forced_steps_equal_the_papers_draft(fmt, llama4, tok_pla
     assert "draft vocabulary covers" in sd.format_report(r)
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
 def test_eagle3_simulation_is_the_papers_loop(key, gamma, llama4, tok_plain, tmp_path):
     """The batched simulation, its committed slots and draft steps as EAGLE caches them,
@@ -5816,14 +5970,15 @@ def recomputed_eagle3(drafter, prompts, view, drafting):
             qs.append(head(outs[:, -1], lambda r: "row"))
             ds.append(sd.sample_from(qs[-1], u[:, k]))
             return ds[-1][:, None]
-        feed(c.steps - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
-                                    c.steps, feed)[-1])
+        feed(c.per_call - 1, net.later(out[:, -1:], seen[:, -1:], pos[:, -1:], slots.cache,
+                                    c.per_call, feed)[-1])
         return torch.cat(ds), torch.cat(qs)
     return RecomputedSession(draft, prompts, view, drafting, lambda v: torch.cat(
         [v.layers[i] for i in drafter.can.target_layers], -1))
 
 
 @pytest.mark.parametrize("key,gamma", [("t1", 1), ("t1", 3), ("greedy", 4)])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_eagle3_cache_gives_what_recomputing_every_cycle_gave(key, gamma, llama4, tok_plain,
                                                               tmp_path):
     """The EAGLE-3 session's cache of committed slots, grown by each cycle's committed tokens,
@@ -5861,6 +6016,7 @@ def test_eagle3_that_reproduces_the_target_on_its_vocabulary_accepts_everything(
 MEDUSA_LAYOUTS = ["medusa", "fd-pt", "fd-st", "full", "vllm", "vllm-map"]  # heads of their own
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("fmt", MEDUSA_LAYOUTS)
 def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plain, tmp_path):
     """Every layout whose heads have output heads of their own loads as the same heads;
@@ -5869,7 +6025,7 @@ def test_medusa_heads_equal_the_papers_heads_in_both_routes(fmt, llama, tok_plai
     1 + heads tokens."""
     t = make_medusa_checkpoint(tmp_path, fmt, target=llama)
     drafter = sd.head_drafter(str(tmp_path), llama)
-    assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3
+    assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.max_steps == 3
     s, seqs = SAMPLINGS["t1"], sd.build_sequences(EAGLE_PROMPTS, tok_plain)
     r = sd.measure_acceptance(llama, drafter, seqs, sampling=s, device=CPU, gamma=5,
                               continuation_tokens=5, seed=2, batch_size=3)
@@ -5897,7 +6053,7 @@ def test_every_medusa_layout_gives_the_same_numbers(llama, tok_plain, tmp_path):
     for fmt in MEDUSA_LAYOUTS + ["fd-v2", "vllm-shared"]:
         make_medusa_checkpoint(tmp_path / fmt, fmt, t=t, target=llama)
         drafter = sd.head_drafter(str(tmp_path / fmt), llama)
-        assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.steps == 3, fmt
+        assert isinstance(drafter, sd.MedusaDrafter) and drafter.can.max_steps == 3, fmt
         assert all(k.startswith(("blocks.", "lm_heads.")) for k in drafter.net.state_dict())
         reports[fmt] = numbers(sd.measure_acceptance(
             llama, drafter, seqs, sampling=sd.SamplingParams(0.8), device=CPU, gamma=3,
@@ -6065,26 +6221,45 @@ def rope_rows(x, positions, theta):
     return x * cos[:, None] + half * sin[:, None]
 
 
-def dflash_layer(w, i, x, ctx, ctx_pos, pos, heads, kv_heads, dim, theta):
+def dflash_layer(w, i, x, ctx, ctx_pos, pos, heads, kv_heads, dim, theta, allowed=None,
+                 conv=None):
     """DFlash's layer i, plain (z-lab's Qwen3DFlashDecoderLayer written from tensors): the
     block x (n, H) at positions pos attends the context ctx (S, H) at ctx_pos and itself, both
-    ways, no mask; keys and values of both through the layer's own projections."""
+    ways, no mask (or where allowed (n, S + n) says); keys and values of both through the
+    layer's own projections. conv (DFlash-2's keys: taps, group): a convolution within the
+    block before and after attention and the MLP, their kernels' deltas projected from the
+    normed input."""
     p = f"layers.{i}."
-    h = rms(x, w[p + "input_layernorm.weight"])
-    both = torch.cat([ctx, h])  # (S + n, H)
-    q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(len(h), heads, dim),
-            w[p + "self_attn.q_norm.weight"])
-    k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(len(both), kv_heads, dim),
-            w[p + "self_attn.k_norm.weight"])
-    v = (both @ w[p + "self_attn.v_proj.weight"].T).view(len(both), kv_heads, dim)
-    q, k = rope_rows(q, pos, theta), rope_rows(k, torch.cat([ctx_pos, pos]), theta)
-    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-    score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
-    attn = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(len(h), heads * dim)
-    r = x + attn @ w[p + "self_attn.o_proj.weight"].T
-    y = rms(r, w[p + "post_attention_layernorm.weight"])
-    return r + (nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
+
+    def around(name, y, inner):
+        if conv is None:
+            return inner(y)
+        k = (y @ w[p + name + ".kernel_projection.weight"].T).view(len(y), 2, conv["taps"], -1)
+        base = w[p + name + ".base_kernel"]
+        return block_conv(inner(block_conv(y, base[0], k[:, 0], conv["group"])), base[1],
+                          k[:, 1], conv["group"])
+
+    def attend(h):
+        both = torch.cat([ctx, h])  # (S + n, H)
+        q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(len(h), heads, dim),
+                w[p + "self_attn.q_norm.weight"])
+        k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(len(both), kv_heads, dim),
+                w[p + "self_attn.k_norm.weight"])
+        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(len(both), kv_heads, dim)
+        q, k = rope_rows(q, pos, theta), rope_rows(k, torch.cat([ctx_pos, pos]), theta)
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+        score = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+        if allowed is not None:
+            score = score.masked_fill(~allowed, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", score.softmax(-1), v).reshape(len(h), heads * dim)
+        return out @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(y):
+        return (nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
                 * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    r = x + around("attention_conv", rms(x, w[p + "input_layernorm.weight"]), attend)
+    return r + around("mlp_conv", rms(r, w[p + "post_attention_layernorm.weight"]), mlp)
 
 
 @torch.no_grad()
@@ -6189,6 +6364,7 @@ def biased4():
     return with_head_bias(make_llama(3, layers=4), {5: 3.0, 9: 3.0, 13: 3.0})
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("key,gamma", [("greedy", 3), ("t1", 2), ("topk_topp", 4)])
 def test_pard_simulation_is_the_no_cache_loop_with_mask_tokens(key, gamma, biased4, tok_plain):
     """The batched, cached PARD session (the accepted drafts, the pending token and gamma - 1
@@ -6317,6 +6493,7 @@ def test_a_pard_checkpoint_and_the_mask_flag_in_the_cli_and_bad_masks(capsys, tm
         assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_plain,
                                                                 dflash_folders, monkeypatch):
     """--cost-ratio measure times one draft pass that drafts the largest block of the run
@@ -6326,7 +6503,7 @@ def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_pl
     timed, real = [], sd.PardSession.propose
 
     def counted(self, pending, npos, u):
-        timed.append(self.drafting.steps)
+        timed.append(self.drafting.per_call)
         return real(self, pending, npos, u)
     monkeypatch.setattr(sd.PardSession, "propose", counted)
     seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
@@ -6334,7 +6511,7 @@ def test_one_pass_drafters_are_timed_and_costed_one_pass_a_cycle(biased4, tok_pl
                     sd.head_drafter(dflash_folders[1]["zlab"], biased4)):
         r = sd.measure_acceptance(biased4, drafter, seqs, sampling=SAMPLINGS["t1"], device=CPU,
                                   gamma=2, continuation_tokens=4, cost_ratio="measure")
-        drafted = min(8, drafter.can.max_gamma or 8)  # a DFlash block of 4 drafts 3 at most
+        drafted = min(8, drafter.can.pass_tokens or 8)  # a DFlash block of 4 drafts 3 at most
         assert r.one_draft_pass and r.costs["draft_step_s"] > 0
         assert r.costs["draft_tokens"] == drafted
         assert f"draft pass of {drafted}" in r.cost_ratio_source
@@ -6359,6 +6536,7 @@ def dflash_folders(tmp_path_factory):
     return w, {f: str(root / f) for f in ("zlab", "transformers")}, model
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 @pytest.mark.parametrize("key", ["greedy", "t1"])
 def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_plain,
                                                              dflash_folders):
@@ -6373,7 +6551,8 @@ def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_p
     reports = []
     for fmt, folder in folders.items():
         d = sd.head_drafter(folder, biased4)
-        assert isinstance(d, sd.DFlashDrafter) and d.can.max_gamma == 3 and d.can.target_layers == (1, 3), fmt
+        assert isinstance(d, sd.DFlashDrafter) and d.can.pass_tokens == 3, fmt
+        assert d.can.target_layers == (1, 3), fmt
         reports.append(sd.measure_acceptance(biased4, d, seqs, sampling=s, device=CPU, gamma=2,
                                              continuation_tokens=7, seed=2, batch_size=3))
         assert reports[-1].alpha_by_head == pytest.approx([sum(a) / len(a) for a in want],
@@ -6389,6 +6568,7 @@ def test_dflash_layouts_give_the_papers_block_in_both_routes(key, biased4, tok_p
 
 
 @pytest.mark.parametrize("ids,size", [([1, 3], 4), ([2], 2)])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4, tok_plain,
                                                              tmp_path):
     """A draft that reads the target's last layer (its output: the final, normed states, as
@@ -6410,6 +6590,7 @@ def test_dflash_reading_the_last_layer_and_the_smallest_block(ids, size, biased4
         assert counts(got[i]) == row, i
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_dflash_greedy_simulation_is_transformers_dflash(biased4, tok_plain, dflash_folders,
                                                          monkeypatch):
     """The oracle is transformers' own DFlash generation (speculation_type "dflash", its
@@ -6465,6 +6646,22 @@ def copy_pair(scale: float = 100.0):
     return target.eval(), w, c
 
 
+def accepts_everything(target, drafter, tok, temperature, block, abs):
+    """A one-pass drafter that reproduces the target, measured at gamma = its block: alpha 1 at
+    every offset (teacher-forced within abs) and exactly 1 simulated, every block accepted
+    whole (block + 1 tokens a cycle), and no gamma of the table past min(gamma, block) + 1."""
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok)
+    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
+                              device=CPU, gamma=block, continuation_tokens=10, seed=1,
+                              simulate=True)
+    assert r.alpha_by_head == pytest.approx([1.0] * block, abs=abs)
+    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
+    assert r.tokens_per_cycle == pytest.approx(block + 1.0, abs=1e-4)
+    assert all(row.tokens_per_cycle <= min(row.gamma, block) + 1 + 1e-9
+               for row in r.gamma_table)
+    return r
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_dflash_draft_that_reproduces_the_target_accepts_everything(temperature, tok_plain,
                                                                       tmp_path):
@@ -6475,14 +6672,8 @@ def test_a_dflash_draft_that_reproduces_the_target_accepts_everything(temperatur
     target, w, c = copy_pair()
     save_dflash(tmp_path, "zlab", w, c)
     drafter = sd.head_drafter(str(tmp_path), target)
-    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
-    r = sd.measure_acceptance(target, drafter, seqs, sampling=sd.SamplingParams(temperature),
-                              device=CPU, gamma=3, continuation_tokens=10, seed=1,
-                              simulate=True)
-    assert r.alpha_by_head == pytest.approx([1.0] * 3, abs=1e-6)
-    assert r.empirical_alpha == 1.0 and r.accepted_tokens == r.examined_tokens > 20
-    assert r.alpha_by_draft_offset == [1.0] * 3 and r.tokens_per_cycle == pytest.approx(4.0)
-    assert all(row.tokens_per_cycle <= min(row.gamma, 3) + 1 + 1e-9 for row in r.gamma_table)
+    r = accepts_everything(target, drafter, tok_plain, temperature, 3, abs=1e-6)
+    assert r.alpha_by_draft_offset == [1.0] * 3
     assert r.one_draft_pass and "a cycle (one draft pass drafts any gamma)" in sd.format_report(r)
 
 
@@ -6530,6 +6721,736 @@ def test_dflash_checkpoints_that_do_not_fit_are_one_line(biased4, tmp_path, caps
     rc, text, err = run_cli(capsys, common + ["--draft", str(tmp_path / "two"), "--gamma", "3",
                                               "--simulate", "--continuation-tokens", "6"])
     assert rc == 0 and "alpha by draft offset 1..3" in text, err
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark and DFlash-2 (speculators' checkpoints): the block, then a chain over its slots
+
+
+def spec_tensors(c, seed=0):
+    """A speculators DSpark / DFlash-2 / DFlash checkpoint's tensors from a seeded generator,
+    named as speculators saves them (its backbone is DFlash's)."""
+    w = dflash_tensors(c, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+
+    def r(*shape, scale=0.6):
+        return scale * torch.randn(*shape, generator=g)
+    h, rank = 32, c.get("rank", 0)
+    if c["family"] == "dspark" and rank:
+        w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"] = r(V, rank), r(V, rank)
+        if c["mtype"] == "gated":
+            w["markov_head.gate_proj.weight"], w["markov_head.gate_proj.bias"] = r(rank, h + rank), r(rank)
+        if c["mtype"] == "rnn":
+            w["markov_head.joint_proj.weight"] = r(3 * rank, 2 * rank + h)
+            w["markov_head.joint_proj.bias"] = r(3 * rank)
+    if c["family"] == "dspark" and c.get("conf", True):
+        w["confidence_head.proj.weight"] = r(1, h + rank * c.get("with_markov", bool(rank)))
+        w["confidence_head.proj.bias"] = r(1)
+    if c["family"] == "dflash2":
+        for i in range(c["layers"]):
+            for conv in ("attention_conv", "mlp_conv"):
+                w[f"layers.{i}.{conv}.base_kernel"] = r(2, c["taps"], h, scale=0.3)
+                w[f"layers.{i}.{conv}.kernel_projection.weight"] = r(
+                    2 * c["taps"] * (h // c["group"]), h, scale=0.3)
+        w["candidate_selector.predecessor_codebook"] = r(V, c["srank"])
+        w["candidate_selector.successor_codebook"] = r(V, c["srank"])
+        w["candidate_selector.hidden_projection.weight"] = r(c["srank"], h)
+    return w
+
+
+def save_speculators(folder, w, c, **extra):
+    """A checkpoint as speculators' save_pretrained writes one: config.json (its model type,
+    its speculators_config with the greedy proposal and the verifier,
+    the draft layers' Qwen3 config under transformer_layer_config, the target layers as
+    aux_hidden_state_layer_ids, the family's keys at the top) and model.safetensors."""
+    from safetensors.torch import save_file
+    layer = dict(model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                 num_key_value_heads=c["kv_heads"], head_dim=c["dim"], rms_norm_eps=1e-6,
+                 max_position_embeddings=256, rope_theta=c["theta"],
+                 layer_types=["sliding_attention" if s else "full_attention"
+                              for s in c.get("sliding", [False] * c["layers"])],
+                 sliding_window=c.get("window"), use_sliding_window=any(c.get("sliding", [])))
+    keys = {"dspark": dict(markov_rank=c.get("rank", 0), markov_head_type=c.get("mtype"),
+                           enable_confidence_head=c.get("conf", True),
+                           confidence_head_with_markov=c.get("with_markov", bool(c.get("rank")))),
+            "dflash2": dict(conv_kernel_size=c.get("taps"), conv_group_size=c.get("group"),
+                            selector_rank=c.get("srank"), selector_top_k=c.get("topk")),
+            "dflash": {}}[c["family"]]
+    verifier = {"name_or_path": c.get("verifier", "/ckpt/target"),
+                "architectures": ["Qwen3ForCausalLM"]}
+    cfg = dict(speculators_model_type=c["family"],
+               speculators_config={"algorithm": c["family"], "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": c["size"] - 1}],
+                                   "verifier": verifier},
+               architectures=[{"dspark": "DSparkSpeculator", "dflash2": "DFlash2Speculator",
+                               "dflash": "DFlashSpeculator"}[c["family"]]],
+               transformer_layer_config=layer, aux_hidden_state_layer_ids=c["ids"],
+               block_size=c["size"], mask_token_id=c["mask"], draft_vocab_size=V,
+               sample_from_anchor=c["first"] == 0,
+               sliding_window_non_causal=c.get("non_causal", False), **keys)
+    cfg.update(extra)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(folder,
+                                                                     "model.safetensors"))
+    return str(folder)
+
+
+def block_conv(y, base, delta, group):
+    """A DFlash-2 convolution, written out: out[t] = sum over taps j <= t of
+    (base[j] + delta[t, j] per group of channels) * y[t - j]."""
+    out = torch.zeros_like(y)
+    for t in range(len(y)):
+        for j in range(min(t + 1, base.shape[0])):
+            out[t] = out[t] + (base[j] + delta[t, j].repeat_interleave(group)) * y[t - j]
+    return out
+
+
+@torch.no_grad()
+def spec_block(target, w, c, prefix):
+    """One speculators block, plain, no cache: the target over the prefix but its last token
+    (the anchor), its layer inputs at the aux ids (hidden_states[a]) through fc and
+    hidden_norm are the context; [anchor, mask x (size - 1)] at the positions from the
+    anchor's, each layer's mask (a sliding one: the last `window` context positions before
+    the anchor, its block causal unless non_causal), DFlash-2's convolutions around attention
+    and the MLP; the normed outputs (size, H)."""
+    n, size, embed = len(prefix) - 1, c["size"], target.get_input_embeddings().weight
+    hs = target.model(input_ids=torch.tensor([prefix[:-1]]), output_hidden_states=True
+                      ).hidden_states if n else None
+    feats = (torch.cat([hs[a][0] for a in c["ids"]], -1) if n else
+             torch.zeros(0, 32 * len(c["ids"])))
+    ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+    x = embed[torch.tensor([prefix[-1]] + [c["mask"]] * (size - 1))]
+    ctx_pos, pos = torch.arange(n), n + torch.arange(size)
+    for i in range(c["layers"]):
+        allowed = torch.ones(size, n + size, dtype=torch.bool)
+        if c.get("sliding", [False] * c["layers"])[i]:
+            if c.get("window") is not None:
+                allowed[:, :n] = ctx_pos >= n - c["window"]
+            if not c.get("non_causal", False):
+                allowed[:, n:] = torch.ones(size, size, dtype=torch.bool).tril()
+        x = dflash_layer(w, i, x, ctx, ctx_pos, pos, c["heads"], c["kv_heads"], c["dim"],
+                         c["theta"], allowed, c if c["family"] == "dflash2" else None)
+    return rms(x, w["norm.weight"])
+
+
+def spec_draft(target, w, c):
+    """DSpark / DFlash-2 / DFlash as speculators defines them, as draft(prefix, drafted): the
+    block (spec_block) once a cycle; offset len(drafted) + 1 is slot first + len(drafted),
+    its logits the target's head on its output, then: DSpark, plus markov_w2 of the Markov
+    state over slots 0.. of the tokens before each (the anchor, then the drafts; "gated":
+    sigmoid(gate(h, e)) * e; "rnn": a gated recurrence from zeros); DFlash-2, its top-k
+    candidates rescored by unary + <P[prev] * Hp(h), S[c]>, -inf elsewhere."""
+    blocks = {}
+
+    def logits(prefix, drafted):
+        if tuple(prefix) not in blocks:
+            blocks[tuple(prefix)] = spec_block(target, w, c, prefix)
+        h, k = blocks[tuple(prefix)], len(drafted)
+        before = [prefix[-1]] + list(drafted)  # the token before each offset's
+        j = c["first"] + k
+        base = target.lm_head(h[j])
+        if c["family"] == "dflash2":
+            cand = base[:V].topk(c["topk"]).indices
+            gate = w["candidate_selector.predecessor_codebook"][before[k]] * (
+                w["candidate_selector.hidden_projection.weight"] @ h[j])
+            score = base[cand] + w["candidate_selector.successor_codebook"][cand] @ gate
+            return torch.full((V,), float("-inf")).scatter(0, cand, score)
+        if c["family"] != "dspark" or not c.get("rank"):
+            return base
+        state = torch.zeros(c["rank"])
+        for s in range(j + 1):  # (the rnn steps through every slot from 0)
+            e = w["markov_head.markov_w1.weight"][before[max(s - c["first"], 0)]]
+            m = e
+            if c["mtype"] == "gated":
+                m = torch.sigmoid(w["markov_head.gate_proj.weight"] @ torch.cat([h[s], e])
+                                  + w["markov_head.gate_proj.bias"]) * e
+            if c["mtype"] == "rnn":
+                z = (w["markov_head.joint_proj.weight"] @ torch.cat([state, e, h[s]])
+                     + w["markov_head.joint_proj.bias"])
+                a, b, o = z.chunk(3)
+                state = torch.sigmoid(a) * state + (1 - torch.sigmoid(a)) * torch.tanh(b)
+                m = torch.tanh(o)
+        return base + w["markov_head.markov_w2.weight"] @ m
+    return logits
+
+
+def spec_confidence(target, w, c, prefix, drafted):
+    """The confidence head at offset len(drafted) + 1, plain: sigmoid(proj(h ; w1[prev]))."""
+    h = spec_block(target, w, c, prefix)[c["first"] + len(drafted)]
+    prev = ([prefix[-1]] + list(drafted))[len(drafted)]
+    x = torch.cat([h, w["markov_head.markov_w1.weight"][prev]]) if c.get("rank") else h
+    return torch.sigmoid(w["confidence_head.proj.weight"] @ x + w["confidence_head.proj.bias"])
+
+
+DSPARK = dict(family="dspark", ids=[1, 3], size=4, mask=PARD_MASK, layers=2, heads=4,
+              kv_heads=2, dim=8, theta=10000.0, first=0, rank=6, mtype="vanilla")
+DFLASH2 = dict(family="dflash2", ids=[1, 3], size=4, mask=PARD_MASK, layers=2, heads=4,
+               kv_heads=2, dim=8, theta=10000.0, first=1, taps=2, group=8, srank=5, topk=6,
+               non_causal=True)
+SPEC_LAYOUTS = {  # every published layout, and the smallest
+    "dspark-anchor-first": DSPARK,
+    "dspark-dflash-layout-rnn": dict(DSPARK, first=1, mtype="rnn"),
+    "dspark-gated-sliding-causal": dict(DSPARK, mtype="gated", sliding=[False, True], window=3),
+    "dspark-no-markov": dict(DSPARK, rank=0, with_markov=False),
+    "dspark-smallest": dict(DSPARK, ids=[0], size=1, layers=1, rank=1),
+    "dflash2": DFLASH2,
+    "dflash2-smallest": dict(DFLASH2, ids=[4], size=2, layers=1, taps=1, group=32, topk=1,
+                             srank=1),
+    "speculators-dflash": dict(DSPARK, family="dflash", first=1, rank=0),
+}
+
+
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
+@pytest.mark.parametrize("key", ["greedy", "t1"])
+@pytest.mark.parametrize("name", list(SPEC_LAYOUTS))
+def test_dspark_and_dflash2_give_speculators_block_in_both_routes(name, key, biased4, tok_plain,
+                                                                 tmp_path):
+    """Every speculators layout (DSpark anchor-first and in the DFlash layout; vanilla, gated
+    and rnn Markov heads; a sliding causal layer; none; DFlash-2; plain DFlash; the smallest
+    of each): per offset, teacher-forced alpha equals spec_draft (no cache, the text's own
+    tokens before each slot), and the simulation equals reference_loop driving it, prompt by
+    prompt, at T = 0 and T = 1: the chain reads its own drafts."""
+    c = SPEC_LAYOUTS[name]
+    w = spec_tensors(c, seed=3)
+    drafter = sd.head_drafter(save_speculators(tmp_path / name, w, c), biased4)
+    kinds = {"dspark": sd.DSparkDrafter, "dflash2": sd.DFlash2Drafter, "dflash": sd.DFlashDrafter}
+    assert type(drafter) is kinds[c["family"]] and drafter.can.pass_tokens == c["size"] - c["first"]
+    assert drafter.serving()["layout"] == "speculators"  # (SGLang reads no such folder)
+    assert type(drafter).proposer(drafter.serving(), "sglang") is None
+    assert type(drafter).proposer(drafter.serving(), "vllm").name in ("dspark", "dflash")
+    s, seqs = SAMPLINGS[key], sd.build_sequences(EAGLE_PROMPTS[:4], tok_plain)
+    plain, most = spec_draft(biased4, w, c), c["size"] - c["first"]
+    gamma = min(2, most)
+    r = sd.measure_acceptance(biased4, drafter, seqs, sampling=s, device=CPU, gamma=gamma,
+                              continuation_tokens=6, seed=2, batch_size=3)
+    want = head_step_alphas(biased4, plain, seqs, s, 6, 2, most)
+    assert r.alpha_by_head == pytest.approx([sum(a) / len(a) for a in want], abs=1e-5)
+    got = simulate(biased4, drafter, seqs, s, gamma, 10, seed=3, batch_size=3)
+    for i, row in enumerate(reference_loop(biased4, plain, seqs, s, gamma, 10, seed=3)):
+        assert counts(got[i]) == row, (name, i)
+
+
+def test_dspark_confidence_head_is_speculators_and_rides_with_each_draft(biased4, tok_plain,
+                                                                         tmp_path):
+    """The confidence head's estimate at each offset equals spec_confidence, teacher-forced
+    (Scores.estimate, on the text's tokens) and in the simulation (Proposal.estimate, on the
+    drafts): the number --confidence-rule dspark cuts by."""
+    c = dict(DSPARK, mtype="rnn")
+    w = spec_tensors(c, seed=5)
+    drafter = sd.head_drafter(save_speculators(tmp_path / "d", w, c), biased4)
+    assert drafter.can.confidence_head
+    seqs = sd.build_sequences(EAGLE_PROMPTS[:2], tok_plain)
+    rows = [q.ids + [5, 9, 13, 5] for q in seqs]
+    spans = [(len(q.ids), len(q.ids) + 3) for q in seqs]
+    steps = drafter.score(rows, spans, None, SAMPLINGS["t1"], V, CPU)
+    for k, scores in enumerate(steps):
+        want = [spec_confidence(biased4, w, c, row[:t + 1], row[t + 1:t + 1 + k]).item()
+                for row, (b, e) in zip(rows, spans) for t in range(b, e - k)]
+        assert scores.estimate.tolist() == pytest.approx(want, abs=1e-5), k
+    for q in seqs:  # the simulation's, cycle by cycle, on the drafts it made (T = 0)
+        got, log = simulated_with(biased4, drafter, type(drafter).start, [q],
+                                  SAMPLINGS["greedy"], 3, 12)
+        text, at = got[0].tokens, 1
+        for proposal in log:
+            drafts = proposal.tokens[0].tolist()
+            prefix = q.ids + text[:at]
+            want = [spec_confidence(biased4, w, c, prefix, drafts[:k]).item() for k in range(3)]
+            assert proposal.estimate[0].tolist() == pytest.approx(want, abs=1e-5)
+            n = next((j for j, (a, b) in enumerate(zip(drafts, text[at:])) if a != b), 3)
+            at += n + 1
+        assert len(log) >= 3
+
+
+SPECULATORS_ABSENT = ("speculators is not installed (pip install --no-deps speculators==0.9.0 "
+                      "pydantic; benchmarks/engines_check.sh installs it)")
+
+
+def speculators_model(family, seed, **keys):
+    """A tiny model of speculators' own class (DSparkDraftModel, DFlash2DraftModel), its
+    weights seeded and non-trivial, for a 4-layer stand-in target (aux layers 1 and 3)."""
+    from transformers import Qwen3Config
+    if family == "dspark":
+        from speculators.models.dspark import DSparkDraftModel as Model
+        from speculators.models.dspark import DSparkSpeculatorConfig as Config
+    else:
+        from speculators.models.dflash2 import DFlash2DraftModel as Model
+        from speculators.models.dflash2 import DFlash2SpeculatorConfig as Config
+    layers, window = keys.pop("layers", 1), keys.pop("window", None)
+    layer = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=256,
+                        **(dict(use_sliding_window=True, sliding_window=window,
+                                max_window_layers=1) if window else {}))
+    layer._attn_implementation = "eager"
+    model = Model(Config(transformer_layer_config=layer, draft_vocab_size=V, block_size=4,
+                         aux_hidden_state_layer_ids=[1, 3], mask_token_id=PARD_MASK, **keys))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name and p.dim() == 1 else
+                    0.6 * noise if "markov" in name or "selector" in name else 0.3 * noise)
+    return model.eval()
+
+
+def speculators_forward(model, target, row, anchors):
+    """speculators' own training forward over the target's states of `row`, its blocks
+    anchored at `anchors` (more than a block apart): each block's logits as its metrics read
+    them (DSpark: base + Markov bias on the text's tokens; DFlash-2: the selector's scores on
+    its top-k candidates, -inf elsewhere) and DSpark's confidences, (anchors, block, ...)."""
+    import speculators.models.dflash2.core as dflash2_core
+    import speculators.models.dspark.core as dspark_core
+    from speculators.losses import resolve_loss_config
+    core = dspark_core if "DSpark" in type(model).__name__ else dflash2_core
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        for name in ("lm_head", "verifier_lm_head"):
+            getattr(model, name).weight.copy_(target.lm_head.weight)
+        if hasattr(model, "verifier_norm"):
+            model.verifier_norm.weight.fill_(1.0)
+        hs = target.model(input_ids=torch.tensor([row]), output_hidden_states=True
+                          ).hidden_states
+    seen, metrics, backbone = {}, core.compute_metrics, type(model)._backbone_forward
+
+    def keep_backbone(*a, **k):
+        out = backbone(model, *a, **k)
+        seen["hidden"], seen["unary"], seen["index"] = out[0], out[1], out[4]
+        return out
+
+    def keep_metrics(*a, **k):
+        seen["args"], seen["kwargs"] = a, k
+        return metrics(*a, **k)
+    mask = torch.zeros(1, len(row))
+    mask[0, anchors] = 1
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(model, "_backbone_forward", keep_backbone, raising=False)
+        mp.setattr(core, "compute_metrics", keep_metrics)
+        model(torch.cat([hs[1], hs[3]], -1), torch.tensor([row]), mask, hs[-1],
+              torch.zeros(1, len(row), dtype=torch.long),
+              loss_config=resolve_loss_config("kl_div", "eager"),
+              tv_loss_fn=resolve_loss_config("tv", "eager")["tv"][0], max_anchors=len(anchors))
+    a, b = len(anchors), model.block_size
+    assert seen["index"].view(a, b)[:, 0].tolist() == anchors
+    if core is dspark_core:
+        conf = seen["args"][2]
+        return {"logits": seen["args"][0].view(a, b, V),
+                "confidence": None if conf is None else torch.sigmoid(conf.view(a, b))}
+    unary, hidden = seen["unary"].view(a, b, V), seen["hidden"].view(a, b, -1)
+    before = model._predecessor_ids(torch.tensor([row]), seen["index"]).view(a, b)
+    cand = unary.topk(model.candidate_selector.top_k, -1).indices
+    with torch.no_grad():
+        scores = model.candidate_selector.score_candidates(unary, hidden, before, cand)
+    return {"logits": torch.full((a, b, V), float("-inf")).scatter(-1, cand, scores),
+            "confidence": None}
+
+
+SPECULATORS_CASES = {
+    "dspark-anchor-first": ("dspark", dict(markov_rank=6)),
+    "dspark-dflash-layout-rnn": ("dspark", dict(markov_rank=6, markov_head_type="rnn",
+                                                sample_from_anchor=False)),
+    "dspark-gated-sliding": ("dspark", dict(markov_rank=6, markov_head_type="gated",
+                                            layers=2, window=3)),
+    "dspark-no-markov": ("dspark", dict(markov_rank=0, confidence_head_with_markov=False)),
+    "dflash2": ("dflash2", dict(conv_kernel_size=2, conv_group_size=8, selector_rank=5,
+                                selector_top_k=6)),
+    "dflash2-sliding-causal": ("dflash2", dict(conv_kernel_size=2, conv_group_size=8,
+                                               selector_rank=5, selector_top_k=6, layers=2,
+                                               window=3, sliding_window_non_causal=False)),
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("speculators") is None, reason=SPECULATORS_ABSENT)
+@pytest.mark.parametrize("name", list(SPECULATORS_CASES))
+def test_dspark_and_dflash2_equal_speculators_own_model(name, tmp_path):
+    """The oracle is speculators' own model, saved by its save_pretrained (its config keys and
+    weight names, as the engines load them): for blocks anchored across a text, its training
+    forward's logits at each slot (DSpark: base + Markov bias; DFlash-2: the selector's
+    scores) and DSpark's confidences equal specdec's teacher-forced ones there, to 1e-4."""
+    family, keys = SPECULATORS_CASES[name]
+    target = make_llama(3, layers=4)
+    model = speculators_model(family, 7, **keys)
+    model.save_pretrained(tmp_path)
+    drafter = sd.head_drafter(str(tmp_path), target)
+    first = 0 if model.config.sample_from_anchor else 1
+    row, anchors = [3, 7, 11, 2, 9, 5, 13, 5, 9, 1, 4, 8, 6, 12, 10, 3, 2], [1, 6, 11]
+    theirs = speculators_forward(model, target, row, anchors)
+    steps = drafter.score([row], [(1, 16)], None, SAMPLINGS["t1"], V, CPU)
+    assert len(steps) == 4 - first
+    for k, scores in enumerate(steps):
+        for j, t in enumerate(anchors):
+            mine = scores.head.logits(scores.states[t - 1:t])[0]
+            want = theirs["logits"][j, first + k]
+            assert torch.equal(torch.isfinite(mine), torch.isfinite(want)), (k, t)
+            ok = torch.isfinite(want)
+            assert mine[ok] == pytest.approx(want[ok], abs=1e-4), (name, k, t)
+            if theirs["confidence"] is not None:
+                assert scores.estimate[t - 1].item() == pytest.approx(
+                    theirs["confidence"][j, first + k].item(), abs=1e-5)
+
+
+def copy_dspark(target, scale=100.0):
+    """A DSpark draft for copy_pair's target (which writes its last token again) whose Markov
+    head is that target: its block's states are zero (norm weights zero: the base logits are
+    0), and markov_w2 . markov_w1[prev] is the target's logits after prev (w1: the target's
+    normed embeddings, w2: its head), so each slot's q is the target's p after the token
+    drafted before it."""
+    c = dict(DSPARK, rank=32, mtype="vanilla", conf=True)
+    w = {k: torch.zeros_like(v) if "norm" in k else v for k, v in spec_tensors(c).items()}
+    with torch.no_grad():
+        normed = target.model.norm(target.model.embed_tokens.weight)
+    w["markov_head.markov_w1.weight"] = normed.clone()
+    w["markov_head.markov_w2.weight"] = target.lm_head.weight.clone()
+    return w, c
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_dspark_draft_that_is_the_target_accepts_everything(temperature, tok_plain, tmp_path):
+    """alpha = 1 at every offset in both routes for a DSpark draft whose Markov head is the
+    target (copy_dspark): tokens per cycle = gamma + 1 = block_size + 1 (anchor-first: a block
+    of 4 drafts 4), and no row of the best-gamma table claims more than
+    min(gamma, 4) + 1. Planted: markov_w1's rows shifted by one token gives alpha < 0.99."""
+    target, _, _ = copy_pair()
+    w, c = copy_dspark(target)
+    drafter = sd.head_drafter(save_speculators(tmp_path / "d", w, c), target)
+    accepts_everything(target, drafter, tok_plain, temperature, 4, abs=1e-5)
+    if temperature:
+        w["markov_head.markov_w1.weight"] = w["markov_head.markov_w1.weight"].roll(1, 0)
+        half = sd.head_drafter(save_speculators(tmp_path / "h", w, c), target)
+        seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+        r = sd.measure_acceptance(target, half, seqs, sampling=sd.SamplingParams(temperature),
+                                  device=CPU, gamma=4, continuation_tokens=10, seed=1)
+        assert max(r.alpha_by_head) < 0.99
+
+
+def coin_pair():
+    """A target that writes one of two tokens (5 or 9) with probability 1/2 whatever the text
+    (its head's weights zero, its bias 0 on both, -1e4 elsewhere), and a DSpark draft that
+    always drafts 5 (its Markov head: +50 on 5 whatever came before) whose confidence head
+    says 0.9 everywhere (weights zero, bias logit 0.9): accepted half the time, 0.9 claimed."""
+    target = make_llama(3, layers=4)
+    head = nn.Linear(32, V, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-1e4)
+        head.bias[[5, 9]] = 0.0
+    target.lm_head = head.requires_grad_(False)
+    c = dict(DSPARK, rank=1)
+    w = spec_tensors(c, seed=2)
+    w["markov_head.markov_w1.weight"] = torch.ones(V, 1)
+    w["markov_head.markov_w2.weight"] = torch.zeros(V, 1)
+    w["markov_head.markov_w2.weight"][5] = 50.0
+    w["confidence_head.proj.weight"] = torch.zeros_like(w["confidence_head.proj.weight"])
+    w["confidence_head.proj.bias"] = torch.tensor([math.log(0.9 / 0.1)])
+    return target.eval(), w, c
+
+
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
+def test_dspark_confidence_is_held_against_acceptance(tok_plain, tmp_path):
+    """The confidence head as a forecast (--confidence-rule dspark): a head that says 0.9 where
+    half the drafts are accepted (coin_pair) shows 0.9 against 0.5 at every offset, marked
+    over(confident), all its drafts in the 0.8-1.0 tenths, and the Brier score's closed form
+    0.9^2 - 2 x 0.9 x 0.5 + 0.5 = 0.41 teacher-forced (the accept rate alone: 0.25); the
+    simulation's, over its examined drafts, within 4 standard errors of 0.41 (each draft's
+    squared error is 0.01 or 0.81: sd 0.4; a head planted at 0.7 instead scores 0.29, 0.12
+    away, caught from 180 drafts examined; here about 500). The thresholds: 0.5 cuts nothing,
+    0.95 every block before its first draft."""
+    target, w, c = coin_pair()
+    drafter = sd.head_drafter(save_speculators(tmp_path / "d", w, c), target)
+    seqs = sd.build_sequences(EAGLE_PROMPTS + PROMPTS, tok_plain)
+    r = sd.measure_acceptance(
+        target, drafter, seqs, sampling=sd.SamplingParams(1.0, proposal="argmax"), device=CPU,
+        gamma=3, continuation_tokens=48, seed=1, simulate=True,
+        stopping=sd.Stopping("dspark", (0.5, 0.95)))
+    cal = r.unsure.calibration
+    assert cal.brier == pytest.approx(0.41, abs=1e-4)
+    assert cal.brier_baseline == pytest.approx(0.25, abs=1e-4)
+    for o in cal.by_offset:
+        assert o["confidence"] == pytest.approx(0.9, abs=1e-5)
+        assert o["accept_rate"] == pytest.approx(0.5, abs=1e-4)
+    assert sum(cal.drafted[8:]) == pytest.approx(sum(cal.drafted), rel=1e-9)
+    n = sum(cal.sim_examined)
+    assert n > 180 and abs(cal.sim_brier - 0.41) < 4 * 0.4 / math.sqrt(n)
+    text = sd.format_report(r)
+    assert "Brier score" in text and " over" in text
+    low, high = r.unsure.rows
+    assert low.cut_by_threshold == 0 and high.drafted_per_cycle == 0
+    assert high.tokens_per_cycle == pytest.approx(1.0)
+
+
+def test_dspark_and_dflash2_bad_checkpoints_are_one_line(biased4, tmp_path, capsys, model_dirs,
+                                                         data_txt):
+    """A DSpark folder without its Markov head's weights, a DFlash-2 one without its selector,
+    a reduced draft vocabulary, --confidence-rule dspark for a draft with no confidence head
+    (a draft model; a DSpark saved without one, which runs without, as vLLM runs it): each
+    one line, exit 2 on the command line."""
+    for name, c, drop, extra, word in (
+            ("nomarkov", DSPARK, "markov_head.", {}, "without its Markov head's weights"),
+            ("noselector", DFLASH2, "candidate_selector.", {}, "not a DFlash-2 checkpoint"),
+            ("d2t", DSPARK, "-", {"draft_vocab_size": 20}, "a vocabulary of its own")):
+        ws = {k: v for k, v in spec_tensors(c).items() if not k.startswith(drop)}
+        save_speculators(tmp_path / name, ws, c, **extra)
+        with pytest.raises(sd.UsageError, match=re.escape(word)):
+            sd.head_drafter(str(tmp_path / name), biased4)
+    two = dict(DSPARK, ids=[1, 2])  # the CLI's 2-layer target
+    save_speculators(tmp_path / "cli", {k: v for k, v in spec_tensors(two).items()
+                                        if not k.startswith("markov_head.")}, two)
+    headless = dict(two, conf=False)
+    save_speculators(tmp_path / "headless", spec_tensors(headless), headless)
+    common = ["--target", model_dirs["target"], "--data", data_txt, "--quiet",
+              "--max-samples", "2", "--continuation-tokens", "4", "--temperature", "0"]
+    for argv, word in (
+            (["--draft", str(tmp_path / "cli")], "without its Markov head's weights"),
+            (["--draft", model_dirs["draft"], "--confidence-rule", "dspark",
+              "--confidence-threshold", "0.5"], "has none"),
+            (["--draft", str(tmp_path / "headless"), "--confidence-rule", "dspark",
+              "--confidence-threshold", "0.5", "--gamma", "2"], "has none")):
+        rc, _, err = run_cli(capsys, common + argv)
+        assert rc == 2 and err.count("\n") == 1 and word in err, (argv, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# suffix decoding
+
+
+def test_suffix_trees_draft_the_worked_example():
+    """By hand: a response [10 11 12 13 14 10 11 12 15] cached, a prompt ending 10 11: the
+    match 10 11 continues with 12 twice (probability 1), then 13 or 15 once each (0.5, 13
+    first: it came first), then 14, 10: with max_spec_factor 2 the match of 2 drafts 4 tokens,
+    [12 13 14 10], probabilities [1 .5 .5 .5], score 2.5; with factor 1, two: [12 13]. The
+    first draft token once 12 is added: the match 10 11 12 (3 tokens), [13 14 10]."""
+    cache = sd.SuffixCache(max_tree_depth=24, max_cached_requests=100)
+    cache.start_request("r0", [1, 2, 3])
+    cache.add_active_response("r0", [10, 11, 12, 13, 14, 10, 11, 12, 15])
+    cache.stop_request("r0")
+    cache.start_request("r1", [7, 8, 10, 11])
+    d = cache.speculate("r1", [7, 8, 10, 11], 8, 2.0, 0.0, 0.1)
+    assert (d.token_ids, d.probs, d.score, d.match_len) == ([12, 13, 14, 10],
+                                                            [1.0, .5, .5, .5], 2.5, 2)
+    assert cache.speculate("r1", [7, 8, 10, 11], 8).token_ids == [12, 13]
+    cache.add_active_response("r1", [12])
+    d = cache.speculate("r1", [7, 8, 10, 11, 12], 8)
+    assert (d.token_ids, d.match_len) == ([13, 14, 10], 3)
+    assert list(cache.cached) == ["r0", "r1"]
+
+
+ARCTIC_ABSENT = ("arctic-inference is not installed (pip install arctic-inference==0.3.0; "
+                 "benchmarks/engines_check.sh installs it)")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is None, reason=ARCTIC_ABSENT)
+@pytest.mark.parametrize("depth,most", [(4, -1), (8, 1), (24, 3), (64, 0)])
+def test_suffix_cache_is_arctic_inference_draft_for_draft(depth, most):
+    """specdec's suffix cache against arctic-inference's SuffixDecodingCache on the same
+    calls: requests started (ids reused, which evicts), decoded two at a time with drafts
+    partly accepted, stopped, evicted oldest first: every draft (tokens, probabilities,
+    score, match length) and the cached requests, equal. Planted: ties broken the other way
+    among equal counts (new children first) differ within the first few hundred calls."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+    calls = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        theirs = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=most)
+        mine = sd.SuffixCache(depth, most)
+        vocab, texts = rng.randint(2, 5), []
+        for n in range(8):
+            req = f"r{rng.randrange(n)}" if n and rng.random() < 0.25 else f"r{n}"
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
+            for cache in (theirs, mine):
+                cache.start_request(req, prompt)
+            said = []
+            for _ in range(rng.randint(3, 12)):
+                args = (prompt + said, rng.randint(0, 8), rng.choice((1.0, 2.0)), 0.0,
+                        rng.choice((0.0, 0.1, 0.5)))
+                want, got = theirs.speculate(req, *args), mine.speculate(req, *args)
+                calls += 1
+                assert (list(want.token_ids), want.score, want.match_len) == (
+                    got.token_ids, got.score, got.match_len), (seed, calls)
+                assert list(want.probs) == pytest.approx(got.probs, abs=1e-6)
+                new = list(want.token_ids[:rng.randint(0, len(want.token_ids))])
+                new += [rng.randrange(vocab)] + (rng.choice(texts)[:3] if texts else [])
+                for cache in (theirs, mine):
+                    cache.add_active_response(req, new)
+                said += new
+            for cache in (theirs, mine):
+                cache.stop_request(req)
+            texts.append(said)
+            assert list(theirs.cached_requests) == list(mine.cached)
+    assert calls > 150
+
+
+def suffix_loop(target, seqs, gamma, budget, cache_of):
+    """Suffix decoding at T = 0 as arctic-inference's simulator (suffix_decode) runs it, with
+    vLLM's first token (the prefill's): per prompt, a request on cache_of(i) started with the
+    prompt and given the first token; each cycle the draft from prompt + output (at most
+    gamma), the target's greedy tokens after it, the longest agreeing prefix accepted and the
+    target's next token added. -> reference_loop's counts per prompt."""
+    out = []
+    for i, q in enumerate(seqs):
+        cache, prefix = cache_of(i), list(q.ids)
+        emitted = [last_logits(target, prefix).argmax().item()]
+        cache.start_request("now", prefix)
+        cache.add_active_response("now", emitted)
+        row = dict(accepted=0, examined=0, cycles=0, censored=0, reached=[0] * gamma,
+                   accepted_at=[0] * gamma)
+        while len(emitted) < budget:
+            draft = list(cache.speculate("now", prefix + emitted, gamma, 1.0, 0.0,
+                                         0.1).token_ids)
+            with torch.no_grad():
+                want = target(input_ids=torch.tensor([prefix + emitted + draft])).logits[
+                    0, -len(draft) - 1:, :V].argmax(-1).tolist()
+            n = next((j for j, (a, b) in enumerate(zip(draft, want)) if a != b), len(draft))
+            for j in range(min(n + 1, len(draft))):
+                row["reached"][j] += 1
+                row["accepted_at"][j] += j < n
+            row["accepted"] += n
+            row["examined"] += min(n + 1, len(draft))
+            row["cycles"] += 1
+            new = draft[:n] + [want[n]]
+            emitted += new[:budget - len(emitted)]
+            cache.add_active_response("now", new)
+        row["tokens"] = emitted
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
+def test_suffix_decoding_simulation_is_arctics_loop(earlier, biased4, tok_plain):
+    """The simulation of --draft suffix against suffix_loop driving arctic-inference's own
+    cache where it is installed (else specdec's, which the test above holds equal to it):
+    the same tokens and (drafted, accepted) counts per prompt, prompt by prompt, the global
+    tree empty (earlier=False: --suffix-max-cached-requests 0) or holding the responses of
+    the prompts before (the target's greedy continuations of prompts 0..i-1, in order)."""
+    seqs = sd.build_sequences(EAGLE_PROMPTS + ["abc abc abc", "the cat the cat"], tok_plain)
+    options = sd.SuffixOptions(max_cached=10000 if earlier else 0)
+    drafter = sd.SuffixDrafter(options)
+    conts = continuations(biased4, seqs, SAMPLINGS["greedy"], 14)
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache as Cache
+    except ImportError:
+        Cache = sd.SuffixCache
+
+    def cache_of(i):
+        cache = Cache(24, 10000 if earlier else 0)
+        for j in range(i if earlier else 0):
+            cache.start_request(j, seqs[j].ids)
+            cache.add_active_response(j, conts[j])
+            cache.stop_request(j)
+        return cache
+    want = suffix_loop(biased4, seqs, 3, 14, cache_of)
+    drafter.meet(list(range(len(seqs))), [q.ids for q in seqs],
+                 lambda at: [(seqs[j].ids, conts[j]) for j in at])
+    got = simulate(biased4, drafter, seqs, SAMPLINGS["greedy"], 3, 14, batch_size=2)
+    for i, row in enumerate(want):
+        assert counts(got[i]) == row, i
+    assert sum(row["accepted"] for row in want) >= 10
+
+
+class FirstTokenFromPrefill:
+    """An arctic SuffixDecodingCache whose start_request(req, prompt + [first]) starts the
+    request on the prompt and adds the first token as its response, as vLLM does with the
+    token its prefill wrote (arctic's simulator drafts before any token, from the prompt)."""
+
+    def __init__(self, cache):
+        self.cache, self.max_tree_depth = cache, cache.max_tree_depth
+
+    def start_request(self, req, ids):
+        self.cache.start_request(req, ids[:-1])
+        self.cache.add_active_response(req, ids[-1:])
+
+    def __getattr__(self, name):  # speculate, add_active_response, stop_request
+        return getattr(self.cache, name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is None, reason=ARCTIC_ABSENT)
+@pytest.mark.parametrize("earlier", [False, True])
+def test_suffix_decoding_acceptance_is_arctics_own_simulator(earlier, biased4, tok_plain):
+    """The simulation of --draft suffix at T = 0 against arctic-inference's own offline
+    simulator (simulator.suffix_decode: its cache, its loop, its verification against the
+    ground-truth response) run on the same prompts with the target's greedy continuations as
+    the responses, the first token taken from the prefill as vLLM takes it: per prompt, over
+    specdec's cycles, the same drafted and accepted tokens cycle by cycle. (The response given
+    arctic runs gamma tokens past the budget: its simulator accepts nothing past the response's
+    end, where specdec counts a last cycle's drafts against the target's own next tokens.)
+    Planted: a draft limit one above the run's gamma (max_spec_tokens) changes the counts."""
+    import numpy as np
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+    from arctic_inference.suffix_decoding.simulator import suffix_decode
+    gamma, budget, cached = 3, 14, 10000 if earlier else 0
+    seqs = sd.build_sequences(EAGLE_PROMPTS + ["abc abc abc", "the cat the cat"], tok_plain)
+    conts = continuations(biased4, seqs, SAMPLINGS["greedy"], budget)  # (what is served)
+    further = continuations(biased4, seqs, SAMPLINGS["greedy"], budget + gamma)
+    drafter = sd.SuffixDrafter(sd.SuffixOptions(max_cached=cached))
+    drafter.meet(list(range(len(seqs))), [q.ids for q in seqs],
+                 lambda at: [(seqs[j].ids, conts[j]) for j in at])
+    got = simulate(biased4, drafter, seqs, SAMPLINGS["greedy"], gamma, budget, batch_size=3)
+
+    def arctic(i, most):
+        cache = SuffixDecodingCache(24, cached)
+        for j in range(i if earlier else 0):
+            cache.start_request(j, seqs[j].ids)
+            cache.add_active_response(j, conts[j])
+            cache.stop_request(j)
+        steps = suffix_decode(FirstTokenFromPrefill(cache), -1,
+                              np.array(list(seqs[i].ids) + further[i][:1], dtype=np.int32),
+                              np.array(further[i][1:], dtype=np.int32), most, 1.0, 0.1,
+                              False, True)[:got[i].cycles]
+        return [(s["num_spec_toks"], s["num_accept_toks"]) for s in steps]
+    planted = 0
+    for i, row in sorted(got.items()):
+        theirs = arctic(i, gamma)
+        assert row.tokens == conts[i] == further[i][:budget] and len(theirs) == row.cycles, i
+        assert row.accepted == sum(a for _, a in theirs), i
+        assert row.examined == sum(min(a + 1, d) for d, a in theirs), i
+        assert row.reached == [sum(d > j <= a for d, a in theirs) for j in range(gamma)], i
+        assert row.accepted_at == [sum(a > j for d, a in theirs) for j in range(gamma)], i
+        planted += arctic(i, gamma + 1) != theirs
+    assert sum(row.accepted for row in got.values()) >= 10 and planted >= 1
+
+
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
+def test_suffix_decoding_reads_earlier_prompts_however_batched(biased4, tok_plain, tmp_path,
+                                                              capsys, model_dirs):
+    """--draft suffix's global tree holds, for prompt i, the target's continuations of
+    prompts 0..i-1 (Measurement.texts): the same report at batch size 1 and 4, teacher-forced
+    and simulated; the prompts reversed, another (the order is part of the number). A
+    history file of the prompts' own earlier answers (a workload that repeats) raises tokens
+    per cycle above the prompt-only tree's (max cached 0) at T = 0. Bad history files: one
+    line, exit 2. --engine-config vllm: method suffix with its options."""
+    seqs = sd.build_sequences(EAGLE_PROMPTS + ["abc abc abc", "the cat the cat"], tok_plain)
+    kw = dict(sampling=SAMPLINGS["greedy"], device=CPU, gamma=3, continuation_tokens=12,
+              simulate=True)
+    one, four = (numbers(sd.measure_acceptance(biased4, sd.SuffixDrafter(), seqs, batch_size=b,
+                                               **kw)) for b in (1, 4))
+    assert {k: v for k, v in one.items() if "run_key" not in k} == {
+        k: v for k, v in four.items() if "run_key" not in k}
+    back = numbers(sd.measure_acceptance(biased4, sd.SuffixDrafter(), seqs[::-1], **kw))
+    assert back["alpha"] != one["alpha"]
+    conts = continuations(biased4, seqs, SAMPLINGS["greedy"], 12)
+    alone = sd.measure_acceptance(biased4, sd.SuffixDrafter(sd.SuffixOptions(max_cached=0)),
+                                  seqs, **kw)
+    again = sd.measure_acceptance(biased4, sd.SuffixDrafter(history=conts, earlier=False),
+                                  seqs, **kw)
+    assert again.empirical_tokens_per_cycle > alone.empirical_tokens_per_cycle + 0.5
+    good = tmp_path / "h.jsonl"
+    good.write_text("\n".join(json.dumps({"response": t}) for t in ("hello there", "abc")))
+    common = ["--target", model_dirs["target"], "--data", "builtin", "--quiet",
+              "--max-samples", "2", "--continuation-tokens", "4", "--draft", "suffix"]
+    for body, word in (("{not json", "line 1 is not JSON"), ('{"answer": 1}', "no \"response\"")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(body)
+        rc, _, err = run_cli(capsys, common + ["--suffix-history", str(bad)])
+        assert rc == 2 and err.count("\n") == 1 and word in err, err
+    rc, _, err = run_cli(capsys, common + ["--suffix-history", str(tmp_path / "none.jsonl")])
+    assert rc == 2 and "cannot read it" in err
+    rc, out, err = run_cli(capsys, common + ["--suffix-history", str(good), "--engine-config",
+                                             "vllm", "--suffix-max-depth", "16"])
+    assert rc == 0, err
+    assert '"method": "suffix"' in out and '"suffix_decoding_max_tree_depth": 16' in out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6615,6 +7536,7 @@ def oracle_shared(tok_t, tok_d) -> dict[int, int]:
     return shared
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_the_two_tokenizers_really_differ(foreign):
     """Not a nested pair (a smaller vocabulary trained the same way keeps the larger one's
     ids): different sizes, different ids for the same text, texts on each side the other
@@ -6663,6 +7585,7 @@ def oracle_tli_alphas(foreign, seqs, conts, s: "sd.SamplingParams"):
 
 
 @pytest.mark.parametrize("key", ["t1", "topk_topp", "greedy"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_tli_teacher_forced_alpha_matches_brute_force(key, foreign):
     """TLI's teacher-forced alpha and p's mass on the shared vocabulary, per prompt, equal the
     brute-force oracle's on the continuations the target wrote (1e-5: float32 against
@@ -6708,6 +7631,7 @@ def tli_cycle_law(foreign, prompt, s, f=1.0):
     return v, p, take + (1 - take.sum()) * left / left.sum()
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
     """The first cycle's token, from 3,000 runs of one prompt (those after its most likely
     prefill token, about 2,500), follows the target's law: chi-square against it.
@@ -6738,6 +7662,7 @@ def test_tli_simulation_is_lossless_goodness_of_fit(foreign, monkeypatch):
     assert chi2_pvalue(first_cycle_tokens(v), p) < 1e-3
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_slem_greedy_simulation_is_transformers_universal_assisted_generation(foreign,
                                                                             monkeypatch):
     """SLEM against transformers' own generate(assistant_model=, tokenizer=,
@@ -6816,6 +7741,7 @@ def eos_writing_draft(foreign):
     return draft
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_slem_draft_stops_where_transformers_assistant_stops(foreign, eos_writing_draft,
                                                              monkeypatch):
     """transformers' assistant stops at the target's EOS ids read as ids of its own
@@ -6922,6 +7848,7 @@ def numbers_of(report) -> dict:
 
 
 @pytest.mark.parametrize("key", ["greedy", "t1", "topk_topp"])
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_a_pair_of_one_tokenizer_gives_todays_numbers_whichever_method_is_forced(key, foreign):
     """With the target's tokenizer on both sides nothing is translated: TLI gives every number
     of the draft model measured as today (both routes, bit for bit: the same forwards, the
@@ -6963,6 +7890,7 @@ def foreign_dirs(tmp_path_factory, foreign):
     return dirs
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_cli_measures_a_draft_with_another_tokenizer_by_tli_and_slem(capsys, tmp_path, foreign,
                                                                      foreign_dirs):
     """Tokenizers that disagree are no longer refused: TLI by default, SLEM when asked, the
@@ -7208,6 +8136,7 @@ def test_load_texts_json_list_and_wrapped_list(tmp_path):
     assert [p.content for p in sd.load_texts(str(g))] == ["x", "y"]
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_load_texts_hf_local_folders(tmp_path):
     import datasets
     ds = datasets.Dataset.from_dict({"question": ["q1", "q2"], "text": ["t1", "t2"],
@@ -7417,6 +8346,7 @@ def test_eos_ids_unions_configs_and_tokenizer(llama, tok):
     assert sd.eos_ids(llama) == set()
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_a_device_mapped_model_with_disk_offload_gives_the_same_numbers(tmp_path, model_dirs,
                                                                          data_txt, capsys):
     """The target spread over cpu and disk (accelerate must offload: 50 KB of CPU memory for
@@ -7474,6 +8404,7 @@ def png_size(path) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_plot_draws_a_png_and_changes_no_number(sim_report, tmp_path, llama, llama2, seqs):
     before = json.dumps(sim_report.to_dict(), sort_keys=True)
     sd.plot_reports([sim_report], str(tmp_path / "one.png"))
@@ -7664,7 +8595,7 @@ def test_collect_looks_for_a_stop_before_each_batch(monkeypatch, llama, llama2, 
     settings = sd.Settings(gamma=2, continuation_tokens=3, batch_size=2)
     stop = sd.Stop()
     options = sd.Options(settings, [], [0.7], None, [])
-    plan = sd.Plan(None, options, llama, [], CPU, {}, sd.Launch(0, 2, 0, 2), stop)
+    plan = sd.Plan(options, llama, [], CPU, {}, sd.Launch(0, 2, 0, 2), stop)
     m = sd.Measurement(llama, seqs, sd.SamplingParams(0.7), settings, CPU)
     results = [{}]
     cut = sd.collect(plan, m, m.drafters([sd.as_drafter("d", llama2)]), results)
@@ -7679,7 +8610,7 @@ def test_a_signal_while_the_report_is_written_is_noted_not_raised(capsys, monkey
     import signal
     import time
 
-    def reports(args, status, where, stop, options):
+    def reports(args=None, status=None, where=None, stop=None, options=None):
         stop.raising = False  # as cli_reports has it once the models are loaded
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs here
@@ -8725,3 +9656,128 @@ def test_a_real_draft_with_a_re_merged_tokenizer_is_measured_as_transformers_run
                 break
             done, whole = done + n + 1, whole + 1
         assert whole >= 2 and mine[:whole] == theirs[:whole], (mine, theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the file's layout: four parts in the order data flows, each name before its use
+
+
+def layout_violations(src: str) -> list[str]:
+    """What breaks specdec.py's layout (docs/design.md), one line each: (a) a name defined in
+    a later part used by an earlier part (annotations aside: they are never evaluated); (b) a
+    name used at import time (a module-level statement, a class body, a default, a decorator)
+    before the line that defines it; (c) a kind of Part 3 named in Parts 1-2: its class, or
+    its kind's string (Abilities' first field) as a constant; (d) more than 3 functions that
+    take more than 6 parameters; (e) a backslash continuation."""
+    lines, tree = src.split("\n"), ast.parse(src)
+    starts = [next(i + 1 for i, line in enumerate(lines) if re.match(rf"# .*PART {k}\.", line))
+              for k in (1, 2, 3, 4)]
+
+    def part(line: int) -> int:
+        return sum(line >= s for s in starts)
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                 [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                  if isinstance(t, ast.Name)])
+        for name in names:
+            defined.setdefault(name, node.lineno)
+    kinds = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and part(n.lineno) == 3
+             and n.name.endswith("Drafter")}
+    kind_strings = {c.args[0].value for n in tree.body if isinstance(n, ast.ClassDef)
+                    and part(n.lineno) == 3 for c in ast.walk(n) if isinstance(c, ast.Call)
+                    and getattr(c.func, "id", None) == "Abilities" and c.args
+                    and isinstance(c.args[0], ast.Constant)}
+
+    def names_in(node: ast.AST, skip_annotations: bool = True):
+        """Name loads under node, annotations left out."""
+        todo = [node]
+        while todo:
+            x = todo.pop()
+            if skip_annotations and isinstance(x, ast.arg):
+                continue
+            if skip_annotations and isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                todo += x.decorator_list + x.args.defaults + [d for d in x.args.kw_defaults
+                                                              if d] + x.body
+                continue
+            if skip_annotations and isinstance(x, ast.AnnAssign):
+                todo += [x.value] if x.value else []
+                continue
+            if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load):
+                yield x
+            todo += list(ast.iter_child_nodes(x))
+
+    def import_time(node: ast.AST):
+        """The parts of a top-level statement Python evaluates when it imports the module."""
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults
+                                                               if d]
+        if isinstance(node, ast.ClassDef):
+            out = node.decorator_list + node.bases + [k.value for k in node.keywords]
+            for x in node.body:
+                out += import_time(x) if isinstance(x, (ast.FunctionDef, ast.ClassDef)) else [
+                    x.value] if isinstance(x, ast.AnnAssign) and x.value else [] if isinstance(
+                    x, ast.AnnAssign) else [x]
+            return out
+        return [node]
+    found = []
+    for node in tree.body:
+        p = part(node.lineno)
+        local = set() if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else {
+            x.id for x in ast.walk(node) if isinstance(x, ast.Name)
+            and isinstance(x.ctx, ast.Store)} | {a.arg for x in ast.walk(node)
+                                                if isinstance(x, ast.arguments)
+                                                for a in x.posonlyargs + x.args + x.kwonlyargs}
+        for name in names_in(node):
+            at = defined.get(name.id)
+            if at is not None and part(at) > p and p and name.id not in local:
+                found.append(f"(a) line {name.lineno}: {name.id} (part {part(at)}) used in "
+                             f"part {p}")
+        for piece in import_time(node):
+            for name in names_in(piece):
+                at = defined.get(name.id)
+                if at is not None and at > node.lineno:
+                    found.append(f"(b) line {name.lineno}: {name.id} used at import time "
+                                 f"before line {at} defines it")
+        if p in (1, 2):
+            for x in ast.walk(node):
+                said = (x.id if isinstance(x, ast.Name) else x.attr if isinstance(
+                    x, ast.Attribute) else None)
+                if said in kinds:
+                    found.append(f"(c) line {x.lineno}: the kind {said} named in part {p}")
+                if isinstance(x, ast.Constant) and x.value in kind_strings:
+                    found.append(f"(c) line {x.lineno}: the kind {x.value!r} named in part {p}")
+    wide = [f"{f.name} (line {f.lineno})" for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and len([a for a in f.args.posonlyargs + f.args.args + f.args.kwonlyargs
+                     if a.arg not in ("self", "cls")]) + bool(f.args.vararg)
+            + bool(f.args.kwarg) > 6]
+    if len(wide) > 3:
+        found.append(f"(d) {len(wide)} functions take more than 6 parameters: "
+                     f"{', '.join(wide)}")
+    found += [f"(e) line {i + 1}: a backslash continuation" for i, line in enumerate(lines)
+              if line.rstrip().endswith("\\") and not line.lstrip().startswith("#")]
+    return found
+
+
+@pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
+def test_the_file_keeps_its_layout():
+    """specdec.py reads in four parts, in the order data flows (docs/design.md): no name of a
+    later part used by an earlier one, none used at import time before its definition, no
+    kind of Part 3 named in Parts 1-2, at most 3 functions of more than 6 parameters, no
+    backslash continuation. Planted, each is caught: a Part 1 function that makes a Part 3
+    kind; a module-level name read before its definition; a Part 2 test of a kind's string;
+    a fourth function of 7 parameters; a backslash."""
+    src = open(sd.__file__, encoding="utf-8").read()
+    assert layout_violations(src) == []
+    part1 = src.index("\ndef sample_from(")  # (Part 1: sampling maths)
+    part2 = src.index("\ndef report_notes(")  # (Part 2: the report)
+    planted = {
+        "(a)": src[:part1] + "\ndef planted():\n    return NgramDrafter()\n" + src[part1:],
+        "(b)": src[:part1] + "\nEARLY = read_options\n" + src[part1:],
+        "(c)": src[:part2] + "\ndef planted(d):\n    return d['kind'] == 'SLEM'\n" + src[part2:],
+        "(d)": src[:part1] + "\ndef planted(a, b, c, d, e, f, g):\n    pass\n" + src[part1:],
+        "(e)": src[:part1] + "\nX = 1 + \\\n    2\n" + src[part1:],
+    }
+    for rule, text in planted.items():
+        assert any(v.startswith(rule) for v in layout_violations(text)), rule

@@ -62,7 +62,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec as sd  # noqa: E402
@@ -364,59 +364,55 @@ def task_steps(log: Path) -> dict[int, list[tuple[int, int]]]:
 OVERHEAD = ("per_step", "per_cycle", "per_row", "per_sample", "per_draft_token")
 
 
-def least_squares_nonnegative(x: list[list[float]], y: list[float]
-                              ) -> tuple[list[float], list[float]]:
-    """min |x b - y| with b >= 0 (every subset of free terms tried: five terms are 32 fits) ->
-    (b, the standard error of each term from the fit's residuals; 0 for a term held at 0)."""
+def least_squares(x: list[list[float]], y: list[float]) -> tuple[list[float], list[float]]:
+    """min |x b - y| -> (b with each term below zero taken as zero: an overhead is never
+    negative, and one the runs cannot tell from zero is zero; the standard error of each
+    term from the fit's residuals, kept whatever the term)."""
     import torch
     xs, ys = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
-    k = xs.shape[1]
-    best = ((ys ** 2).sum().item(), [], torch.zeros(0, dtype=torch.float64), xs[:, :0])
-    for mask in range(1, 1 << k):
-        free = [i for i in range(k) if mask >> i & 1]
-        sub = xs[:, free]
-        b = torch.linalg.lstsq(sub, ys[:, None]).solution[:, 0]
-        if (b < 0).any():
-            continue
-        err = ((sub @ b - ys) ** 2).sum().item()
-        if best is None or err < best[0] - 1e-18:
-            best = (err, free, b, sub)
-    err, free, b, sub = best
-    dof = max(1, len(y) - len(free))
-    cov = err / dof * torch.linalg.pinv(sub.T @ sub)
-    out, se = [0.0] * k, [0.0] * k
-    for j, i in enumerate(free):
-        out[i], se[i] = b[j].item(), cov[j, j].clamp_min(0).sqrt().item()
-    return out, se
+    b = torch.linalg.lstsq(xs, ys[:, None]).solution[:, 0]
+    err = ((xs @ b - ys) ** 2).sum().item()
+    cov = err / max(1, len(y) - xs.shape[1]) * torch.linalg.pinv(xs.T @ xs)
+    return b.clamp_min(0).tolist(), cov.diagonal().clamp_min(0).sqrt().tolist()
 
 
-def calibrate(a: argparse.Namespace, small: str, costs: str, prompts: list[list[int]]
-              ) -> dict[str, Any]:
+def calibrate(a: argparse.Namespace, small: str, prompts: list[list[int]],
+              after: Callable[[], dict[str, Any]], before: dict[str, Any]) -> dict[str, Any]:
     """The overhead outside the forwards (docs/speed.md), from llama-server's own timings and
-    the benchmarks' forwards (`costs`, a costs file of the model) of `small`: a model of the
-    target's vocabulary and one decoder layer, whose forwards are short, so the work outside
-    them (scheduling, cache bookkeeping, sampling over the whole vocabulary) shows. The runs
-    involve no pair: plain decoding at each concurrency (an iteration: a forward of B tokens
-    with B logit rows, B samples), and the model drafting for itself at one slot with
-    --spec-synth-rates fixing its acceptance, every draft kept or none, at draft lengths 2 and
-    6 (a cycle: g draft steps, the draft's re-read of the g + 1 verified tokens, their verify,
-    the accepted + 1 tokens sampled, the g drafted ones sampled). Each run is one equation per
-    iteration: its time less the forwards = the overhead terms times how often an iteration
-    runs each; the terms are fitted >= 0 by least squares."""
-    times = sd.read_step_costs(costs)
-    times = times.at(times.target[0].depth)
-    fwd = lambda rows, width, outputs=None: times.forward("target", rows, width, outputs)  # noqa
+    the benchmarks' forwards of `small`: a model of the target's head and one decoder layer,
+    whose forwards are short, so the work outside them (scheduling, cache bookkeeping,
+    sampling over the whole vocabulary) shows. The benchmarks run just before the server runs
+    (`before`) and just after (`after()`), and the forwards are their mean: the machine's
+    speed drifts over minutes. The runs involve no pair: plain decoding at each concurrency
+    (an iteration: a forward of B tokens with B logit rows, B samples), and the model drafting
+    for itself with --spec-synth-rates fixing its acceptance, every draft kept or none, at one
+    slot with draft lengths 2 and 6, and at each larger concurrency with 4 (a cycle: g draft
+    steps of B rows, the draft's re-read of the B (g + 1) verified tokens, their verify, the
+    accepted + 1 tokens of each slot sampled, the g drafted tokens of each slot sampled). Each
+    run is one equation per iteration: its time less the forwards = the overhead terms times
+    how often an iteration runs each; the terms fitted by least squares (least_squares). -> the
+    overhead, its standard errors, the runs, and the head's rows (the mean of both timings)."""
+    def costs_of(rows: dict[str, Any], tag: str) -> sd.StepTimes:
+        path = costs_file(os.path.join(a.work, f"costs.small.{tag}.json"), "one layer",
+                          rows["bench"], None, {"overhead_ms": {}, "overhead_se_ms": {}}, rows)
+        t = sd.read_step_costs(path)
+        return t.at(t.target[0].depth)
+    first = costs_of(before, "before")
+    times: list[sd.StepTimes] = [first]
+
+    def fwd(rows: int, width: int, outputs: int | None = None) -> float:
+        return sum(t.forward("target", rows, width, outputs) for t in times) / len(times)
     terms = ("per_step", "per_cycle", "per_sample", "per_draft_token", "per_draft_step")
-    rows_x, rows_y, runs = [], [], []
+    rows_x: list[list[float]] = []
+    rows_f: list[Callable[[], float]] = []  # each run's forwards an iteration, in seconds
+    runs: list[dict[str, Any]] = []
     for b in a.concurrency:
         got = engine_speed(a.server, ["-m", small], prompts[:max(b, len(prompts) // b * b)],
                            a.budget, a.temperature, b, a.port,
                            Path(a.work) / f"cal_plain{b}.log", a.threads)
-        step = b / got["tokens_per_s"]
         rows_x.append([1, 0, b, 0, 0])
-        rows_y.append(step - fwd(b, 1))
-        runs.append({"run": f"plain, {b} slot(s)", "iteration_ms": 1e3 * step,
-                     "forwards_ms": 1e3 * fwd(b, 1)})
+        rows_f.append(lambda b=b: fwd(b, 1))
+        runs.append({"run": f"plain, {b} slot(s)", "iteration_ms": 1e3 * b / got["tokens_per_s"]})
     runs_at = [(1, g, rate) for g in (2, 6) for rate in (0, 1)] + [
         (b, 4, rate) for b in a.concurrency if b > 1 for rate in (0, 1)]
     for slots, g, rate in runs_at:
@@ -433,25 +429,35 @@ def calibrate(a: argparse.Namespace, small: str, costs: str, prompts: list[list[
             plain = emitted - sum(k + 1 for k, _ in cycles)
             n = len(cycles) + plain
             drafted = sum(d for _, d in cycles)
-            forwards = (sum(d * fwd(1, 1) + fwd(1, d + 1, 1) + fwd(1, d + 1) for _, d in cycles)
-                        + plain * fwd(1, 1)) / n
+            rows_f.append(lambda cycles=cycles, plain=plain, n=n: (sum(
+                d * fwd(1, 1) + fwd(1, d + 1, 1) + fwd(1, d + 1) for _, d in cycles)
+                + plain * fwd(1, 1)) / n)
             x = [1, len(cycles) / n, emitted / n, drafted / n, drafted / n]
             secs = emitted / got["per_request_tokens_per_s"] / n
         else:  # an iteration while every slot decodes: each drafts g, keeps all or none
             emitted = slots * (g * rate + 1)
-            forwards = g * fwd(slots, 1) + fwd(1, slots * (g + 1), 1) + fwd(slots, g + 1)
+            rows_f.append(lambda g=g, slots=slots: (
+                g * fwd(slots, 1) + fwd(1, slots * (g + 1), 1) + fwd(slots, g + 1)))
             x = [1, 1, emitted, slots * g, g]
             secs = emitted / got["tokens_per_s"]
         rows_x.append(x)
-        rows_y.append(secs - forwards)
         runs.append({"run": f"synthetic acceptance {rate}, draft length {g}, {slots} slot(s)",
-                     "iteration_ms": 1e3 * secs, "forwards_ms": 1e3 * forwards})
-    b, se = least_squares_nonnegative(rows_x, rows_y)
-    for run, x, y in zip(runs, rows_x, rows_y):
-        run.update(overhead_ms=1e3 * y, fitted_ms=1e3 * sum(u * v for u, v in zip(x, b)))
+                     "iteration_ms": 1e3 * secs})
+    later = after()
+    times.append(costs_of(later, "after"))
+    rows_y = [run["iteration_ms"] * 1e-3 - forwards() for run, forwards in zip(runs, rows_f)]
+    b, se = least_squares(rows_x, rows_y)
+    for run, x, y, forwards in zip(runs, rows_x, rows_y, rows_f):
+        run.update(forwards_ms=1e3 * forwards(), overhead_ms=1e3 * y,
+                   fitted_ms=1e3 * sum(u * v for u, v in zip(x, b)))
+    head = {"head_rows_ms": {k: (before["head_rows_ms"][k] + later["head_rows_ms"][k]) / 2
+                             for k in before["head_rows_ms"]},
+            "head_rows_se_ms": {k: math.hypot(before["head_rows_se_ms"][k],
+                                              later["head_rows_se_ms"][k]) / 2
+                                for k in before["head_rows_se_ms"]}}
     return {"overhead_ms": dict(zip(terms, (1e3 * x for x in b))),
             "overhead_se_ms": dict(zip(terms, (1e3 * x for x in se))), "runs": runs,
-            "model": small}
+            "model": small, "head": head}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +469,7 @@ def bench_model(a: argparse.Namespace, model: str, widths: list[int], depths: li
     """llama-bench (-o json) of one model, reused when there: a prompt of each width (one
     logit row, a sequence) and decoding steps, at each depth."""
     out = os.path.join(a.work, f"{Path(model).stem}.bench.json")
-    if not os.path.exists(out) or a.rebench:
+    if not os.path.exists(out) or not a.reuse:
         cmd = [os.path.join(a.bin, "llama-bench"), "-m", model, "-p",
                ",".join(map(str, widths)), "-n", "32", "-d", ",".join(map(str, depths)),
                "-t", str(a.threads), "-r", str(a.reps), "-o", "json"]
@@ -476,23 +482,30 @@ def bench_model(a: argparse.Namespace, model: str, widths: list[int], depths: li
 BATCHED_RUNS = 5  # llama-batched-bench runs (it repeats nothing itself): their median is used
 
 
-def head_rows(a: argparse.Namespace, small: str, widest: int, depth: int) -> dict[str, Any]:
+def head_rows(a: argparse.Namespace, small: str, widest: int, depth: int, tag: str
+              ) -> dict[str, Any]:
     """What computing n logit rows costs beyond one, n = 2..widest, on `small` (the target's
     head under one decoder layer, whose forwards are mostly the head): llama-batched-bench's
     decoding step of n sequences (every row's logits) less llama-bench's prompt of n tokens
-    (one row's), each the median of its runs; made non-decreasing in n."""
-    bench = sd.llama_bench_forwards(json.load(open(bench_model(
-        a, small, list(range(2, widest + 1)), [depth]))))
-    out = os.path.join(a.work, f"{Path(small).stem}.batched.jsonl")
-    if not os.path.exists(out) or a.rebench:
-        cmd = [os.path.join(a.bin, "llama-batched-bench"), "-m", small, "-c",
-               str(widest * (depth + 32) + 64), "-npp", str(depth), "-ntg", "16", "-npl",
-               ",".join(map(str, range(1, widest + 1))), "-pps", "-t", str(a.threads), "-tb",
-               str(a.threads), "--output-format", "jsonl"]
-        print(" ".join(cmd), f"(x{BATCHED_RUNS})", file=sys.stderr)
-        with open(out, "w") as f:
-            for _ in range(BATCHED_RUNS):
-                subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, check=True)
+    (one row's), each the median of its runs; made non-decreasing in n. -> {"head_rows_ms",
+    "head_rows_se_ms", "bench": llama-bench's file, "batched": llama-batched-bench's}."""
+    stem = os.path.join(a.work, f"{Path(small).stem}.{tag}")
+    bench_file = f"{stem}.bench.json"
+    cmd = [os.path.join(a.bin, "llama-bench"), "-m", small, "-p",
+           ",".join(map(str, range(2, widest + 1))), "-n", "32", "-d", str(depth), "-t",
+           str(a.threads), "-r", str(a.reps), "-o", "json"]
+    with open(bench_file, "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, check=True)
+    bench = sd.llama_bench_forwards(json.load(open(bench_file)))
+    out = f"{stem}.batched.jsonl"
+    cmd = [os.path.join(a.bin, "llama-batched-bench"), "-m", small, "-c",
+           str(widest * (depth + 32) + 64), "-npp", str(depth), "-ntg", "16", "-npl",
+           ",".join(map(str, range(1, widest + 1))), "-pps", "-t", str(a.threads), "-tb",
+           str(a.threads), "--output-format", "jsonl"]
+    print(" ".join(cmd), f"(x{BATCHED_RUNS})", file=sys.stderr)
+    with open(out, "w") as f:
+        for _ in range(BATCHED_RUNS):
+            subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, check=True)
     rows = {f.rows: f.time for f in sd.batched_bench_forwards(
         sd._bench_records(out, batched=True))}
     one = {f.width: f.time for f in bench if f.rows == 1 and f.depth == depth}
@@ -500,7 +513,7 @@ def head_rows(a: argparse.Namespace, small: str, widest: int, depth: int) -> dic
     for n in range(2, widest + 1):
         extra = max(most, 1e3 * (rows[n].s - one[n].s))
         ms[str(n)], se[str(n)], most = extra, 1e3 * math.hypot(rows[n].se, one[n].se), extra
-    return {"head_rows_ms": ms, "head_rows_se_ms": se}
+    return {"head_rows_ms": ms, "head_rows_se_ms": se, "bench": bench_file, "batched": out}
 
 
 def costs_file(path: str, source: str, target: str, draft: str | None,
@@ -509,7 +522,8 @@ def costs_file(path: str, source: str, target: str, draft: str | None,
     the draft, the head's logit rows, the calibrated overhead, llama.cpp's cycle (its draft
     re-reads the verify batch; it samples the tokens a cycle emits)."""
     data = {"source": source, "target": [os.path.abspath(target)],
-            "draft": [os.path.abspath(draft)] if draft else [], **rows,
+            "draft": [os.path.abspath(draft)] if draft else [],
+            **{k: rows[k] for k in ("head_rows_ms", "head_rows_se_ms")},
             "overhead_ms": overhead["overhead_ms"], "overhead_se_ms": overhead["overhead_se_ms"],
             "overhead_source": "calibrated on llama-server's timings with a one-layer model of "
                                "the target's head (benchmarks/llamacpp.py speed)",
@@ -518,12 +532,9 @@ def costs_file(path: str, source: str, target: str, draft: str | None,
     return path
 
 
-def predict(target: Any, drafter: Any, seqs: list, a: argparse.Namespace, step_costs: str
-            ) -> dict[str, Any]:
-    """specdec's simulation of the pair (the engines' rule, EOS ignored as the server's requests
-    do, the budget theirs), then its speed part from llama-bench's step times and from torch's
-    on this device: {"llama.cpp" | "torch": {concurrency: (speedup on the run's cycles, the
-    steady state's, its 95% interval)}} and the simulation's counts."""
+def simulate(target: Any, drafter: Any, seqs: list, a: argparse.Namespace) -> tuple:
+    """specdec's simulation of the pair: the engines' rule, EOS ignored as the server's requests
+    do, the budget theirs -> (the measurement, its drafter, the per-prompt sums)."""
     sampling = sd.SamplingParams(a.temperature, proposal="argmax")
     settings = sd.Settings(a.gamma, a.budget, simulate=True, seed=a.seed, eos=frozenset(),
                            concurrency=tuple(a.concurrency))
@@ -531,22 +542,26 @@ def predict(target: Any, drafter: Any, seqs: list, a: argparse.Namespace, step_c
     drafters = m.drafters([drafter])
     results: list[dict] = [{}]
     m.measure(drafters, m.batches(), results)
-    out: dict[str, Any] = {}
-    for name, s in (("llama.cpp", dataclasses.replace(
-            settings, step_costs=sd.read_step_costs(step_costs))),
-                    ("torch", dataclasses.replace(settings, cost_ratio="measure"))):
-        cost = sd.cost_model(target, drafters[0], s, m.sequences, m.device)
-        report = m.report(drafters[0], results[0], cost)
-        out[name] = {row.concurrency: {"as_run": row.as_run_speedup, "speedup": row.speedup,
-                                       "ci": row.speedup_ci, "plain_tokens_per_s":
-                                       row.plain_tokens_per_s, "tokens_per_s": row.tokens_per_s}
-                     for row in report.speed.rows}
+    return m, drafters[0], results[0]
+
+
+def predict(m: Any, drafter: Any, results: dict, step_costs: str | None) -> dict[str, Any]:
+    """The speed part of the pair's report from llama-bench's step times (step_costs) or from
+    torch's on this device (None: --cost-ratio measure) -> {concurrency: the speedup on the
+    run's cycles, the steady state's, its 95% interval, plain and speculative tokens/s} and
+    the simulation's counts."""
+    s = (dataclasses.replace(m.settings, step_costs=sd.read_step_costs(step_costs))
+         if step_costs else dataclasses.replace(m.settings, cost_ratio="measure"))
+    cost = sd.cost_model(m.target, drafter, s, m.sequences, m.device)
+    report = sd.build_report(m, drafter, results, cost)
+    out = {row.concurrency: {"as_run": row.as_run_speedup, "speedup": row.speedup,
+                             "ci": row.speedup_ci, "plain_tokens_per_s": row.plain_tokens_per_s,
+                             "tokens_per_s": row.tokens_per_s} for row in report.speed.rows}
     sim = report.simulated
-    out["simulated"] = {"tokens_per_cycle": sim.tokens_per_cycle,
-                        "logged_tokens_per_cycle": sim.logged_tokens_per_cycle,
-                        "accept_rate": sim.accept_rate, "drafted": sim.drafted_tokens,
-                        "accepted": sim.drafted_accepted, "generated": sim.generated_tokens}
-    return out
+    return {"speed": out, "simulated": {
+        "tokens_per_cycle": sim.tokens_per_cycle, "accept_rate": sim.accept_rate,
+        "logged_tokens_per_cycle": sim.logged_tokens_per_cycle, "drafted": sim.drafted_tokens,
+        "accepted": sim.drafted_accepted, "generated": sim.generated_tokens}}
 
 
 def speed(a: argparse.Namespace) -> int:
@@ -561,34 +576,39 @@ def speed(a: argparse.Namespace) -> int:
     depths = sorted(set(depth.values()))
     widest = max(a.concurrency) * 9  # a verify of gamma up to 8 at each concurrency
     drafts = {p: p.draft_file(a.target, a.work) for p in pairs}
-    benches = {f: bench_model(a, f, list(range(2, widest + 1)), depths)
-               for f in [a.target, *{f for f in drafts.values() if f}]}
     small = Pair("layers", "1").draft_file(a.target, a.work)
     base = depth.get("builtin", depths[0])
     rows_file = os.path.join(a.work, "head_rows.json")
-    if not os.path.exists(rows_file) or a.rebench:
-        Path(rows_file).write_text(json.dumps(head_rows(a, small, widest, base), indent=1))
-    head = json.load(open(rows_file))
     calibration = os.path.join(a.work, "overhead.json")
-    if not os.path.exists(calibration) or a.recalibrate:
+    if not os.path.exists(calibration) or not a.reuse:
+        # the machine's speed drifts over minutes: the one-layer model is timed just before
+        # the server runs it and just after, and the overhead read against the mean
         first = sets.get("builtin") or next(iter(sets.values()))
-        small_costs = costs_file(os.path.join(a.work, "costs.small.json"), "one layer",
-                                 bench_model(a, small, list(range(2, widest + 1)), [base]),
-                                 None, {"overhead_ms": {}, "overhead_se_ms": {}}, head)
-        over = calibrate(a, small, small_costs, [list(q.ids) for q in first])
+        before = head_rows(a, small, widest, base, "before")
+        over = calibrate(a, small, [list(q.ids) for q in first],
+                         lambda: head_rows(a, small, widest, base, "after"), before)
         Path(calibration).write_text(json.dumps(over, indent=1))
+        Path(rows_file).write_text(json.dumps(over["head"], indent=1))
+    head = json.load(open(rows_file))
     over = json.load(open(calibration))
-    r0 = json.load(open(benches[a.target]))[0]
-    source = (f"llama-bench (build {r0.get('build_commit')}, {r0.get('n_threads')} threads) "
-              f"of {os.path.basename(a.target)}")
     rows = []
     for p in pairs:
         seqs = sets[p.prompts]
         prompts = [list(q.ids) for q in seqs]
-        cost = costs_file(os.path.join(a.work, f"costs.{p.kind}{Path(p.value).stem}.json"),
-                          source, benches[a.target], benches.get(drafts[p]), over, head)
         print(f"specdec: {p.name}", file=sys.stderr)
-        guess = predict(target, p.drafter(target, tok, a.target), seqs, a, cost)
+        m, drafter, results = simulate(target, p.drafter(target, tok, a.target), seqs, a)
+        torch_costs = predict(m, drafter, results, None)
+        # the engine's forwards, timed just before the engine runs the pair (its speed drifts)
+        widths = list(range(2, widest + 1))
+        bench_t = bench_model(a, a.target, widths, depths)
+        bench_d = drafts[p] and bench_model(a, drafts[p], widths, depths)
+        r0 = json.load(open(bench_t))[0]
+        source = (f"llama-bench (build {r0.get('build_commit')}, {r0.get('n_threads')} "
+                  f"threads) of {os.path.basename(a.target)}")
+        cost = costs_file(os.path.join(a.work, f"costs.{p.kind}{Path(p.value).stem}.json"),
+                          source, bench_t, bench_d, over, head)
+        guess = {"llama.cpp": predict(m, drafter, results, cost)["speed"],
+                 "torch": torch_costs["speed"], "simulated": torch_costs["simulated"]}
         for b in a.concurrency:
             log = Path(a.work) / f"speed_{p.kind}{Path(p.value).stem}_{b}.log"
             runs = []
@@ -742,8 +762,9 @@ def main() -> int:
     v.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "specdec-speed"),
                    help="where the drafts' GGUFs, llama-bench's JSON, the costs files and "
                    "the logs go (reused when there)")
-    v.add_argument("--rebench", action="store_true", help="run llama-bench again")
-    v.add_argument("--recalibrate", action="store_true", help="calibrate the overhead again")
+    v.add_argument("--reuse", action="store_true", help="reuse the benchmarks and the "
+                   "calibration an earlier run left in --work (the machine's speed drifts: "
+                   "by default every run times its own)")
     v.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.verb == "speed":
