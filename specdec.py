@@ -215,8 +215,6 @@ TREE_RANKS = 10  # candidate ranks whose acceptance is measured per drafting ste
 
 
 SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
-
-
 # forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
@@ -529,8 +527,6 @@ class Abilities:
 ABILITY_ALIASES = {"kind": "kind", "reads_target": "reads_target", "layers": "target_layers",
                    "steps": "max_steps", "drafts_trees": "trees", "one_pass": "one_pass",
                    "max_gamma": "pass_tokens", "simulated_only": "teacher_forced"}  # (the old
-
-
 # attributes, Drafter.__getattr__)
 
 
@@ -576,8 +572,6 @@ class Asked(NamedTuple):
 
 LEGACY_OPTIONS = ("ngram_max", "ngram_min", "mtp_steps", "pard_mask", "cross_vocab",
                   "slem_stop", "slem_cache", "ngram_rule")  # DraftOptions' positional fields
-
-
 # when it was a NamedTuple, in order
 
 
@@ -949,8 +943,6 @@ def draw_uniforms(gens: list[torch.Generator], n: int, device: torch.device) -> 
 
 
 PREFILL_CHUNK = 512  # tokens per row fed per forward when a long input fills a cache (prefill,
-
-
 # teacher_forced): attention scores (t, S) and logits (B, t, V) a chunk at a time
 
 
@@ -2132,8 +2124,6 @@ class TreeSpec(NamedTuple):
 
 
 TREE_SCORES = SamplingParams(1.0)  # what a tree ranks its nodes by: the drafter's softmax, no
-
-
 # temperature, as EAGLE's topK_genrate and SGLang's select_top_k_tokens do
 
 
@@ -2170,8 +2160,6 @@ class Branches(NamedTuple):
 
 
 TreeLevels = Generator[Branches, torch.Tensor, list[list[tuple[int, int]]]]  # sent each
-
-
 # level's q (M, V), returns each row's tree
 
 
@@ -3009,13 +2997,13 @@ class Overhead(NamedTuple):
 
 
 def draw_timing(t: Timing, gen: torch.Generator) -> Timing:
-    """One draw of a measured time from its sampling spread (normal, never below zero)."""
-    return Timing(max(0.0, t.s + t.se * torch.randn((), generator=gen).item()))
+    """One draw of a measured time from its sampling spread: normal, never below a hundredth
+    of the time measured (a step that was timed at all takes time: with a noisy timer's spread
+    a draw at zero made a plain step free, and a ratio of it divided by zero)."""
+    return Timing(max(t.s / 100, t.s + t.se * torch.randn((), generator=gen).item()))
 
 
 SAMPLED = ("all", "emitted")  # which verified positions a runtime samples: every one (a
-
-
 # batched acceptance test: specdec's own loop, vLLM, SGLang) or those up to the first
 # rejection, the tokens a cycle emits (llama.cpp samples position by position)
 
@@ -8733,8 +8721,6 @@ class TliDrafter(OtherVocabDrafter):
 
 
 SLEM_LOOKBEHIND = 10  # ids re-tokenised behind the newest ones (transformers' assistant_ and
-
-
 # target_lookbehind)
 
 
@@ -8742,12 +8728,8 @@ SLEM_WIDTH = 4  # a SLEM cycle proposes at most SLEM_WIDTH * gamma target tokens
 
 
 SLEM_STOPS = ("target", "own")  # where the draft's block ends: the target's EOS ids read in the
-
-
 # draft's vocabulary, as transformers' assistant stops (default), or the draft's own EOS
 SLEM_CACHES = ("transformers", "exact")  # the draft's cache cropped as transformers crops it,
-
-
 # entries of replaced ids left in (default), or exactly its input
 
 

@@ -4242,6 +4242,19 @@ def test_torch_step_times_at_a_concurrency(llama, llama2, seqs):
     assert r.speed.rows[0].speedup == pytest.approx(r.est_speedup, rel=1e-12)
 
 
+def test_a_noisy_timing_is_never_drawn_free():
+    """A time measured with a spread ten times itself (a busy machine's torch timer) is drawn,
+    for the speedup's interval, never below a hundredth of itself: a plain step never costs
+    nothing (a CI run on a busy machine drew one at zero and divided by it); a draw is still
+    the measured normal above that floor, and an unmeasured zero stays zero."""
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sd.draw_timing(sd.Timing(0.01, 0.1), gen).s for _ in range(4000)])
+    assert draws.min().item() == pytest.approx(1e-4) and (draws == 1e-4).float().mean() > 0.4
+    above = draws[draws > 1e-4]  # the normal's upper part: its mean 0.01 + 0.1 x E[Z | Z > a]
+    assert above.mean().item() == pytest.approx(0.01 + 0.1 * 0.3970 / 0.5394, rel=0.06)
+    assert sd.draw_timing(sd.Timing(0.0, 0.0), gen).s == 0.0
+
+
 def close_numbers(a, b, tol=1e-6) -> bool:
     """Two reports' numbers (nested dicts and lists) equal, floats within tol."""
     if isinstance(a, dict):
