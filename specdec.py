@@ -6061,6 +6061,18 @@ def lookup_scores(found: list[int], vocab: int, device: torch.device) -> list[Sc
                    lambda x, where: nn.functional.one_hot(x, vocab).float())]
 
 
+def lookup_proposal(found: list[list[int]], c: Drafting) -> Proposal:
+    """A model-free drafter's proposal: each row's looked-up tokens (as many as it found, at
+    most c.per_call), q one-hot on each, nothing past a row's count."""
+    tokens = torch.tensor([f + [0] * (c.per_call - len(f)) for f in found], dtype=torch.long)
+    count = torch.tensor([len(f) for f in found])
+    q = nn.functional.one_hot(tokens, c.vocab).float() * (
+        torch.arange(c.per_call) < count[:, None])[..., None]  # (B, G, V)
+    return Proposal(tokens.to(c.device), q.to(c.device),
+                    torch.ones(len(found), dtype=torch.bool, device=c.device),
+                    count.to(c.device))
+
+
 class NgramSession(Session):
     """Each row's committed tokens and its n-gram index."""
 
@@ -6076,13 +6088,7 @@ class NgramSession(Session):
         found = [ngram_lookup(seq, first, d.sizes, c.per_call, d.eos) if d.rule == "transformers"
                  else ngram_simple(seq, d.sizes[0], c.per_call)
                  for seq, first in zip(self.seqs, self.firsts)]
-        tokens = torch.tensor([f + [0] * (c.per_call - len(f)) for f in found], dtype=torch.long)
-        count = torch.tensor([len(f) for f in found])
-        q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.per_call) < count[:, None])[..., None]  # (B, G, V)
-        return Proposal(tokens.to(c.device), q.to(c.device),
-                        torch.ones(len(found), dtype=torch.bool, device=c.device),
-                        count.to(c.device))
+        return lookup_proposal(found, c)
 
     def advance(self, n_acc, committed, view):
         for seq, first, new in zip(self.seqs, self.firsts, committed):
@@ -6442,13 +6448,7 @@ class SuffixSession(Session):
         found = [list(cache.speculate("now", seq[-o.max_depth:], c.per_call,
                                       o.max_spec_factor, 0.0, o.min_token_prob).token_ids)
                  for cache, seq in zip(self.caches, self.seqs)]
-        tokens = torch.tensor([f + [0] * (c.per_call - len(f)) for f in found], dtype=torch.long)
-        count = torch.tensor([len(f) for f in found])
-        q = nn.functional.one_hot(tokens, c.vocab).float() * (
-            torch.arange(c.per_call) < count[:, None])[..., None]  # (B, G, V)
-        return Proposal(tokens.to(c.device), q.to(c.device),
-                        torch.ones(len(found), dtype=torch.bool, device=c.device),
-                        count.to(c.device))
+        return lookup_proposal(found, c)
 
     def advance(self, n_acc, committed, view):
         for cache, seq, new in zip(self.caches, self.seqs, committed):

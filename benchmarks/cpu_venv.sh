@@ -2,6 +2,10 @@
 # runs on this CPU (the CPU torch held with a constraint file, so no dependency pulls a CUDA
 # build), and arctic-inference built from its sdist inside it.
 
+venv_lacks() {  # VENV IMPORTS: true when VENV is missing or cannot run `import IMPORTS`
+  [ ! -x "$1/bin/python" ] || ! "$1/bin/python" -c "import $2" 2>/dev/null
+}
+
 cpu_venv() {  # VENV TRANSFORMERS_VERSION [PIP_ARGS...]: create, activate, install requirements
   python3 -m venv "$1"
   # shellcheck disable=SC1091

@@ -19,8 +19,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/cpu_venv.sh
 source benchmarks/cpu_venv.sh
 VENV=${1:-/tmp/specdec-engines}
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c \
-    "import vllm, sglang, arctic_inference.suffix_decoding" 2>/dev/null; then
+if venv_lacks "$VENV" "vllm, sglang, arctic_inference.suffix_decoding"; then
   cpu_venv "$VENV" 5.19.0 tokenizers==0.23.2 "python-dateutil<3"
   pip install --quiet -c "$hold" --no-deps vllm==0.33.0 sglang==0.5.23
   pip install --quiet -c "$hold" \

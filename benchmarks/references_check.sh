@@ -17,8 +17,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/cpu_venv.sh
 source benchmarks/cpu_venv.sh
 VENV=${1:-/tmp/specdec-references}
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c \
-    "import speculators, arctic_inference.suffix_decoding" 2>/dev/null; then
+if venv_lacks "$VENV" "speculators, arctic_inference.suffix_decoding"; then
   cpu_venv "$VENV" 5.19.0
   pip install --quiet -c "$hold" --no-deps speculators==0.9.0 hs-connectors==0.9.0
   pip install --quiet -c "$hold" pydantic pydantic-settings loguru openai pandas protobuf
