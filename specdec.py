@@ -2613,7 +2613,8 @@ class Measurement:
         self.streams = [i if q.document is None else q.document
                         for i, q in enumerate(self.sequences)]  # each prompt's random streams
         self.continuations: dict[tuple[int, int], list[int]] = {}  # (prompt, vocab) -> the
-        # target's continuation, once sampled for a drafter that reads earlier ones (texts)
+        # target's continuation, sampled once: by target_side or for a drafter that reads
+        # earlier prompts' (texts), whichever asks first
         if len(set(self.streams)) < len(self.streams):
             raise UsageError("sequences: two prompts name one document (TokenSequence.document) "
                              "or a document an unnamed prompt's index: their random draws "
@@ -2741,7 +2742,8 @@ class Measurement:
 
     def texts(self, indices: Sequence[int], vocab: int) -> list[tuple[list[int], list[int]]]:
         """Each prompt's tokens and the target's continuation of it, sampled from the prompt's
-        own stream (the text the teacher-forced route scores), computed once a prompt."""
+        own stream (the text the teacher-forced route scores), sampled once a prompt (here or
+        in target_side)."""
         kept = self.continuations
         todo = [i for i in indices if (i, vocab) not in kept]
         for a in range(0, len(todo), self.settings.batch_size):
@@ -2760,13 +2762,17 @@ class Measurement:
         if conts is None and self.sides is not None and key in self.sides:
             return self.sides[key]
         sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
-        if conts is None:
+        kept, sampled = self.continuations, conts is None
+        if sampled and all((i, vocab) in kept for i in batch):
+            conts = [kept[i, vocab] for i in batch]  # (texts sampled them for a drafter)
+        elif sampled:
             self.progress.set_description("continuations")
             with step("sampling the target's continuations"):
                 conts = (sample_continuations(self.target, [q.ids for q in sub],
                                               self.config(vocab),
                                               [self.streams[i] for i in batch], self.progress)
                          if n_tokens else [[] for _ in sub])
+            kept.update({(i, vocab): c for i, c in zip(batch, conts)})
         rows, spans = scored_rows(sub, conts)
         first = 0 if self.route else min(s for s, _ in spans)
         with step("the target's teacher-forced pass"):
