@@ -104,27 +104,23 @@ from typing import Any, Callable, Generator, Hashable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-__all__ = [
+__all__ = [  # what a script calls; the rest is reachable through these (the kinds through
+    # DRAFTERS and find_drafter, a report's parts and rows as its fields), and importable by name
     # measure
     "measure_acceptance", "measure_drafts", "Measurement", "Settings", "SamplingParams",
     "run_simulation", "LoopConfig",
     # trees as the engines serve them
     "TreeSpec", "replay_trees", "best_static_tree", "engine_config",
     # reports
-    "AcceptanceReport", "RunInfo", "TeacherForced", "Simulated", "GammaRow", "Trees", "TreeRow",
-    "StaticTree", "format_report", "plot_reports",
+    "AcceptanceReport", "Trees", "format_report", "plot_reports",
     # models and data
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
     "TokenSequence", "build_documents", "at_context_lengths",
-    # drafters: the interface, the kinds here, and the registry that finds them
+    # drafters: the interface, the reference kind, and the registry that finds the others
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "Loaded",
-    "ModelDrafter",
-    "NgramDrafter", "MtpDrafter", "AssistantDrafter", "Eagle3Drafter", "MedusaDrafter",
-    "DRAFTERS", "find_drafter", "head_drafter", "PardDrafter", "DFlashDrafter",
-    "DSparkDrafter", "DFlash2Drafter", "SuffixDrafter",
-    "TliDrafter", "SlemDrafter", "SlemWay",
+    "ModelDrafter", "DRAFTERS", "find_drafter", "head_drafter",
     # what a cycle costs, and the report built from the sums
-    "StepTimes", "read_step_costs", "build_report", "Speed", "SpeedRow",
+    "StepTimes", "read_step_costs", "build_report", "Speed",
     # what a kind declares to the outside
     "KindOption", "Proposer",
     # the maths
@@ -158,14 +154,6 @@ class StepError(RuntimeError):
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text or type(e).__name__
-
-
-def renamed(obj: Any, old: str, new: str) -> Any:
-    """An attribute read by the name it had before gamma came to mean the run's block alone:
-    its value, and a DeprecationWarning naming the new one."""
-    warnings.warn(f"{type(obj).__name__}.{old} is deprecated: read .{new}", DeprecationWarning,
-                  stacklevel=3)
-    return getattr(obj, new)
 
 
 @contextlib.contextmanager
@@ -317,11 +305,6 @@ class Settings:
         return sorted(set(GAMMA_TABLE) | set(range(1, self.gamma + 1)))
 
 
-class Prompt(NamedTuple):
-    content: str | list  # a plain prompt, or chat messages [{"role", "content"}, ...]
-    category: str | None = None
-
-
 class TokenSequence(NamedTuple):
     ids: list[int]
     category: str | None = None
@@ -341,20 +324,6 @@ class Drafting(NamedTuple):
     device: torch.device
     logits: bool = False  # hand back each step's logits too (Proposal.logits), which a rule
     # that stops drafting when unsure reads (stop_when_unsure)
-
-    steps = property(lambda self: renamed(self, "steps", "per_call"))  # (deprecated)
-
-
-def _drafting_replace(self: Drafting, **fields: Any) -> Drafting:
-    """Drafting._replace, taking per_call's name before it was renamed (steps) too."""
-    if "steps" in fields:
-        warnings.warn("Drafting(steps=...) is deprecated: use per_call", DeprecationWarning,
-                      stacklevel=2)
-        fields["per_call"] = fields.pop("steps")
-    return _NAMEDTUPLE_REPLACE(self, **fields)
-
-
-_NAMEDTUPLE_REPLACE, Drafting._replace = Drafting._replace, _drafting_replace
 
 
 class LoopConfig(NamedTuple):
@@ -521,16 +490,6 @@ class Abilities:
     confidence_head: bool = False  # estimates each draft's acceptance itself (DSpark's
     # confidence head: Proposal.estimate, Scores.estimate), which --confidence-rule dspark reads
 
-    steps = property(lambda self: renamed(self, "steps", "max_steps"))  # (deprecated names:
-    max_gamma = property(lambda self: renamed(self, "max_gamma", "pass_tokens"))  # gamma means
-    # the run's block alone)
-
-
-ABILITY_ALIASES = {"kind": "kind", "reads_target": "reads_target", "layers": "target_layers",
-                   "steps": "max_steps", "drafts_trees": "trees", "one_pass": "one_pass",
-                   "max_gamma": "pass_tokens", "simulated_only": "teacher_forced"}  # (the old
-# attributes, Drafter.__getattr__)
-
 
 class Proposer(NamedTuple):
     """A serving engine's proposer for a kind of drafter (Drafter.proposers): its name in the
@@ -545,80 +504,6 @@ class Proposer(NamedTuple):
     note: str = ""
     p_min: str = "llamacpp"  # the --confidence-rule that llama.cpp's --spec-draft-p-min is
     # for it: the top-10 probability, or a DSpark draft's confidence head ("dspark")
-
-
-class KindOption(NamedTuple):
-    """A command-line option a kind of drafter reads (Drafter.options): the command line adds
-    it to the kind's group and reads it into DraftOptions, by its flag's name (dest)."""
-
-    flag: str  # "--ngram-max"
-    help: str  # with its unit or allowed values, and the default
-    default: Any = None
-    type: Callable[[str], Any] = str
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-
-class Asked(NamedTuple):
-    """What the command line asks for before a model loads, for the kinds' checks of their
-    options (Drafter.check_options): the --draft names, the early-exit layers, --simulate."""
-
-    drafts: tuple[str, ...] = ()
-    layers: tuple[int, ...] = ()
-    simulate: bool = False
-
-
-LEGACY_OPTIONS = ("ngram_max", "ngram_min", "mtp_steps", "pard_mask", "cross_vocab",
-                  "slem_stop", "slem_cache", "ngram_rule")  # DraftOptions' positional fields
-# when it was a NamedTuple, in order
-
-
-class DraftOptions:
-    """What the command line tells the kinds of drafter (from_name, from_model): the target's
-    tokenizer (an n-gram lookup never copies its EOS ids) and each kind's own options
-    (Drafter.options) by name (options.ngram_max); an option nobody set reads the default
-    its kind declares, so the command line names no kind."""
-
-    def __init__(self, tokenizer: Any = None, *legacy: Any, **values: Any):
-        if legacy:  # (the NamedTuple's positional fields)
-            warnings.warn("DraftOptions' options by position are deprecated: name them "
-                          "(DraftOptions(tok, ngram_max=3))", DeprecationWarning, stacklevel=2)
-            values = {**dict(zip(LEGACY_OPTIONS, legacy)), **values}
-        self.tokenizer, self.values = tokenizer, values
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("tokenizer", "values") or name.startswith("__"):
-            raise AttributeError(name)
-        if name in self.values:
-            return self.values[name]
-        for option in declared_options():
-            if option.dest == name:
-                return option.default
-        raise AttributeError(f"no drafter declares the option {name!r}")
-
-    def _replace(self, **values: Any) -> DraftOptions:
-        return DraftOptions(self.tokenizer, **{**self.values, **values})
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, DraftOptions) and (self.tokenizer, self.values) == (
-            other.tokenizer, other.values)
-
-    def __repr__(self) -> str:
-        return f"DraftOptions({', '.join(f'{k}={v!r}' for k, v in self.values.items())})"
-
-
-class Loaded(NamedTuple):
-    """A causal LM as the command line loaded it, handed to the kinds (from_model): the model,
-    its own tokenizer, and where it came from, as data (the engines' settings name the path)."""
-
-    model: nn.Module
-    tokenizer: Any = None  # None: it has none of its own (an assistant sidecar)
-    path: str | None = None  # hub id, folder or .gguf file (None: made in memory)
-    layers: int | None = None  # an early-exit view of the model at path: its first layers
 
 
 class Drafter(abc.ABC):
@@ -666,16 +551,6 @@ class Drafter(abc.ABC):
             raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.pass_tokens} "
                              f"tokens a pass; use --gamma {can.pass_tokens} "
                              f"or less")
-
-    def __getattr__(self, name: str) -> Any:
-        """Deprecated: a capability read as an attribute of its own (drafter.steps,
-        drafter.reads_target, ...), as before they were one record: read drafter.can."""
-        if name in ABILITY_ALIASES:
-            warnings.warn(f"Drafter.{name} is deprecated: read drafter.can."
-                          f"{ABILITY_ALIASES[name]}", DeprecationWarning, stacklevel=2)
-            value = getattr(self.can, ABILITY_ALIASES[name])
-            return not value if name == "simulated_only" else value
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -725,8 +600,6 @@ class Drafter(abc.ABC):
         proposes what it comes to (SLEM)."""
         return gamma
 
-    block = property(lambda self: renamed(self, "block", "proposal_width"))  # (deprecated)
-
     def translation(self) -> dict[str, Any] | None:
         """For a draft with a tokenizer of its own, how it is translated (method, the shared
         vocabulary's size: RunInfo.cross_vocab); None for one that proposes the target's ids."""
@@ -736,15 +609,6 @@ class Drafter(abc.ABC):
         """What a serving engine's settings name of it (RunInfo.drafter, engine_config): its
         kind, its checkpoint, and its kind's own options."""
         return {"kind": self.can.kind, "checkpoint": self.checkpoint}
-
-    def __init_subclass__(cls, **kwargs: Any):
-        super().__init_subclass__(**kwargs)
-        if "width" in cls.__dict__ and not isinstance(cls.__dict__["width"], property):
-            cls.vocab_width = cls.__dict__["width"]  # (a kind written when this was `width`)
-            delattr(cls, "width")
-
-    width = property(lambda self: self.vocab_width,  # (its name before: width is a proposal's
-                     lambda self, value: setattr(self, "vocab_width", value))  # tokens now)
 
     @classmethod
     def kinds(cls) -> tuple[str, ...]:
@@ -794,15 +658,6 @@ class Drafter(abc.ABC):
                    ) -> Drafter | None:
         """A loaded causal LM as this kind's drafter; None: not this kind's model."""
         return None
-
-
-def for_run(drafter: Drafter, eos: frozenset[int], gammas: Sequence[int], gamma: int
-            ) -> Drafter:
-    """drafter.for_run, told the run's own block where it takes one (a kind written before
-    for_run took it takes two arguments)."""
-    if "gamma" in inspect.signature(drafter.for_run).parameters:
-        return drafter.for_run(eos, gammas, gamma)
-    return drafter.for_run(eos, gammas)
 
 
 def all_kinds() -> list[type[Drafter]]:
@@ -1034,15 +889,6 @@ def attention_mask(model: nn.Module, live: torch.Tensor, pos: torch.Tensor,
         return {"full_attention": additive_mask(visible(live, pos, query_pos), dtype),
                 "sliding_attention": near}
     return near
-
-
-def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
-              window: int | None = None) -> torch.Tensor:
-    """Append slots (B, t) for tokens at positions pos (dead where live is 0), before the
-    forward that fills them -> which slots each new one sees (B, t, S), as in visible."""
-    slots.live = torch.cat([slots.live, live.long()], 1)
-    slots.pos = torch.cat([slots.pos, pos], 1)
-    return visible(slots.live, slots.pos, pos, window)
 
 
 def feed(model: nn.Module, slots: Slots, ids: torch.Tensor, pos: torch.Tensor,
@@ -1772,12 +1618,6 @@ class RowStats:
                    by_confidence=[[0] * CALIBRATION_BINS for _ in "ea"] if confidence else None,
                    brier=0.0 if confidence else None)
 
-    def row(self) -> dict[str, Any]:
-        """Its fields for a JSON row: the counts, and how many tokens it emitted."""
-        return {**{k: v for k, v in asdict(self).items() if k != "tokens"
-                   and not (k in ("by_confidence", "brier") and v is None)},
-                "generated": len(self.tokens)}
-
 
 class Cycle(NamedTuple):
     """One row's cycle, read back from the device in the cycle's one host sync."""
@@ -1808,17 +1648,6 @@ class Cycle(NamedTuple):
         return [cls(h[0], h[1], h[2], h[3:3 + width], bool(h[g - 3]), bool(h[g - 2]),
                     bool(h[g - 1]), h[g:g + width] if rule else None,
                     h[g + width:] if rule else None) for h in host]
-
-
-def row_stats(row: dict[str, Any]) -> RowStats:
-    """A prompt's RowStats back from its JSON row (PromptResult.row), with as many (unknown)
-    tokens as it emitted; the engines' counts an earlier version did not write are None (not
-    counted), any other count its default."""
-    engines = {"drafted", "drafted_accepted", "verify_steps", "budget_cuts",
-               "drafted_by_cycle"}
-    return RowStats(**{f.name: row.get(f.name, None if f.name in engines else f.default)
-                       for f in dataclasses.fields(RowStats) if f.name != "tokens"},
-                    tokens=[-1] * row["generated"])
 
 
 def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
@@ -2043,9 +1872,9 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    indices: Sequence[int] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
     by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
-    draft block (a SLEM block's width in target tokens follows: Drafter.block)."""
+    draft block (a SLEM block's width in target tokens follows: Drafter.proposal_width)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = for_run(as_drafter("draft", draft), frozenset(config.eos), [config.gamma],
+    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma],
                       config.gamma)
     rows: dict[int, RowStats] = {}
     for batch in length_batches(seqs, batch_size):
@@ -2355,11 +2184,7 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
     had drafted the text (given) and the target had verified it (the target's states from
     one pass over the whole text). The shapes go side by side, a row of the drafter's session
     for each shape and prompt, every shape's level drafted in one call -> per shape
-    {i: TreeStats}. (A TreeSpec alone, deprecated: its dict.)"""
-    if isinstance(specs, TreeSpec):
-        warnings.warn("replay_trees(..., spec) with one TreeSpec is deprecated: pass a list of "
-                      "shapes and read the list it returns", DeprecationWarning, stacklevel=2)
-        return replay_trees(target, drafter, texts, firsts, config, [specs])[0]
+    {i: TreeStats}."""
     c, keys, depth = config, list(texts), max(s.depth for s in specs)
     rows = [texts[k] for k in keys]
     slots, states = text_states(target, drafter, rows, c.device)
@@ -2483,10 +2308,6 @@ def unsure_windows(steps: Sequence[dict[str, torch.Tensor]], key: str, gamma: in
             "unsure_starts": n, "calibration": calibration, "calibration_by_offset": by_offset}
 
 
-OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
-                 "calibration", "calibration_by_offset")
-
-
 # PromptResult's sums a run without trees or thresholds leaves out of its rows
 UNSUMMED = ("proposed", "p_rank", "unsure", "unsure_accepted", "calibration_mass",
             "calibration_accepted", "confidence", "brier")  # position_stats' numbers that are
@@ -2561,31 +2382,6 @@ class PromptResult:
                                                  for k, v in first.items()
                                                  if k not in UNSUMMED})
 
-    def row(self) -> dict[str, Any]:
-        """The JSON's per-prompt row: every sum a report is computed from."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("sim", "windows", "stopped")
-               and not (k in OPTIONAL_SUMS and v is None)}  # (only with trees, thresholds)
-        out["windows"] = {str(g): list(w) for g, w in self.windows.items()}
-        if self.sim is not None:
-            out.update(self.sim.row())
-        if self.stopped is not None:
-            out["stopped"] = [row.row() for row in self.stopped]
-        return out
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> PromptResult:
-        """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier
-        version did not write takes its default."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"windows", "sim", "trees",
-                                                              "stopped"}
-        trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
-        sim = None
-        if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
-            sim = row_stats(row)
-        stopped = [row_stats(r) for r in row["stopped"]] if row.get("stopped") else None
-        return cls(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
-                   stopped=stopped, windows={int(g): tuple(w) for g, w in row["windows"].items()})
-
 
 # ----------------------------------------------------------------------------------------------
 # the measurement: one setting (sampling, gamma, drafters, prompts) in, per-prompt sums out
@@ -2595,12 +2391,12 @@ class Measurement:
     """One setting measured against a target: the prompts, the sampling, the settings, the EOS
     ids and the device every batch needs, held once. measure() runs drafters over batches of
     prompts into per-prompt sums (PromptResult) that add up, however the batches are dealt out
-    or resumed; report() turns one drafter's sums into its AcceptanceReport.
+    or resumed; build_report(m, drafter, sums, cost) turns one drafter's into its report.
 
     For each batch (measure_batch), per vocabulary the drafters share: the target's
     continuation of each prompt (the text speculative decoding would produce) and one
     teacher-forced pass of the target (target_side), against which every drafter is scored
-    (score); with simulate, each drafter's simulation runs first and its output is that
+    (score_drafter); with simulate, each drafter's simulation runs first and its output is that
     drafter's continuation (speculative sampling is lossless: what it emits is an exact sample
     from the target), so the two routes score the same text; separate_continuation samples one
     continuation apart, shared by every drafter."""
@@ -2659,7 +2455,7 @@ class Measurement:
                              "--continuation-tokens >= 2")
         for d in drafters:  # each refuses what it cannot run
             d.check(s)
-        return [for_run(d, self.eos, s.gammas, s.gamma) for d in drafters]
+        return [d.for_run(self.eos, s.gammas, s.gamma) for d in drafters]
 
     def batches(self) -> list[list[int]]:
         """The prompts' indices in batches, shortest first (length_batches): every process and
@@ -2706,141 +2502,148 @@ class Measurement:
         for vocab, members in groups.items():
             for k in members:
                 drafters[k].meet(batch, [self.sequences[i].ids for i in batch],
-                                 lambda at, v=vocab: self.texts(at, v))
+                                 lambda at, v=vocab: texts_of(self, at, v))
             if not s.simulate or s.separate_continuation:
-                side = self.target_side(batch, vocab)
+                side = target_side(self, batch, vocab)
                 for k in members:
-                    self.score(drafters[k], side, vocab, into[k])
-                    self.replay(drafters[k], batch, vocab, [r[len(self.sequences[i].ids):]
-                                                            for i, r in zip(batch, side.rows)],
-                                into[k])
+                    score_drafter(self, drafters[k], side, vocab, into[k])
+                    replay_drafter(self, drafters[k], batch, vocab,
+                                   [r[len(self.sequences[i].ids):]
+                                    for i, r in zip(batch, side.rows)], into[k])
                 for k in members if s.simulate else ():
-                    sims = self.simulate(drafters[k], batch, vocab)
-                    self.keep_simulations(drafters[k], batch, vocab, sims, into[k])
+                    sims = simulate_drafter(self, drafters[k], batch, vocab)
+                    keep_simulations(self, drafters[k], batch, vocab, sims, into[k])
                 continue
             for k in members:  # each drafter's own text, and the target's outputs over it
                 d = drafters[k]
                 kept = ({} if self.route and d.can.max_steps is None and not d.can.reads_target
                     else None)
-                sims = self.simulate(d, batch, vocab, kept)
+                sims = simulate_drafter(self, d, batch, vocab, kept)
                 conts = [sims[i].tokens for i in batch]
-                self.score(d, emitted_pass(batch, self.sequences, conts, kept)
-                           if kept is not None else self.target_side(batch, vocab, conts),
-                           vocab, into[k])
-                self.replay(d, batch, vocab, conts, into[k])
-                self.keep_simulations(d, batch, vocab, sims, into[k])
+                score_drafter(self, d, emitted_pass(batch, self.sequences, conts, kept)
+                              if kept is not None else target_side(self, batch, vocab, conts),
+                              vocab, into[k])
+                replay_drafter(self, d, batch, vocab, conts, into[k])
+                keep_simulations(self, d, batch, vocab, sims, into[k])
 
-    def keep_simulations(self, drafter: Drafter, batch: list[int], vocab: int,
-                         sims: dict[int, RowStats], into: dict[int, PromptResult]) -> None:
-        """A batch's simulation into its PromptResults; with a rule that stops when unsure, the
-        simulation under each threshold beside it (under 0 it is that simulation: the rule
-        never stops a block there)."""
-        stopping = self.settings.stopping
-        runs = [sims if not t else self.simulate(drafter, batch, vocab, threshold=t)
-                for t in (stopping.thresholds if stopping else ())]
-        for i, row in sims.items():
-            into[i].sim = row
-            into[i].stopped = [run[i] for run in runs] if stopping else None
 
-    def texts(self, indices: Sequence[int], vocab: int) -> list[tuple[list[int], list[int]]]:
-        """Each prompt's tokens and the target's continuation of it, sampled from the prompt's
-        own stream (the text the teacher-forced route scores), sampled once a prompt (here or
-        in target_side)."""
-        kept = self.continuations
-        todo = [i for i in indices if (i, vocab) not in kept]
-        for a in range(0, len(todo), self.settings.batch_size):
-            chunk = todo[a:a + self.settings.batch_size]
-            with step("sampling the target's continuations of earlier prompts"):
-                conts = sample_continuations(self.target, [self.sequences[i].ids for i in chunk],
-                                             self.config(vocab), [self.streams[i] for i in chunk])
-            kept.update({(i, vocab): c for i, c in zip(chunk, conts)})
-        return [(list(self.sequences[i].ids), kept[(i, vocab)]) for i in indices]
+def texts_of(m: Measurement, indices: Sequence[int], vocab: int
+             ) -> list[tuple[list[int], list[int]]]:
+    """Each prompt's tokens and the target's continuation of it, sampled from the prompt's
+    own stream (the text the teacher-forced route scores), sampled once a prompt (here or
+    in target_side)."""
+    kept = m.continuations
+    todo = [i for i in indices if (i, vocab) not in kept]
+    for a in range(0, len(todo), m.settings.batch_size):
+        chunk = todo[a:a + m.settings.batch_size]
+        with step("sampling the target's continuations of earlier prompts"):
+            conts = sample_continuations(m.target, [m.sequences[i].ids for i in chunk],
+                                         m.config(vocab), [m.streams[i] for i in chunk])
+        kept.update({(i, vocab): c for i, c in zip(chunk, conts)})
+    return [(list(m.sequences[i].ids), kept[(i, vocab)]) for i in indices]
 
-    def target_side(self, batch: list[int], vocab: int,
-                    conts: list[list[int]] | None = None) -> TargetPass:
-        """The target's continuation of each prompt of a batch (`conts` when the simulation
-        wrote it already), then one teacher-forced target pass over prompt + continuation."""
-        key = (tuple(batch), vocab)
-        if conts is None and self.sides is not None and key in self.sides:
-            return self.sides[key]
-        sub, n_tokens = [self.sequences[i] for i in batch], self.settings.continuation_tokens
-        kept, sampled = self.continuations, conts is None
-        if sampled and all((i, vocab) in kept for i in batch):
-            conts = [kept[i, vocab] for i in batch]  # (texts sampled them for a drafter)
-        elif sampled:
-            self.progress.set_description("continuations")
-            with step("sampling the target's continuations"):
-                conts = (sample_continuations(self.target, [q.ids for q in sub],
-                                              self.config(vocab),
-                                              [self.streams[i] for i in batch], self.progress)
-                         if n_tokens else [[] for _ in sub])
-            kept.update({(i, vocab): c for i, c in zip(batch, conts)})
-        rows, spans = scored_rows(sub, conts)
-        first = 0 if self.route else min(s for s, _ in spans)
-        with step("the target's teacher-forced pass"):
-            side = TargetPass(batch, rows, spans, teacher_forced(
-                self.target, rows, self.device, self.route, first), first=first)
-        if sampled and self.sides is not None:  # kept: the scored positions alone
-            side = self.sides[key] = side._replace(states=side.at(0, self.device), compact=True)
-        return side
 
-    def score(self, drafter: Drafter, side: TargetPass, vocab: int,
-              into: dict[int, PromptResult]) -> None:
-        """Teacher-forced alpha_t at every scored position of a batch (step k+1 of a drafter
-        with steps against the target k positions later), summed per prompt into `into`."""
-        self.progress.set_description("teacher-forced")
-        target, route, s = self.target, self.route, self.settings
-        with step(f"the teacher-forced pass of draft {drafter.name}"):
-            reads = side.states if drafter.can.reads_target and route else None
-            steps = drafter.score(side.rows, side.spans, reads, self.sampling, vocab,
-                                  self.device)
-            per_step = []
-            for k, scores in enumerate(steps):  # a later step's positions: the first k dropped
-                states = side.at(k, self.device)
-                sizes = [max(0, e - b - k) for b, e in side.spans]
-                labels = [(i, t) for i, (b, e) in zip(side.batch, side.spans)
-                          for t in range(b + k, e)]
-                stats = position_stats(
-                    lambda a, b: head_logits(target, states[a:b], route), scores,
-                    Scoring(self.sampling, vocab, TREE_RANKS if s.trees else 0, s.stopping),
-                    where=lambda n: "prompt {}, position {}".format(*labels[n]))
-                per_step.append({key: v.split(sizes) for key, v in stats.items()})
-        for j, i in enumerate(side.batch):
-            into[i] = PromptResult.of(i, self.sequences[i].category,
-                                      [{key: v[j] for key, v in st.items()} for st in per_step],
-                                      s, self.sampling.proposal, drafter.can.max_steps is not None)
+def target_side(m: Measurement, batch: list[int], vocab: int,
+                conts: list[list[int]] | None = None) -> TargetPass:
+    """The target's continuation of each prompt of a batch (`conts` when the simulation
+    wrote it already), then one teacher-forced target pass over prompt + continuation."""
+    key = (tuple(batch), vocab)
+    if conts is None and m.sides is not None and key in m.sides:
+        return m.sides[key]
+    sub, n_tokens = [m.sequences[i] for i in batch], m.settings.continuation_tokens
+    kept, sampled = m.continuations, conts is None
+    if sampled and all((i, vocab) in kept for i in batch):
+        conts = [kept[i, vocab] for i in batch]  # (texts sampled them for a drafter)
+    elif sampled:
+        m.progress.set_description("continuations")
+        with step("sampling the target's continuations"):
+            conts = (sample_continuations(m.target, [q.ids for q in sub],
+                                          m.config(vocab),
+                                          [m.streams[i] for i in batch], m.progress)
+                     if n_tokens else [[] for _ in sub])
+        kept.update({(i, vocab): c for i, c in zip(batch, conts)})
+    rows, spans = scored_rows(sub, conts)
+    first = 0 if m.route else min(s for s, _ in spans)
+    with step("the target's teacher-forced pass"):
+        side = TargetPass(batch, rows, spans, teacher_forced(
+            m.target, rows, m.device, m.route, first), first=first)
+    if sampled and m.sides is not None:  # kept: the scored positions alone
+        side = m.sides[key] = side._replace(states=side.at(0, m.device), compact=True)
+    return side
 
-    def replay(self, drafter: Drafter, batch: list[int], vocab: int,
-               conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
-        """Each tree of Settings.trees replayed on the batch's texts (prompt and continuation:
-        the target's own sample), into[i].trees one TreeStats per tree."""
-        if not self.settings.trees:
-            return
-        self.progress.set_description("trees")
-        texts = {i: list(self.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
-        firsts = {i: len(self.sequences[i].ids) for i in batch}
-        with step(f"the trees of draft {drafter.name}"):
-            done = replay_trees(self.target, drafter, texts, firsts, self.config(vocab),
-                                list(self.settings.trees))
-        for i in batch:
-            into[i].trees = [d[i] for d in done]
 
-    def simulate(self, drafter: Drafter, batch: list[int], vocab: int,
-                 states: dict[int, torch.Tensor | None] | None = None, threshold: float = 0.0
-                 ) -> dict[int, RowStats]:
-        """The simulation of one batch with a drafter (its budget: continuation_tokens);
-        states: see simulate_batch; threshold: see config."""
-        self.progress.set_description(f"simulation, threshold {threshold:g}" if threshold
-                                      else "simulation")
-        prompt = {self.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
-        seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
-        with step(f"the simulation with draft {drafter.name}"):
-            rows = simulate_batch(self.target, drafter,
-                                  {k: list(self.sequences[i].ids) for k, i in prompt.items()},
-                                  self.config(vocab, threshold), self.progress, seen)
-        if states is not None:
-            states.update({prompt[k]: v for k, v in seen.items()})
-        return {prompt[k]: row for k, row in rows.items()}
+def score_drafter(m: Measurement, drafter: Drafter, side: TargetPass, vocab: int,
+                  into: dict[int, PromptResult]) -> None:
+    """Teacher-forced alpha_t at every scored position of a batch (step k+1 of a drafter
+    with steps against the target k positions later), summed per prompt into `into`."""
+    m.progress.set_description("teacher-forced")
+    target, route, s = m.target, m.route, m.settings
+    with step(f"the teacher-forced pass of draft {drafter.name}"):
+        reads = side.states if drafter.can.reads_target and route else None
+        steps = drafter.score(side.rows, side.spans, reads, m.sampling, vocab,
+                              m.device)
+        per_step = []
+        for k, scores in enumerate(steps):  # a later step's positions: the first k dropped
+            states = side.at(k, m.device)
+            sizes = [max(0, e - b - k) for b, e in side.spans]
+            labels = [(i, t) for i, (b, e) in zip(side.batch, side.spans)
+                      for t in range(b + k, e)]
+            stats = position_stats(
+                lambda a, b: head_logits(target, states[a:b], route), scores,
+                Scoring(m.sampling, vocab, TREE_RANKS if s.trees else 0, s.stopping),
+                where=lambda n: "prompt {}, position {}".format(*labels[n]))
+            per_step.append({key: v.split(sizes) for key, v in stats.items()})
+    for j, i in enumerate(side.batch):
+        into[i] = PromptResult.of(i, m.sequences[i].category,
+                                  [{key: v[j] for key, v in st.items()} for st in per_step],
+                                  s, m.sampling.proposal, drafter.can.max_steps is not None)
+
+
+def replay_drafter(m: Measurement, drafter: Drafter, batch: list[int], vocab: int,
+                   conts: Sequence[list[int]], into: dict[int, PromptResult]) -> None:
+    """Each tree of Settings.trees replayed on the batch's texts (prompt and continuation:
+    the target's own sample), into[i].trees one TreeStats per tree."""
+    if not m.settings.trees:
+        return
+    m.progress.set_description("trees")
+    texts = {i: list(m.sequences[i].ids) + list(c) for i, c in zip(batch, conts)}
+    firsts = {i: len(m.sequences[i].ids) for i in batch}
+    with step(f"the trees of draft {drafter.name}"):
+        done = replay_trees(m.target, drafter, texts, firsts, m.config(vocab),
+                            list(m.settings.trees))
+    for i in batch:
+        into[i].trees = [d[i] for d in done]
+
+
+def simulate_drafter(m: Measurement, drafter: Drafter, batch: list[int], vocab: int,
+                     states: dict[int, torch.Tensor | None] | None = None,
+                     threshold: float = 0.0) -> dict[int, RowStats]:
+    """The simulation of one batch with a drafter (its budget: continuation_tokens);
+    states: see simulate_batch; threshold: see config."""
+    m.progress.set_description(f"simulation, threshold {threshold:g}" if threshold
+                                  else "simulation")
+    prompt = {m.streams[i]: i for i in batch}  # simulate_batch keys rows by stream
+    seen: dict[int, torch.Tensor | None] | None = None if states is None else {}
+    with step(f"the simulation with draft {drafter.name}"):
+        rows = simulate_batch(m.target, drafter,
+                              {k: list(m.sequences[i].ids) for k, i in prompt.items()},
+                              m.config(vocab, threshold), m.progress, seen)
+    if states is not None:
+        states.update({prompt[k]: v for k, v in seen.items()})
+    return {prompt[k]: row for k, row in rows.items()}
+
+
+def keep_simulations(m: Measurement, drafter: Drafter, batch: list[int], vocab: int,
+                     sims: dict[int, RowStats], into: dict[int, PromptResult]) -> None:
+    """A batch's simulation into its PromptResults; with a rule that stops when unsure, the
+    simulation under each threshold beside it (under 0 it is that simulation: the rule
+    never stops a block there)."""
+    stopping = m.settings.stopping
+    runs = [sims if not t else simulate_drafter(m, drafter, batch, vocab, threshold=t)
+            for t in (stopping.thresholds if stopping else ())]
+    for i, row in sims.items():
+        into[i].sim = row
+        into[i].stopped = [run[i] for run in runs] if stopping else None
 
 
 # ==============================================================================================
@@ -3912,6 +3715,60 @@ Measurement.run_key_parts = run_key_parts  # (a method too, as it was)
 
 
 # ----------------------------------------------------------------------------------------------
+# the JSON's per-prompt rows: every sum a report is computed from, written and read back (the
+# report's per_prompt, --resume, the ranks' files)
+
+
+def stats_row(stats: RowStats) -> dict[str, Any]:
+    """A prompt's simulated counts for its JSON row, and how many tokens it emitted."""
+    return {**{k: v for k, v in asdict(stats).items() if k != "tokens"
+               and not (k in ("by_confidence", "brier") and v is None)},
+            "generated": len(stats.tokens)}
+
+
+def row_stats(row: dict[str, Any]) -> RowStats:
+    """A prompt's RowStats back from its JSON row (stats_row), with as many (unknown)
+    tokens as it emitted; the engines' counts an earlier version did not write are None (not
+    counted), any other count its default."""
+    engines = {"drafted", "drafted_accepted", "verify_steps", "budget_cuts",
+               "drafted_by_cycle"}
+    return RowStats(**{f.name: row.get(f.name, None if f.name in engines else f.default)
+                       for f in dataclasses.fields(RowStats) if f.name != "tokens"},
+                    tokens=[-1] * row["generated"])
+
+
+OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
+                 "calibration", "calibration_by_offset")
+
+
+def prompt_row(result: PromptResult) -> dict[str, Any]:
+    """The JSON's per-prompt row: every sum a report is computed from."""
+    out = {k: v for k, v in asdict(result).items() if k not in ("sim", "windows", "stopped")
+           and not (k in OPTIONAL_SUMS and v is None)}  # (only with trees, thresholds)
+    out["windows"] = {str(g): list(w) for g, w in result.windows.items()}
+    if result.sim is not None:
+        out.update(stats_row(result.sim))
+    if result.stopped is not None:
+        out["stopped"] = [stats_row(row) for row in result.stopped]
+    return out
+
+
+def prompt_result(row: dict[str, Any]) -> PromptResult:
+    """A PromptResult (and its RowStats) back from a per_prompt row; a sum an earlier version
+    did not write takes its default."""
+    names = {f.name for f in dataclasses.fields(PromptResult)} - {"windows", "sim", "trees",
+                                                                   "stopped"}
+    trees = [TreeStats(**t) for t in row["trees"]] if row.get("trees") else None
+    sim = None
+    if "accepted" in row:  # simulated: the counts, and as many (unknown) tokens as emitted
+        sim = row_stats(row)
+    stopped = [row_stats(r) for r in row["stopped"]] if row.get("stopped") else None
+    return PromptResult(**{k: row[k] for k in names if k in row}, sim=sim, trees=trees,
+                        stopped=stopped,
+                        windows={int(g): tuple(w) for g, w in row["windows"].items()})
+
+
+# ----------------------------------------------------------------------------------------------
 # the report's parts
 #
 # The report is a few small parts (RunInfo, TeacherForced, Simulated, the GammaRow table, Trees,
@@ -4072,20 +3929,6 @@ class GammaRow:
             row.update(sim_tokens_per_cycle=self.simulated_tokens_per_cycle,
                        sim_est_speedup=self.simulated_est_speedup)
         return row
-
-    def __getitem__(self, key: str) -> Any:
-        """Deprecated: rows read as the JSON's dicts (row["gamma"]), as before the report had
-        parts; read the fields (row.gamma) or to_dict()."""
-        warnings.warn("reading a GammaRow as a dict is deprecated: use its fields "
-                      "(row.gamma, row.tokens_per_cycle, ...) or row.to_dict(True)",
-                      DeprecationWarning, stacklevel=2)
-        return self.to_dict(True)[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Deprecated, as __getitem__."""
-        warnings.warn("reading a GammaRow as a dict is deprecated: use its fields",
-                      DeprecationWarning, stacklevel=2)
-        return self.to_dict(True).get(key, default)
 
 
 @dataclass
@@ -4867,7 +4710,7 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
                   cost_ratio_source=cost.source, verify_cost=cost.verify[s.gamma],
                   proposal=sampling.proposal, drafted_by=drafter.drafted_by(s.gamma),
                   vocab=vocab, truncated_prompts=sum(q.truncated for q in seqs),
-                  costs=cost.timings, per_prompt=[r.row() for r in results_
+                  costs=cost.timings, per_prompt=[prompt_row(r) for r in results_
                                                   if r.positions or r.sim is not None],
                   one_draft_pass=cost.per_cycle, drafter=drafter.serving())
     tf, table = teacher_forced_fields(results_, s, cost, sampling.proposal,
@@ -4909,24 +4752,6 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
              if tf.alpha is not None or sim is not None else None)
     return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure,
                             speed)
-
-
-def _report_method(self: Measurement, drafter: Drafter, results: dict[int, PromptResult],
-                   cost: Cost, interrupted: bool = False) -> AcceptanceReport:
-    """Deprecated: Measurement.report is build_report(m, ...)."""
-    warnings.warn("Measurement.report is deprecated: call build_report(m, drafter, results, "
-                  "cost)", DeprecationWarning, stacklevel=2)
-    return build_report(self, drafter, results, cost, interrupted)
-
-
-def _costs_method(self: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
-    """Deprecated: Measurement.costs is costs_of(m, drafters)."""
-    warnings.warn("Measurement.costs is deprecated: call costs_of(m, drafters)",
-                  DeprecationWarning, stacklevel=2)
-    return costs_of(self, drafters)
-
-
-Measurement.report, Measurement.costs = _report_method, _costs_method  # (the report is the
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5795,19 +5620,10 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     """
     run = {k: options.pop(k) for k in ("device", "target_name", "costs", "progress")
            if k in options}
-    for old in [k for k in ("share", "done", "stop", "temperatures", "context_lengths")
-                if k in options]:
-        options.pop(old)
-        warnings.warn(f"measure_drafts({old}=...) is deprecated and ignored: several processes, "
-                      f"resuming and sweeps are the command line's (main)", DeprecationWarning,
-                      stacklevel=2)
     settings = replace(settings, **options) if settings else Settings(**options)
     m = Measurement(target, sequences, sampling, settings, run.get("device"))
     m.target_name = run.get("target_name", "target")
-    if run.get("progress") is True:
-        warnings.warn("measure_drafts(progress=True) is deprecated: pass a progress bar, such "
-                      "as tqdm(...), or run the command line", DeprecationWarning, stacklevel=2)
-    elif run.get("progress"):
+    if run.get("progress"):
         m.progress = run["progress"]
     drafters = m.drafters(drafts)
     costs = run.get("costs") or costs_of(m, drafters)
@@ -5891,7 +5707,86 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
 
 
 # ----------------------------------------------------------------------------------------------
+# what a kind declares to the outside and is told: its command-line options (KindOption, read
+# into DraftOptions, checked with what else was Asked), the models the command line Loaded
+
+
+class KindOption(NamedTuple):
+    """A command-line option a kind of drafter reads (Drafter.options): the command line adds
+    it to the kind's group and reads it into DraftOptions, by its flag's name (dest)."""
+
+    flag: str  # "--ngram-max"
+    help: str  # with its unit or allowed values, and the default
+    default: Any = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+class Asked(NamedTuple):
+    """What the command line asks for before a model loads, for the kinds' checks of their
+    options (Drafter.check_options): the --draft names, the early-exit layers, --simulate."""
+
+    drafts: tuple[str, ...] = ()
+    layers: tuple[int, ...] = ()
+    simulate: bool = False
+
+
+class DraftOptions:
+    """What the command line tells the kinds of drafter (from_name, from_model): the target's
+    tokenizer (an n-gram lookup never copies its EOS ids) and each kind's own options
+    (Drafter.options) by name (options.ngram_max); an option nobody set reads the default
+    its kind declares, so the command line names no kind."""
+
+    def __init__(self, tokenizer: Any = None, **values: Any):
+        self.tokenizer, self.values = tokenizer, values
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tokenizer", "values") or name.startswith("__"):
+            raise AttributeError(name)
+        if name in self.values:
+            return self.values[name]
+        for option in declared_options():
+            if option.dest == name:
+                return option.default
+        raise AttributeError(f"no drafter declares the option {name!r}")
+
+    def _replace(self, **values: Any) -> DraftOptions:
+        return DraftOptions(self.tokenizer, **{**self.values, **values})
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, DraftOptions) and (self.tokenizer, self.values) == (
+            other.tokenizer, other.values)
+
+    def __repr__(self) -> str:
+        return f"DraftOptions({', '.join(f'{k}={v!r}' for k, v in self.values.items())})"
+
+
+class Loaded(NamedTuple):
+    """A causal LM as the command line loaded it, handed to the kinds (from_model): the model,
+    its own tokenizer, and where it came from, as data (the engines' settings name the path)."""
+
+    model: nn.Module
+    tokenizer: Any = None  # None: it has none of its own (an assistant sidecar)
+    path: str | None = None  # hub id, folder or .gguf file (None: made in memory)
+    layers: int | None = None  # an early-exit view of the model at path: its first layers
+
+
+# ----------------------------------------------------------------------------------------------
 # what several kinds share: reading checkpoints, the target's states, a loaded model's vocabulary
+
+
+def add_slots(slots: Slots, live: torch.Tensor, pos: torch.Tensor,
+              window: int | None = None) -> torch.Tensor:
+    """Append slots (B, t) for tokens at positions pos (dead where live is 0), before the
+    forward that fills them -> which slots each new one sees (B, t, S), as in visible."""
+    slots.live = torch.cat([slots.live, live.long()], 1)
+    slots.pos = torch.cat([slots.pos, pos], 1)
+    return visible(slots.live, slots.pos, pos, window)
 
 
 @contextlib.contextmanager
@@ -7900,7 +7795,7 @@ class DFlashSession(CommittedStates):
         own = torch.ones(len(ids), size, size, dtype=torch.bool, device=ids.device)
         out = d.net.block(d.embed(ids), pos, self.kv,  # ...and the block, both ways
                           d.net.masks(seen, self.pos, pos, pos[:, :1].expand(-1, size), own))
-        return d.draft_block(out, pending, c, u)  # (B, size, H) -> the drafts
+        return dflash_draft(d, out, pending, c, u)  # (B, size, H) -> the drafts
 
     def keep(self, rows):
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
@@ -7972,6 +7867,158 @@ def dflash_layout(config: dict[str, Any]) -> DFlashLayout | None:
     ids = keys.get("target_layer_ids") or keys.get("dspark_target_layer_ids")
     return DFlashLayout(family, source, keys, layer, ids,
                         0 if keys["sample_from_anchor"] else 1, not keys.get("causal", False))
+
+
+def dflash_checkpoint(folder: str, layout: DFlashLayout, ids: Sequence[int], target: nn.Module,
+                      name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One clear line for a DFlash-family draft (a `name`) that does not fit the target or that
+    specdec cannot build; else its layers' config (a Qwen3Config) and its weights, named as
+    its network names them."""
+    keys = layout.keys
+    tcfg = target.config.get_text_config(decoder=True)
+    n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
+    for key in ("block_size", "mask_token_id"):
+        if not isinstance(keys.get(key), int):
+            raise UsageError(f"{folder}: a {name} config without {key}")
+    if keys["block_size"] < 1 + layout.first:
+        raise UsageError(f"{folder}: a {name} block_size of {keys['block_size']} drafts "
+                         f"nothing (the block holds the pending token and the masks)")
+    rows = target.get_input_embeddings().weight.shape[0]
+    if not 0 <= keys["mask_token_id"] < rows:
+        raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
+                         f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
+                         f"block reads: a draft for another target")
+    if layout.source == "speculators" and layout.ids is None:
+        raise UsageError(f"{folder}: a speculators {name} config without "
+                         f"aux_hidden_state_layer_ids (the target layers it reads)")
+    told, least = keys.get("num_target_layers"), -1 if layout.source == "speculators" else 0
+    if not all(least <= i < n_target for i in ids) or told not in (None, n_target):
+        shown = [i + 1 for i in ids] if layout.source == "speculators" else list(ids)
+        raise UsageError(f"{folder}: reads target layers {shown} of a target of "
+                         f"{told or 'more'} layers, but this target has {n_target}: a "
+                         f"draft for another target")
+    draft_vocab = keys.get("draft_vocab_size")
+    if layout.source == "speculators" and draft_vocab not in (None, rows, tcfg.vocab_size):
+        raise UsageError(f"{folder}: a {name} draft with a vocabulary of its own "
+                         f"({draft_vocab} of the target's {tcfg.vocab_size} ids, mapped by "
+                         f"d2t); specdec measures full-vocabulary {name} drafts")
+    kinds = set(layout.layer.get("layer_types") or ["full_attention"])
+    if layout.layer.get("use_sliding_window"):
+        kinds.add("sliding_attention")
+    if kinds != {"full_attention"} and layout.source != "speculators":
+        raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
+                         f"whose attention within a block engines run with code of their "
+                         f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
+                         f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
+                         f"LLaMA-3.1 ones) and those speculators trains, whose sliding "
+                         f"layers it runs as speculators does, and cannot run this one")
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(**{k: v for k, v in layout.layer.items() if k not in (
+        "architectures", "auto_map", "dflash_config", "model_type", "target_layer_ids",
+        "transformers_version", "dtype", "torch_dtype", "speculators_model_type")})
+    if cfg.hidden_size != hidden:
+        raise UsageError(f"{folder}: a {name} draft {cfg.hidden_size} wide reads the "
+                         f"embedding and head of a target {hidden} wide: a draft for "
+                         f"another target")
+    return cfg, dflash_weights(folder, layout, ids, hidden)
+
+
+def dflash_weights(folder: str, layout: DFlashLayout, ids: Sequence[int], hidden: int
+                   ) -> dict[str, torch.Tensor]:
+    """A DFlash-family draft's weights, named as its network names them (the target's own
+    tensors and training's left out), its fc checked against the target layers read."""
+    names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+    unused = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+              "verifier_norm.weight", "t2d", "d2t", "mask_embedding")  # the target's own,
+    w = {}  # or training's: speculators saves them beside the network
+    for k, v in read_weights(folder).items():
+        k = k.removeprefix("model.")
+        for old, new in names.items():
+            k = new + k[len(old):] if k.startswith(old) else k
+        if not (layout.source in ("speculators", "vllm") and k in unused):
+            w[k] = v
+    if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
+        raise UsageError(f"{folder}: its fc reads "
+                         f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
+                         f"features, but {len(ids)} layers of this target give "
+                         f"{len(ids)} x {hidden}: a draft for another target")
+    return w
+
+
+def dflash_every_block(d: DFlashDrafter, rows: Sequence[Sequence[int]],
+                       spans: Sequence[tuple[int, int]], device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Teacher-forced, a block from every scored position t of rows (row[t], then the masks),
+    each seeing the target's states before t -> the blocks' outputs (B, n, size, H) for the
+    starts from lo, the rows' ids (B, T), and lo."""
+    last = d.n_layers - 1 in d.ids
+    with (final_states(d.target, last) as seen,
+            layer_inputs(d.target, d.can.target_layers) as got):
+        teacher_forced(d.target, rows, device, True)
+    feats = d.features({i: torch.cat(v, 1) for i, v in got.items()},
+                       torch.cat(seen, 1) if last else None)  # (B, T, F)
+    _, live, pos = right_pad(rows, device)
+    context, size, b = d.net.context(feats, pos), d.size, len(rows)
+    ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
+                       device=device)
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    outs = []  # (B, n, size, H) per chunk of starts
+    per = max(1, DFLASH_BLOCK_QUERIES // size)
+    for a in range(lo, hi, per):
+        t = torch.arange(a, min(a + per, hi), device=device)  # the starts
+        start = t.repeat_interleave(size)  # (n size,)
+        at = start + torch.arange(size, device=device).repeat(len(t))
+        x = torch.where(at == start, ids[:, start], d.mask)  # (B, n size)
+        seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
+        own = (start[:, None] == start[None, :]).expand(b, -1, -1)
+        out = d.net.block(d.embed(x), at.expand(b, -1), context, d.net.masks(
+            seen_ctx, pos, at.expand(b, -1), start.expand(b, -1), own), at - start)
+        outs.append(out.unflatten(1, (len(t), size)))
+    return torch.cat(outs, 1), ids, lo
+
+
+def dflash_draft(d: DFlashDrafter, out: torch.Tensor, pending: torch.Tensor, c: Drafting,
+                 u: torch.Tensor) -> Proposal:
+    """The block's outputs (B, size, H) -> the proposal: its drafting slots from `first`,
+    drawn with u (B, G); chained, left to right, each slot reading the token drawn
+    before it (the pending token before the first)."""
+    head = d.head(c.sampling, c.vocab, propose=True)
+    finite = torch.ones(len(out), dtype=torch.bool, device=out.device)
+    if not d.chained:
+        q, logits = head.both(out[:, d.first:d.first + c.per_call], lambda r: f"row {r}")
+        return Proposal(sample_from(q, u), q, finite, logits=logits if c.logits else None)
+    prev, state, drawn = pending, None, []
+    for j in range(d.first + c.per_call):
+        x, state, estimate = d.slot_states(out[:, j], prev, state)
+        if j >= d.first:  # (a slot before it carries the chain's state alone)
+            q, logits = head.both(x, lambda r: f"row {r}")
+            prev = sample_from(q, u[:, j - d.first])
+            drawn.append((prev, q, logits, estimate))
+    tokens, q, logits, estimate = zip(*drawn)
+    return Proposal(torch.stack(tokens, 1), torch.stack(q, 1), finite,
+                    logits=torch.stack(logits, 1) if c.logits else None,
+                    estimate=None if estimate[0] is None else torch.stack(estimate, 1))
+
+
+def dflash_teacher_slots(d: DFlashDrafter, blocks: torch.Tensor, ids: torch.Tensor, lo: int
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every start's block outputs (B, n, size, H), the starts from lo, and the rows' ids
+    (B, T) -> each start's drafting slots (B, n, G, X), what slot_logits reads, and the
+    draft's estimates (B, n, G) or None; chained, each slot reads the row's own token
+    before the one it drafts (row[t + k] for offset k + 1 at start t)."""
+    if not d.chained:
+        return blocks[:, :, d.first:], None
+    n, last = blocks.shape[1], ids.shape[1] - 1
+    starts = torch.arange(lo, lo + n, device=ids.device)
+    state, xs, estimates = None, [], []
+    for j in range(d.size):
+        at = (starts + max(j - d.first, 0)).clamp_max(last)  # the token before
+        x, state, estimate = d.slot_states(blocks[:, :, j], ids[:, at], state)
+        if j >= d.first:
+            xs.append(x)
+            estimates.append(estimate)
+    return (torch.stack(xs, 2),
+            None if estimates[0] is None else torch.stack(estimates, 2))
 
 
 class DFlashDrafter(Drafter):
@@ -8051,55 +8098,10 @@ class DFlashDrafter(Drafter):
         carried, and the draft's own estimate of its acceptance (None: it has none)."""
         return h, state, None
 
-    def draft_block(self, out: torch.Tensor, pending: torch.Tensor, c: Drafting,
-                    u: torch.Tensor) -> Proposal:
-        """The block's outputs (B, size, H) -> the proposal: its drafting slots from `first`,
-        drawn with u (B, G); chained, left to right, each slot reading the token drawn
-        before it (the pending token before the first)."""
-        head = self.head(c.sampling, c.vocab, propose=True)
-        finite = torch.ones(len(out), dtype=torch.bool, device=out.device)
-        if not self.chained:
-            q, logits = head.both(out[:, self.first:self.first + c.per_call], lambda r: f"row {r}")
-            return Proposal(sample_from(q, u), q, finite, logits=logits if c.logits else None)
-        prev, state, drawn = pending, None, []
-        for j in range(self.first + c.per_call):
-            x, state, estimate = self.slot_states(out[:, j], prev, state)
-            if j >= self.first:  # (a slot before it carries the chain's state alone)
-                q, logits = head.both(x, lambda r: f"row {r}")
-                prev = sample_from(q, u[:, j - self.first])
-                drawn.append((prev, q, logits, estimate))
-        tokens, q, logits, estimate = zip(*drawn)
-        return Proposal(torch.stack(tokens, 1), torch.stack(q, 1), finite,
-                        logits=torch.stack(logits, 1) if c.logits else None,
-                        estimate=None if estimate[0] is None else torch.stack(estimate, 1))
-
     @torch.no_grad()
     def score(self, rows, spans, states, sampling, vocab, device):
-        last = self.n_layers - 1 in self.ids
-        with (final_states(self.target, last) as seen,
-                layer_inputs(self.target, self.can.target_layers) as got):
-            teacher_forced(self.target, rows, device, True)
-        feats = self.features({i: torch.cat(v, 1) for i, v in got.items()},
-                              torch.cat(seen, 1) if last else None)  # (B, T, F)
-        _, live, pos = right_pad(rows, device)
-        context, size = self.net.context(feats, pos), self.size
-        ids = torch.tensor([list(r) + [0] * (feats.shape[1] - len(r)) for r in rows],
-                           device=device)
-        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        outs = []  # (B, n, size, H) per chunk of starts
-        per = max(1, DFLASH_BLOCK_QUERIES // size)
-        for a in range(lo, hi, per):
-            t = torch.arange(a, min(a + per, hi), device=device)  # the starts
-            start = t.repeat_interleave(size)  # (n size,)
-            at = start + torch.arange(size, device=device).repeat(len(t))
-            x = torch.where(at == start, ids[:, start], self.mask)  # (B, n size)
-            seen_ctx = live[:, None, :].bool() & (pos[:, None, :] < start[None, :, None])
-            own = (start[:, None] == start[None, :]).expand(len(rows), -1, -1)
-            b = len(rows)
-            out = self.net.block(self.embed(x), at.expand(b, -1), context, self.net.masks(
-                seen_ctx, pos, at.expand(b, -1), start.expand(b, -1), own), at - start)
-            outs.append(out.unflatten(1, (len(t), size)))
-        blocks, estimate = self.teacher_slots(torch.cat(outs, 1), ids, lo)
+        outs, ids, lo = dflash_every_block(self, rows, spans, device)
+        blocks, estimate = dflash_teacher_slots(self, outs, ids, lo)
         head, scores = self.head(sampling, vocab), []
         for k in range(self.can.max_steps):  # offset k + 1 at start t drafts row[t + 1 + k]
             pick = [(b, s - lo, max(e - k, s) - lo) for b, (s, e) in enumerate(spans)]
@@ -8109,26 +8111,6 @@ class DFlashDrafter(Drafter):
                                  estimate=None if estimate is None else torch.cat(
                                      [estimate[b, s:e, k] for b, s, e in pick]).to(device)))
         return scores
-
-    def teacher_slots(self, blocks: torch.Tensor, ids: torch.Tensor, lo: int
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every start's block outputs (B, n, size, H), the starts from lo, and the rows' ids
-        (B, T) -> each start's drafting slots (B, n, G, X), what slot_logits reads, and the
-        draft's estimates (B, n, G) or None; chained, each slot reads the row's own token
-        before the one it drafts (row[t + k] for offset k + 1 at start t)."""
-        if not self.chained:
-            return blocks[:, :, self.first:], None
-        n, last = blocks.shape[1], ids.shape[1] - 1
-        starts = torch.arange(lo, lo + n, device=ids.device)
-        state, xs, estimates = None, [], []
-        for j in range(self.size):
-            at = (starts + max(j - self.first, 0)).clamp_max(last)  # the token before
-            x, state, estimate = self.slot_states(blocks[:, :, j], ids[:, at], state)
-            if j >= self.first:
-                xs.append(x)
-                estimates.append(estimate)
-        return (torch.stack(xs, 2),
-                None if estimates[0] is None else torch.stack(estimates, 2))
 
     def start(self, prompts, view, drafting):
         return DFlashSession(self, prompts, view, drafting)
@@ -8194,78 +8176,8 @@ class DFlashDrafter(Drafter):
     @classmethod
     def check_checkpoint(cls, folder: str, layout: DFlashLayout, ids: Sequence[int],
                          target: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
-        """One clear line for a DFlash-family draft that does not fit the target or that
-        specdec cannot build; else its layers' config (a Qwen3Config) and its weights, named
-        as its network names them."""
-        keys, name = layout.keys, cls.can.kind
-        tcfg = target.config.get_text_config(decoder=True)
-        n_target, hidden = len(decoder_layers(target)), tcfg.hidden_size
-        for key in ("block_size", "mask_token_id"):
-            if not isinstance(keys.get(key), int):
-                raise UsageError(f"{folder}: a {name} config without {key}")
-        if keys["block_size"] < 1 + layout.first:
-            raise UsageError(f"{folder}: a {name} block_size of {keys['block_size']} drafts "
-                             f"nothing (the block holds the pending token and the masks)")
-        rows = target.get_input_embeddings().weight.shape[0]
-        if not 0 <= keys["mask_token_id"] < rows:
-            raise UsageError(f"{folder}: its mask token {keys['mask_token_id']} is not in the "
-                             f"target's vocabulary (ids 0..{rows - 1}), whose embedding the "
-                             f"block reads: a draft for another target")
-        if layout.source == "speculators" and layout.ids is None:
-            raise UsageError(f"{folder}: a speculators {name} config without "
-                             f"aux_hidden_state_layer_ids (the target layers it reads)")
-        told, least = keys.get("num_target_layers"), -1 if layout.source == "speculators" else 0
-        if not all(least <= i < n_target for i in ids) or told not in (None, n_target):
-            shown = [i + 1 for i in ids] if layout.source == "speculators" else list(ids)
-            raise UsageError(f"{folder}: reads target layers {shown} of a target of "
-                             f"{told or 'more'} layers, but this target has {n_target}: a "
-                             f"draft for another target")
-        draft_vocab = keys.get("draft_vocab_size")
-        if layout.source == "speculators" and draft_vocab not in (None, rows, tcfg.vocab_size):
-            raise UsageError(f"{folder}: a {name} draft with a vocabulary of its own "
-                             f"({draft_vocab} of the target's {tcfg.vocab_size} ids, mapped by "
-                             f"d2t); specdec measures full-vocabulary {name} drafts")
-        kinds = set(layout.layer.get("layer_types") or ["full_attention"])
-        if layout.layer.get("use_sliding_window"):
-            kinds.add("sliding_attention")
-        if kinds != {"full_attention"} and layout.source != "speculators":
-            raise UsageError(f"{folder}: a DFlash draft with {', '.join(sorted(kinds))} layers, "
-                             f"whose attention within a block engines run with code of their "
-                             f"own (vLLM's dflash proposer, the checkpoint's auto_map); "
-                             f"specdec builds full-attention DFlash drafts (z-lab's Qwen3 and "
-                             f"LLaMA-3.1 ones) and those speculators trains, whose sliding "
-                             f"layers it runs as speculators does, and cannot run this one")
-        from transformers import Qwen3Config
-        cfg = Qwen3Config(**{k: v for k, v in layout.layer.items() if k not in (
-            "architectures", "auto_map", "dflash_config", "model_type", "target_layer_ids",
-            "transformers_version", "dtype", "torch_dtype", "speculators_model_type")})
-        if cfg.hidden_size != hidden:
-            raise UsageError(f"{folder}: a {name} draft {cfg.hidden_size} wide reads the "
-                             f"embedding and head of a target {hidden} wide: a draft for "
-                             f"another target")
-        return cfg, cls.read_checkpoint_weights(folder, layout, ids, hidden)
-
-    @staticmethod
-    def read_checkpoint_weights(folder: str, layout: DFlashLayout, ids: Sequence[int],
-                                hidden: int) -> dict[str, torch.Tensor]:
-        """A DFlash-family draft's weights, named as its network names them (the target's own
-        tensors and training's left out), its fc checked against the target layers read."""
-        names = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
-        unused = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                  "verifier_norm.weight", "t2d", "d2t", "mask_embedding")  # the target's own,
-        w = {}  # or training's: speculators saves them beside the network
-        for k, v in read_weights(folder).items():
-            k = k.removeprefix("model.")
-            for old, new in names.items():
-                k = new + k[len(old):] if k.startswith(old) else k
-            if not (layout.source in ("speculators", "vllm") and k in unused):
-                w[k] = v
-        if "fc.weight" not in w or w["fc.weight"].shape[1] != len(ids) * hidden:
-            raise UsageError(f"{folder}: its fc reads "
-                             f"{w['fc.weight'].shape[1] if 'fc.weight' in w else 'no'} "
-                             f"features, but {len(ids)} layers of this target give "
-                             f"{len(ids)} x {hidden}: a draft for another target")
-        return w
+        """Its checkpoint checked (dflash_checkpoint): a subclass checks its own parts after."""
+        return dflash_checkpoint(folder, layout, ids, target, cls.can.kind)
 
 
 class DSparkNet(DFlashNet):
@@ -8948,6 +8860,18 @@ class SlemSession(ReadingSession):
         self.seen = [self.seen[r] for r in keep]
 
 
+def retokenized(vocab: Any, ids: Sequence[int], to_draft: bool) -> list[int]:
+    """Ids decoded by one tokenizer of a SLEM draft's `vocab`, the text encoded by the other,
+    as transformers does (convert_source_tokens_to_target_tokens: special tokens skipped in
+    the text, added by the encoding); the identity with one tokenizer."""
+    if vocab.same:
+        return list(ids)
+    src, dst = ((vocab.target_tok, vocab.draft_tok) if to_draft else
+                (vocab.draft_tok, vocab.target_tok))
+    text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
+    return list(dst(text, add_special_tokens=True)["input_ids"])
+
+
 class SlemDrafter(OtherVocabDrafter):
     """A draft model with a tokenizer of its own, drafting by string-level exact match (SLEM),
     as transformers' universal assisted generation runs it at temperature 0 (its candidate
@@ -9053,17 +8977,6 @@ class SlemDrafter(OtherVocabDrafter):
     def proposal_width(self, gamma):
         return gamma * self.factor
 
-    def convert(self, ids: Sequence[int], to_draft: bool) -> list[int]:
-        """Ids decoded by one tokenizer, the text encoded by the other, as transformers does
-        (convert_source_tokens_to_target_tokens: special tokens skipped in the text, added by
-        the encoding); the identity with one tokenizer."""
-        if self.vocab.same:
-            return list(ids)
-        src, dst = ((self.vocab.target_tok, self.vocab.draft_tok) if to_draft else
-                    (self.vocab.draft_tok, self.vocab.target_tok))
-        text = src.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=True)
-        return list(dst(text, add_special_tokens=True)["input_ids"])
-
     def draft_input(self, text: list[int], last: list[int] | None, seen: int
                     ) -> tuple[list[int], int]:
         """The draft's ids for the target's committed `text` (transformers'
@@ -9073,8 +8986,9 @@ class SlemDrafter(OtherVocabDrafter):
         (longest_run): the ids after the run are replaced by the window's, the rest appended.
         -> (the ids, how many ids after the run were replaced: its remove_from_pkv)."""
         if last is None or seen <= SLEM_LOOKBEHIND or self.vocab.same:
-            return self.convert(text, True) or [self.vocab.start], 0  # (never an empty text)
-        new = self.convert(text[seen - SLEM_LOOKBEHIND:], True)
+            # (never an empty text)
+            return retokenized(self.vocab, text, True) or [self.vocab.start], 0
+        new = retokenized(self.vocab, text[seen - SLEM_LOOKBEHIND:], True)
         run = longest_run(last[-len(new):], new)  # ([-0:]: all of it, as transformers slices)
         if run is None:
             return last + new, 0
@@ -9096,7 +9010,7 @@ class SlemDrafter(OtherVocabDrafter):
         if self.vocab.same:
             return list(drafts)
         out = inputs + self.written(drafts)
-        window = self.convert(out[len(inputs) - SLEM_LOOKBEHIND:], False)
+        window = retokenized(self.vocab, out[len(inputs) - SLEM_LOOKBEHIND:], False)
         run = longest_run(text[-len(window):], window)
         return window if run is None else window[sum(run):]
 
@@ -9394,6 +9308,11 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
 
 # ----------------------------------------------------------------------------------------------
 # data: prompts and documents, tokenised
+
+
+class Prompt(NamedTuple):
+    content: str | list  # a plain prompt, or chat messages [{"role", "content"}, ...]
+    category: str | None = None
 
 
 BUILTIN_PROMPTS: list[tuple[str, str]] = [
@@ -10081,7 +10000,7 @@ def key_difference(old: dict[str, Any], candidates: Sequence[dict[str, Any]]) ->
 
 def resume_results(reports: Sequence[dict[str, Any]]) -> dict[str, dict[int, PromptResult]]:
     """The per-prompt results of earlier reports (their JSON), by run_key."""
-    return {r["run_key"]: {row["index"]: PromptResult.from_row(row) for row in r["per_prompt"]}
+    return {r["run_key"]: {row["index"]: prompt_result(row) for row in r["per_prompt"]}
             for r in reports if r.get("run_key")}
 
 
@@ -11254,6 +11173,180 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 3
         return finish(options, reports, stop, launch)
+
+
+# ==============================================================================================
+# OLD NAMES: every name a user's script may still use from before a rename, working as it did,
+# with a DeprecationWarning that says what to use instead and the release that removes it
+# (OLD_NAMES). Nothing above this line raises a DeprecationWarning or knows an old name.
+# ==============================================================================================
+
+
+OLD_NAMES: dict[str, tuple[str, str]] = {  # old name -> (what to use, release that removes it)
+    "Drafting.steps": ("Drafting.per_call", "0.5.0"),
+    "Drafting._replace(steps=...)": ("Drafting._replace(per_call=...)", "0.5.0"),
+    "Abilities.steps": ("Abilities.max_steps", "0.5.0"),
+    "Abilities.max_gamma": ("Abilities.pass_tokens", "0.5.0"),
+    **{f"Drafter.{old}": (f"drafter.can.{new}", "0.5.0") for old, new in (
+        ("kind", "kind"), ("reads_target", "reads_target"), ("layers", "target_layers"),
+        ("steps", "max_steps"), ("drafts_trees", "trees"), ("one_pass", "one_pass"),
+        ("max_gamma", "pass_tokens"), ("simulated_only", "teacher_forced"))},
+    "Drafter.block": ("Drafter.proposal_width", "0.5.0"),
+    "Drafter.width": ("Drafter.vocab_width", "0.5.0"),
+    "Drafter.for_run(eos, gammas)": ("def for_run(self, eos, gammas, gamma=None)", "0.5.0"),
+    "DraftOptions(tokenizer, *options)": ("DraftOptions(tokenizer, ngram_max=3, ...)", "0.5.0"),
+    "replay_trees(..., spec)": ("replay_trees(..., [spec])[0]", "0.5.0"),
+    "GammaRow[key]": ("row.gamma, row.tokens_per_cycle, ... or row.to_dict(True)", "0.5.0"),
+    "Measurement.report": ("build_report(m, drafter, results, cost)", "0.5.0"),
+    "Measurement.costs": ("costs_of(m, drafters)", "0.5.0"),
+    **{f"measure_drafts({old}=...)": ("the command line (main): several processes, resuming "
+                                      "and sweeps are its own; the keyword is ignored", "0.5.0")
+       for old in ("share", "done", "stop", "temperatures", "context_lengths")},
+    "measure_drafts(progress=True)": ("a progress bar, such as tqdm(...)", "0.5.0"),
+}
+
+LEGACY_OPTIONS = ("ngram_max", "ngram_min", "mtp_steps", "pard_mask", "cross_vocab",
+                  "slem_stop", "slem_cache", "ngram_rule")  # DraftOptions' positional fields
+# when it was a NamedTuple, in order
+
+
+def deprecated(old: str, stacklevel: int = 3) -> None:
+    """The warning for an old name (a key of OLD_NAMES): what to use, and when it goes."""
+    new, gone = OLD_NAMES[old]
+    warnings.warn(f"{old} is deprecated (removed in {gone}): use {new}", DeprecationWarning,
+                  stacklevel=stacklevel)
+
+
+def _old_attribute(cls: type, old: str, new: str, setter: bool = False) -> None:
+    """cls.<old> reads (and with setter, writes) attribute `new`, warning."""
+    key = f"{cls.__name__}.{old}"
+
+    def read(self: Any) -> Any:
+        deprecated(key)
+        return getattr(self, new)
+
+    def write(self: Any, value: Any) -> None:
+        deprecated(key)
+        setattr(self, new, value)
+
+    setattr(cls, old, property(read, write if setter else None))
+
+
+_old_attribute(Drafting, "steps", "per_call")
+_old_attribute(Abilities, "steps", "max_steps")
+_old_attribute(Abilities, "max_gamma", "pass_tokens")
+_old_attribute(Drafter, "width", "vocab_width", setter=True)
+_NAMEDTUPLE_REPLACE = Drafting._replace
+
+
+def _drafting_replace(self: Drafting, **fields: Any) -> Drafting:
+    if "steps" in fields:
+        deprecated("Drafting._replace(steps=...)")
+        fields["per_call"] = fields.pop("steps")
+    return _NAMEDTUPLE_REPLACE(self, **fields)
+
+
+def _drafter_ability(self: Drafter, name: str) -> Any:
+    """A capability read as an attribute of its own (drafter.steps, drafter.reads_target),
+    as before they were one record (drafter.can)."""
+    key = f"Drafter.{name}"
+    if key in OLD_NAMES and key not in ("Drafter.block", "Drafter.width"):
+        deprecated(key)
+        value = getattr(self.can, OLD_NAMES[key][0].rsplit(".", 1)[1])
+        return not value if name == "simulated_only" else value
+    raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def _drafter_block(self: Drafter) -> Callable[[int], int]:
+    deprecated("Drafter.block")
+    return self.proposal_width
+
+
+def _old_kind(cls: type[Drafter], **kwargs: Any) -> None:
+    """A kind written with the old names still runs: `width` (a class attribute) sets
+    vocab_width; a for_run of two arguments (before it was told the run's own block) is
+    called without it."""
+    super(Drafter, cls).__init_subclass__(**kwargs)
+    if "width" in cls.__dict__ and not isinstance(cls.__dict__["width"], property):
+        deprecated("Drafter.width", stacklevel=4)
+        cls.vocab_width = cls.__dict__["width"]
+        delattr(cls, "width")
+    run = cls.__dict__.get("for_run")
+    if callable(run) and "gamma" not in inspect.signature(run).parameters:
+        deprecated("Drafter.for_run(eos, gammas)", stacklevel=4)
+        cls.for_run = functools.wraps(run)(
+            lambda self, eos, gammas, gamma=None: run(self, eos, gammas))
+
+
+Drafting._replace = _drafting_replace
+Drafter.__getattr__ = _drafter_ability
+Drafter.block = property(_drafter_block)
+Drafter.__init_subclass__ = classmethod(_old_kind)
+
+
+_new_draft_options_init = DraftOptions.__init__
+
+
+def _draft_options_init(self: DraftOptions, tokenizer: Any = None, *legacy: Any,
+                        **values: Any) -> None:
+    if legacy:  # (the NamedTuple's positional fields)
+        deprecated("DraftOptions(tokenizer, *options)")
+        values = {**dict(zip(LEGACY_OPTIONS, legacy)), **values}
+    _new_draft_options_init(self, tokenizer, **values)
+
+
+DraftOptions.__init__ = _draft_options_init
+_new_replay_trees = replay_trees
+
+
+@functools.wraps(_new_replay_trees)
+def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]],
+                 firsts: dict[int, int], config: LoopConfig, specs: Sequence[TreeSpec]
+                 ) -> list[dict[int, TreeStats]]:
+    if isinstance(specs, TreeSpec):
+        deprecated("replay_trees(..., spec)")
+        return _new_replay_trees(target, drafter, texts, firsts, config, [specs])[0]
+    return _new_replay_trees(target, drafter, texts, firsts, config, specs)
+
+
+def _gamma_row_item(self: GammaRow, key: str) -> Any:
+    deprecated("GammaRow[key]")
+    return self.to_dict(True)[key]
+
+
+def _gamma_row_get(self: GammaRow, key: str, default: Any = None) -> Any:
+    deprecated("GammaRow[key]")
+    return self.to_dict(True).get(key, default)
+
+
+def _measurement_report(self: Measurement, drafter: Drafter, results: dict[int, PromptResult],
+                        cost: Cost, interrupted: bool = False) -> AcceptanceReport:
+    deprecated("Measurement.report")
+    return build_report(self, drafter, results, cost, interrupted)
+
+
+def _measurement_costs(self: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
+    deprecated("Measurement.costs")
+    return costs_of(self, drafters)
+
+
+GammaRow.__getitem__, GammaRow.get = _gamma_row_item, _gamma_row_get
+Measurement.report, Measurement.costs = _measurement_report, _measurement_costs
+_new_measure_drafts = measure_drafts
+
+
+@functools.wraps(_new_measure_drafts)
+def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
+                   sequences: Sequence[TokenSequence], **options: Any
+                   ) -> list[AcceptanceReport]:
+    for old in ("share", "done", "stop", "temperatures", "context_lengths"):
+        if old in options:
+            options.pop(old)
+            deprecated(f"measure_drafts({old}=...)")
+    if options.get("progress") is True:
+        options.pop("progress")
+        deprecated("measure_drafts(progress=True)")
+    return _new_measure_drafts(target, drafts, sequences, **options)
 
 
 if __name__ == "__main__":

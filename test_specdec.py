@@ -59,12 +59,15 @@ from torch import nn  # noqa: E402
 
 torch.set_num_threads(1)
 
-from tokenizers import Tokenizer, models, normalizers  # noqa: E402
+from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,  # noqa: E402
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PreTrainedTokenizerFast)
 
 import specdec as sd  # noqa: E402
+from benchmarks.standins import (CHARS, MTP_PROMPTS, REPEATS, V,  # noqa: E402
+                                 load_mtp_target, make_eagle3_checkpoint, make_gemma4_pair,
+                                 make_medusa_checkpoint, make_mtp_checkpoint, make_tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,16 +75,6 @@ import specdec as sd  # noqa: E402
 
 
 CPU = torch.device("cpu")
-
-
-V = 48  # stand-in vocabulary
-
-
-CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,?!:'\n-")
-
-
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 PROMPTS = ["hi", "a", "the quick brown fox", "what is 2+2?", "x", "hello there, friend", "ok"]
@@ -148,23 +141,6 @@ def same_text(got: str, want: str) -> list[str]:
                 out.append(f"{a!r} != {b!r}")
                 break
     return out
-
-
-def make_tokenizer(swap: tuple[str, str] | None = None, template: bool = True):
-    """Character-level tokenizer (BPE with no merges), ids 0..47; `swap` permutes two ids."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    assert len(vocab) == V
-    if swap:
-        a, b = swap
-        vocab[a], vocab[b] = vocab[b], vocab[a]
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tk.normalizer = normalizers.Lowercase()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
-    if template:
-        tok.chat_template = CHAT_TEMPLATE
-    return tok
 
 
 def make_llama(seed: int, vocab: int = V, layers: int = 2, eos: int | None = None):
@@ -333,60 +309,6 @@ def llama4():
     return make_llama(3, layers=4)
 
 
-def make_mtp_checkpoint(folder, heads: int, noise: float, layers: int = 2, seed: int = 0,
-                        live: bool = False):
-    """A tiny DeepSeek-V3 with `heads` MTP layers, saved as such checkpoints are: the MTP
-    layers are decoder layers numbered after the model's own, plus enorm, hnorm, eh_proj and
-    shared_head.norm. The target is a bigram model (attention and MLP outputs zeroed) and each
-    head's eh_proj is [I | 0] + noise: with noise 0 a head predicts exactly the target's next
-    choice, with noise it often does not. live: the MTP layers' attention and MLP are kept,
-    their attention weights times 10, so what an MTP query attends over its history changes
-    its argmax at about a third of the positions."""
-    from safetensors.torch import load_file, save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-              n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4,
-              num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-              qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=256,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    big = DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=layers + heads,
-                                                 num_mtp_layers=heads, **kw))
-    with torch.no_grad():
-        for name, p in big.named_parameters():
-            mtp_layer = any(f"layers.{layers + k}." in name for k in range(heads))
-            if "layers." in name and ("o_proj" in name or "down_proj" in name) and not (
-                    live and mtp_layer):
-                p.zero_()
-            if live and mtp_layer and "self_attn" in name and "norm" not in name:
-                p.mul_(10.0)
-    big.save_pretrained(folder)
-    weights = load_file(f"{folder}/model.safetensors")
-    for k in range(heads):
-        pre = f"model.layers.{layers + k}."
-        weights[pre + "enorm.weight"] = torch.ones(32)
-        weights[pre + "hnorm.weight"] = torch.ones(32)
-        weights[pre + "shared_head.norm.weight"] = big.model.norm.weight.detach().clone()
-        weights[pre + "eh_proj.weight"] = torch.cat([torch.eye(32), torch.zeros(32, 32)], 1) \
-            + noise * torch.randn(32, 64)
-    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
-    cfg = DeepseekV3Config.from_pretrained(folder)
-    cfg.num_hidden_layers = layers
-    cfg.save_pretrained(folder)
-
-
-def load_mtp_target(folder):
-    from transformers import DeepseekV3ForCausalLM
-    target = DeepseekV3ForCausalLM.from_pretrained(folder).eval().requires_grad_(False)
-    heads = target.config.num_mtp_layers
-    # DeepSeek-V3 names its MTP layers model.layers.61.* (the real model's count); point the
-    # instance at this tiny model's layers 2.. instead
-    target._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{2 + k}\."
-                                                 for k in range(heads)]
-    return target
-
-
 @pytest.fixture(scope="session")
 def mtp_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mtp")
@@ -460,174 +382,6 @@ def make_mellum(folder, window: int, noise: float = 0.05, layers: int = 2, seed:
     cfg.mtp_layer_types, cfg.mtp_mlp_layer_types = ["sliding_attention"], ["sparse"]
     cfg.save_pretrained(folder)
     return MellumForCausalLM.from_pretrained(folder).eval().requires_grad_(False)
-
-
-def make_gemma4_pair(attention: bool, noise: float, seed: int = 0, k: int = 3,
-                     swap: bool = False, window: int = 64, assistant_window: int | None = None):
-    """A tiny Gemma-4 text target (a bigram model: its attention and MLP outputs zeroed) and a
-    tiny Gemma4AssistantForCausalLM that drafts f(token) through pre_projection = [I | 0] +
-    noise (on the embedding's half); swap: its head confuses a few tokens. With
-    attention=False the assistant's own attention outputs are zeroed too, so what
-    it reads from the target's cache cannot matter. window: the target's sliding window (and
-    the assistant's, unless assistant_window is given)."""
-    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM,
-                              Gemma4ForCausalLM, Gemma4TextConfig)
-    common = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
-                  sliding_window=window, max_position_embeddings=256,
-                  hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, vocab_size=V,
-                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(seed)
-    target = Gemma4ForCausalLM(Gemma4TextConfig(
-        hidden_size=32, tie_word_embeddings=False, intermediate_size=64, num_hidden_layers=3,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common))
-    assistant = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(
-        text_config=dict(model_type="gemma4_text", hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                         **{**common, "sliding_window": assistant_window or window}),
-        backbone_hidden_size=32, use_ordered_embeddings=False))
-    with torch.no_grad():
-        for model in (target, assistant) if not attention else (target,):
-            for name, p in model.named_parameters():
-                if "o_proj" in name or "down_proj" in name:
-                    p.zero_()
-        assistant.pre_projection.weight.copy_(
-            torch.cat([torch.eye(32) + noise * torch.randn(32, 32), torch.zeros(32, 32)], 1))
-        assistant.model.norm.weight.copy_(target.model.norm.weight)
-        head = target.lm_head.weight.clone()
-        head[[3, 4, 5, 6, 7, 8]] = head[[8, 7, 6, 5, 4, 3]]  # wrong about a few tokens
-        assistant.model.embed_tokens.weight.copy_(head if swap else target.lm_head.weight)
-    assistant.lm_head.weight = assistant.model.embed_tokens.weight
-    assistant.generation_config.num_assistant_tokens = k
-    for m in (target, assistant):
-        m.generation_config.eos_token_id = m.generation_config.pad_token_id = None
-    return target.eval().requires_grad_(False), assistant.eval().requires_grad_(False)
-
-
-def make_eagle3_checkpoint(folder, fmt: str, target, seed: int = 0, draft_vocab: int = 32,
-                           zero: bool = False):
-    """A tiny EAGLE-3 head for `target` (hidden 32, 4 heads of 8, 2 KV heads) saved as `fmt`
-    publishes it: "specforge" (Llama-like config, architectures LlamaForCausalLMEagle3,
-    midlayer.* in safetensors), "speculators" (speculators_model_type eagle3, the layer's
-    settings in transformer_layer_config, layers.0.*, a verifier_* tensor to ignore) or
-    "eagle" (the original EAGLE-3 layout: midlayer.* in pytorch_model.bin, with its own
-    embed_tokens). The draft vocabulary is `draft_vocab` of the target's ids, d2t their
-    offsets. zero: every weight zero but the norms (a head whose q is uniform on its
-    vocabulary). Returns (the tensors, the draft vocabulary's target ids)."""
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(seed)
-    h, t_h, inter = 32, target.config.hidden_size, 48
-    ids = torch.randperm(V, generator=g)[:draft_vocab].sort().values
-
-    def rnd(*shape, scale=0.3):
-        return torch.zeros(shape) if zero else scale * torch.randn(*shape, generator=g)
-    w = {"midlayer.self_attn.q_proj.weight": rnd(32, 2 * h),
-         "midlayer.self_attn.k_proj.weight": rnd(16, 2 * h),
-         "midlayer.self_attn.v_proj.weight": rnd(16, 2 * h),
-         "midlayer.self_attn.o_proj.weight": rnd(h, 32),
-         "midlayer.mlp.gate_proj.weight": rnd(inter, h),
-         "midlayer.mlp.up_proj.weight": rnd(inter, h),
-         "midlayer.mlp.down_proj.weight": rnd(h, inter),
-         "fc.weight": rnd(h, 3 * t_h, scale=0.2), "lm_head.weight": rnd(draft_vocab, h, scale=1.0),
-         "d2t": ids - torch.arange(draft_vocab),
-         "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)}
-    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        w[f"midlayer.{n}.weight"] = torch.ones(h) + (0 if zero else rnd(h, scale=0.1))
-    w["norm.weight"] = torch.ones(h)
-    layer = dict(hidden_size=h, intermediate_size=inter, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=V,
-                 max_position_embeddings=256, rope_theta=10000.0, hidden_act="silu")
-    os.makedirs(folder, exist_ok=True)
-    if fmt == "speculators":
-        config = dict(speculators_model_type="eagle3", transformer_layer_config=layer,
-                      draft_vocab_size=draft_vocab, norm_before_residual=False,
-                      target_hidden_size=t_h)
-        w = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()}
-        w["verifier_lm_head.weight"] = torch.zeros(V, t_h)
-        save_file(w, os.path.join(folder, "model.safetensors"))
-    else:
-        config = dict(layer, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                      num_hidden_layers=1, draft_vocab_size=draft_vocab)
-        if fmt == "eagle":
-            w["embed_tokens.weight"] = target.get_input_embeddings().weight.clone()
-            torch.save(w, os.path.join(folder, "pytorch_model.bin"))
-        else:
-            save_file(w, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    return {k.replace("layers.0.", "midlayer."): v for k, v in w.items()}, ids
-
-
-def make_medusa_checkpoint(folder, fmt: str, hidden: int = 32, heads: int = 3,
-                           layers: int = 1, seed: int = 0, t: dict | None = None, target=None):
-    """Tiny Medusa-1 heads saved as a layout teams publish, from tensors t by (head, what)
-    (random when not given; returned):
-      "medusa"      medusa_head.K.L.linear.*, medusa_head.K.<L>.weight in safetensors, config
-                    medusa_num_heads (the layout before this round's loader)
-      "fd-pt"       FasterDecoding's head-only medusa_lm_head.pt, medusa_head.state_dict()'s
-                    keys K.L.linear.*, K.<L>.weight; its config claims 2 heads (FasterDecoding's
-                    loader overrides it)
-      "fd-st"       the same keys in medusa_lm_head.safetensors (train_legacy.py, version 2)
-      "fd-v2"       medusa_lm_head.safetensors with no K.<L>: every head ends in the target's
-                    own lm_head (FasterDecoding's Medusa-2 code); t's heads must be it
-      "full"        a full model: `target`'s own tensors and config, medusa_head.* beside them
-      "vllm"        vLLM: model_type medusa, blocks.K.layers.L.*, lm_heads.K.*
-      "vllm-shared" vLLM with original_lm_head: one lm_heads.0 for all; t's heads must be equal
-      "vllm-map"    vLLM with a token_map: head rows permuted, the map saying which id each is"""
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(seed)
-    if t is None:
-        t = {(k, f"w{i}"): 0.3 * torch.randn(hidden, hidden, generator=g) for k in range(heads)
-             for i in range(layers)}
-        t.update({(k, f"b{i}"): 0.1 * torch.randn(hidden, generator=g) for k in range(heads)
-                  for i in range(layers)})
-        t.update({(k, "head"): torch.randn(V, hidden, generator=g) for k in range(heads)})
-    heads = max(k for k, _ in t) + 1
-    layers = sum(1 for k, i in t if k == 0 and i.startswith("w"))
-    os.makedirs(folder, exist_ok=True)
-    fd = {f"{k}.{i[1:]}.linear.{'weight' if i[0] == 'w' else 'bias'}": v.clone()
-          for (k, i), v in t.items() if i != "head"}
-    fd_heads = {f"{k}.{layers}.weight": v.clone() for (k, i), v in t.items() if i == "head"}
-    config = dict(medusa_num_heads=heads, medusa_num_layers=layers,
-                  base_model_name_or_path="target")
-    if fmt == "medusa":
-        save_file({"medusa_head." + k: v for k, v in {**fd, **fd_heads}.items()},
-                  os.path.join(folder, "medusa_lm_head.safetensors"))
-    elif fmt == "fd-pt":
-        torch.save({**fd, **fd_heads}, os.path.join(folder, "medusa_lm_head.pt"))
-        config["medusa_num_heads"] = 2
-    elif fmt in ("fd-st", "fd-v2"):
-        save_file({**fd, **(fd_heads if fmt == "fd-st" else {})},
-                  os.path.join(folder, "medusa_lm_head.safetensors"))
-        config["version"] = "2"
-    elif fmt == "full":
-        target.save_pretrained(folder)
-        from safetensors.torch import load_file
-        w = load_file(os.path.join(folder, "model.safetensors"))
-        w.update({"medusa_head." + k: v for k, v in {**fd, **fd_heads}.items()})
-        save_file(w, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(folder, "config.json")) as f:
-            config = {**json.load(f), "medusa_num_heads": heads, "medusa_num_layers": layers}
-    else:
-        w = {f"blocks.{k}.layers.{i[1:]}.{'weight' if i[0] == 'w' else 'bias'}": v.clone()
-             for (k, i), v in t.items() if i != "head"}
-        config = dict(model_type="medusa", architectures=["MedusaModel"], num_heads=heads,
-                      num_hidden_layers=layers, hidden_size=hidden, vocab_size=V,
-                      medusa_fc_bias=True)
-        if fmt == "vllm-shared":
-            w["lm_heads.0.weight"] = t[0, "head"].clone()
-            config["original_lm_head"] = True
-        elif fmt == "vllm-map":
-            order = torch.randperm(V, generator=g)
-            w.update({f"lm_heads.{k}.weight": v[order].clone() for (k, i), v in t.items()
-                      if i == "head"})
-            w["token_map"] = order
-        else:
-            w.update({f"lm_heads.{k}.weight": v.clone() for (k, i), v in t.items()
-                      if i == "head"})
-        save_file(w, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    return t
 
 
 GGUF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "models",
@@ -1649,7 +1403,7 @@ def test_a_long_target_pass_keeps_logits_from_the_first_scored_position_only(lla
     conts = [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]]
     m = sd.Measurement(llama, seqs, SAMPLINGS["t1"], sd.Settings(continuation_tokens=4), CPU)
     m.route = False
-    side = m.target_side([0, 1, 2], V, conts)
+    side = sd.target_side(m, [0, 1, 2], V, conts)
     width = 41 + 4
     assert side.first == 30 and side.states.shape == (3, width - side.first, V)
     with torch.no_grad():
@@ -3510,6 +3264,83 @@ def test_the_report_reads_flat_and_is_written_by_its_parts(sim_report, llama, ll
     assert old[0].n_sequences == 2
 
 
+def test_every_old_name_still_works_warning_what_to_use_and_when_it_goes(llama, llama2, seqs):
+    """Each entry of OLD_NAMES, used as a script written before its rename used it: it gives
+    what the new name gives (read through the new name, no old name involved), with one
+    DeprecationWarning naming itself and the release that removes it. Every entry is used here:
+    an old name added to OLD_NAMES without a line below fails the last assert."""
+    seen = []
+
+    def old(key, use, want):
+        with pytest.warns(DeprecationWarning) as caught:
+            got = use()
+        said = [str(w.message) for w in caught if w.category is DeprecationWarning]
+        assert any(m.startswith(f"{key} is deprecated (removed in {sd.OLD_NAMES[key][1]})")
+                   for m in said), (key, said)
+        assert got == want, key
+        seen.append(key)
+
+    drafting = sd.Drafting(sd.SamplingParams(), 3, V, CPU)
+    old("Drafting.steps", lambda: drafting.steps, drafting.per_call)
+    old("Drafting._replace(steps=...)", lambda: drafting._replace(steps=5).per_call, 5)
+    can = sd.Abilities(max_steps=2, pass_tokens=4, teacher_forced=False)
+    old("Abilities.steps", lambda: can.steps, 2)
+    old("Abilities.max_gamma", lambda: can.max_gamma, 4)
+    d = sd.as_drafter("d", llama2)
+    d.can = can
+    for name, want in (("kind", can.kind), ("layers", ()), ("reads_target", False),
+                       ("steps", 2), ("drafts_trees", True), ("one_pass", can.one_pass),
+                       ("max_gamma", 4), ("simulated_only", True)):
+        old(f"Drafter.{name}", lambda name=name: getattr(d, name), want)
+    old("Drafter.block", lambda: d.block(3), d.proposal_width(3))
+    old("Drafter.width", lambda: d.width, d.vocab_width)
+    with pytest.warns(DeprecationWarning, match="Drafter.width is deprecated"):
+        d.width = 17
+    assert d.vocab_width == 17
+
+    def width_kind():
+        class Old(RepeatDrafter):
+            width = 11
+        return Old.vocab_width, "width" in Old.__dict__
+    old("Drafter.width", width_kind, (11, False))
+
+    def two_arguments():
+        class TwoArguments(RepeatDrafter):
+            def for_run(self, eos, gammas):
+                return ("ran", eos, tuple(gammas))
+        return TwoArguments().for_run(frozenset({1}), [2, 3], 3)
+    old("Drafter.for_run(eos, gammas)", two_arguments, ("ran", {1}, (2, 3)))
+    old("DraftOptions(tokenizer, *options)", lambda: sd.DraftOptions(None, 5, 2).values,
+        {"ngram_max": 5, "ngram_min": 2})
+    config = sd.LoopConfig(sd.SamplingParams(0.0), 3, 6, V, frozenset(), CPU, 0)
+    texts = {0: list(seqs[0].ids) + [5, 6, 7, 8], 1: list(seqs[1].ids) + [9, 10, 11]}
+    firsts = {0: len(seqs[0].ids), 1: len(seqs[1].ids)}
+    spec, new = sd.TreeSpec(2, 2, 4), sd.as_drafter("d", llama2)
+    want = sd.replay_trees(llama, new, texts, firsts, config, [spec])[0]
+    old("replay_trees(..., spec)",
+        lambda: sd.replay_trees(llama, new, texts, firsts, config, spec), want)
+    row = sd.GammaRow(2, 1.5, 0.75)
+    old("GammaRow[key]", lambda: row["tokens_per_cycle"], 1.5)
+    old("GammaRow[key]", lambda: row.get("nothing", "x"), "x")
+    m = sd.Measurement(llama, seqs[:2], sd.SamplingParams(0.0),
+                       sd.Settings(gamma=2, continuation_tokens=3, seed=0, cost_ratio=0.5), CPU)
+    drafters = m.drafters([("d", llama2)])
+    results = [{}]
+    m.measure(drafters, m.batches(), results)
+    cost, = sd.costs_of(m, drafters)
+    old("Measurement.costs", lambda: m.costs(drafters)[0].ratio, cost.ratio)
+    old("Measurement.report", lambda: m.report(drafters[0], results[0], cost).to_dict(),
+        sd.build_report(m, drafters[0], results[0], cost).to_dict())
+    kwargs = dict(device=CPU, gamma=2, continuation_tokens=3, seed=0)
+    want = sd.measure_drafts(llama, [("d", llama2)], seqs[:2], **kwargs)[0].alpha
+    for key in ("share", "done", "stop", "temperatures", "context_lengths"):
+        old(f"measure_drafts({key}=...)", lambda key=key: sd.measure_drafts(
+            llama, [("d", llama2)], seqs[:2], **{key: None}, **kwargs)[0].alpha, want)
+    old("measure_drafts(progress=True)", lambda: sd.measure_drafts(
+        llama, [("d", llama2)], seqs[:2], progress=True, **kwargs)[0].alpha, want)
+    assert set(seen) == set(sd.OLD_NAMES)
+
+
 def test_gamma_table_simulation_columns(sim_report):
     r = sim_report
     for row in r.gamma_table:
@@ -4460,16 +4291,16 @@ def count_measured(monkeypatch) -> list:
 
 
 def interrupt_after(monkeypatch, n_calls):
-    """Make the n-th teacher-forced scoring (Measurement.score: once per drafter and batch,
+    """Make the n-th teacher-forced scoring (score_drafter: once per drafter and batch,
     after that drafter's simulation of it) raise KeyboardInterrupt (a Ctrl-C)."""
-    orig, calls = sd.Measurement.score, []
+    orig, calls = sd.score_drafter, []
 
     def boom(*args, **kwargs):
         calls.append(1)
         if len(calls) >= n_calls:
             raise KeyboardInterrupt
         return orig(*args, **kwargs)
-    monkeypatch.setattr(sd.Measurement, "score", boom)
+    monkeypatch.setattr(sd, "score_drafter", boom)
 
 
 def test_interrupt_keeps_the_finished_batches(monkeypatch, llama, llama2, seqs):
@@ -5233,10 +5064,6 @@ def test_a_draft_on_another_device_than_its_target_gets_its_inputs_there():
 # drafters: n-gram prompt lookup, without a model
 
 
-REPEATS = ["the cat sat on the mat and the cat sat on the", "abc abc abc abc",
-           "hello hello hello world hello", "one two three one two three one", "no repeat"]
-
-
 def brute_lookup(seq, max_n, min_n, n_tokens, eos=()):
     """transformers' prompt lookup by a plain scan: for n from max_n down, the first i whose
     n tokens equal the last n and that has a token after it; copy up to n_tokens, cut before
@@ -5494,9 +5321,6 @@ def test_cli_ranks_an_ngram_drafter_beside_a_model(capsys, tmp_path, model_dirs,
 # drafters: MTP layers of the target (DeepSeek-V3, Mellum), run through transformers' MtpModel
 
 
-MTP_PROMPTS = ["hello there", "the cat sat", "abc", "what is 2+2?"]
-
-
 def test_mtp_greedy_simulation_is_transformers_use_mtp(mtp_live_pair, tok_plain, monkeypatch):
     """The oracle is generate(use_mtp=True), which, like the engines and specdec, takes the
     first token from the target's prefill and drafts after it: the same tokens, and cycle by
@@ -5728,7 +5552,7 @@ def simulated_with(target, drafter, session, seqs, s, gamma, budget, eos=(), see
     log = []
     d = copy.copy(drafter.for_run(frozenset(eos), [gamma]))
     d.start = lambda prompts, view, drafting: Logged(session(d, prompts, view, drafting), log)
-    d.for_run = lambda eos, gammas: d
+    d.for_run = lambda eos, gammas, gamma=None: d
     return simulate(target, d, seqs, s, gamma, budget, eos=eos, seed=seed), log
 
 
@@ -7519,7 +7343,7 @@ def test_suffix_decoding_acceptance_is_arctics_own_simulator(earlier, biased4, t
 def test_suffix_decoding_reads_earlier_prompts_however_batched(biased4, tok_plain, tmp_path,
                                                               capsys, model_dirs):
     """--draft suffix's global tree holds, for prompt i, the target's continuations of
-    prompts 0..i-1 (Measurement.texts): the same report at batch size 1 and 4, teacher-forced
+    prompts 0..i-1 (texts_of): the same report at batch size 1 and 4, teacher-forced
     and simulated; the prompts reversed, another (the order is part of the number). A
     history file of the prompts' own earlier answers (a workload that repeats) raises tokens
     per cycle above the prompt-only tree's (max cached 0) at T = 0. Bad history files: one
@@ -9868,7 +9692,26 @@ def layout_violations(src: str) -> list[str]:
     found += [f"(f) {name} in part {part(defined[name])}, not part {home}"
               for name, home in homes.items() if name in defined
               and part(defined[name]) != home]
+    if starts[1] > CORE_ENDS_BEFORE:
+        found.append(f"(g) the core ends at line {starts[1] - 1}, not before {CORE_ENDS_BEFORE}")
+    old_names = next((i + 1 for i, line in enumerate(lines) if line.startswith("# OLD NAMES")),
+                     len(lines) + 1)
+    found += [f"(h) line {x.lineno}: a DeprecationWarning outside the old-names section"
+              for x in ast.walk(tree) if isinstance(x, ast.Name)
+              and x.id == "DeprecationWarning" and x.lineno < old_names]
+    found += [f"(i) class {n.name} is {n.end_lineno - n.lineno + 1} lines (at most "
+              f"{CLASS_LINES})" for n in tree.body if isinstance(n, ast.ClassDef)
+              and n.end_lineno - n.lineno + 1 > CLASS_LINES]
+    public = next((len(n.value.elts) for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None) == "__all__"), 0)
+    if public > ALL_NAMES:
+        found.append(f"(j) __all__ holds {public} names (at most {ALL_NAMES})")
     return found
+
+
+CORE_ENDS_BEFORE = 2660  # the line Part 2 starts before (the issue's aim: 2,600; see design.md)
+CLASS_LINES = 160  # the most lines a class may take
+ALL_NAMES = 45  # the most names __all__ may hold: what a script calls
 
 
 @pytest.mark.slow  # (an oracle of seconds: it runs in CI and under plain pytest)
@@ -9876,18 +9719,30 @@ def test_the_file_keeps_its_layout():
     """specdec.py reads in five parts, in the order data flows (docs/design.md): no name of a
     later part used by an earlier one, none used at import time before its definition, no
     kind of Part 4 named in Parts 1-3, at most 3 functions of more than 6 parameters, no
-    backslash continuation, what a cycle costs between the measurement and the report.
-    Planted, each is caught: a Part 1 function that makes a Part 4 kind; a module-level name
-    read before its definition; a test of a kind's string in what a cycle costs and in the
-    report; a fourth function of 7 parameters; a backslash; cost_model moved into the
-    report."""
+    backslash continuation, what a cycle costs between the measurement and the report, the
+    core ending before CORE_ENDS_BEFORE, no DeprecationWarning above the old-names section, no
+    class over CLASS_LINES lines, __all__ at most ALL_NAMES names. Planted, each is caught: a
+    Part 1 function that makes a Part 4 kind; a module-level name read before its definition;
+    a test of a kind's string in what a cycle costs and in the report; a fourth function of 7
+    parameters; a backslash; cost_model moved into the report; lines added to the core; a
+    DeprecationWarning in the core and just above the old names; a class one line too long;
+    __all__ grown past its size."""
     src = open(sd.__file__, encoding="utf-8").read()
     assert layout_violations(src) == []
     part1 = src.index("\ndef sample_from(")  # (Part 1: sampling maths)
     part2 = src.index("\ndef report_notes(")  # (Part 3: the report)
     costs = src.index("\ndef timed_cost(")  # (Part 2: what a cycle costs)
     moved = src.index("\ndef cost_model("), src.index("\ndef costs_of(")
+    big = "\nclass Planted:\n" + "    x = 1\n" * CLASS_LINES
+    main = src.index("\ndef main(")  # (Part 5, above the old names)
     planted = {
+        "(g)": src[:part1] + "# a line\n" * max(1, CORE_ENDS_BEFORE + 1 - src[:src.index(
+            "# PART 2.")].count("\n")) + src[part1:],
+        "(h)": src[:part1] + "\ndef planted():\n    warnings.warn('old', DeprecationWarning)\n"
+        + src[part1:],
+        "(h) ": src[:main] + "\nW = DeprecationWarning\n" + src[main:],
+        "(i)": src[:part1] + big + src[part1:],
+        "(j)": src.replace("__all__ = [", "__all__ = [" + '"x", ' * ALL_NAMES, 1),
         "(a)": src[:part1] + "\ndef planted():\n    return NgramDrafter()\n" + src[part1:],
         "(b)": src[:part1] + "\nEARLY = read_options\n" + src[part1:],
         "(c)": src[:part2] + "\ndef planted(d):\n    return d['kind'] == 'SLEM'\n" + src[part2:],

@@ -1,6 +1,6 @@
-"""Fetch Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), a target of another family than SmolLM2,
-for the cross-vocabulary slow test and docs/cross-vocab.md; or (--model 1.5b) its 1.5B sibling,
-whose draft the 0.5B is in benchmarks/vllm.py's check (docs/speed.md).
+"""Fetch a Qwen2.5-Coder-Instruct Q4_K_M GGUF: the 0.5B (default), a target of another family
+than SmolLM2, for the cross-vocabulary slow test and docs/cross-vocab.md; or (--model 1.5b) its
+1.5B sibling, whose draft the 0.5B is in benchmarks/vllm.py's check (docs/speed.md).
 
     python benchmarks/fetch_qwen_gguf.py DIR
     SPECDEC_QWEN_GGUF=DIR/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf pytest -m slow -k two_families

@@ -23,7 +23,8 @@ T > 0):
     random Medusa heads (FasterDecoding .pt with heads of its own; vLLM over a token_map),
     all written here with fixed seeds.
 The stand-ins, the MTP model, the Gemma-4 pair and the stand-in heads are built by
-test_specdec.py's factories, so the file must sit beside the specdec.py being run.
+benchmarks/standins.py (the factories the tests use too), so the file must sit beside the
+specdec.py being run.
 --only NAME... runs those configurations alone. --compare lists every number that differs;
 `--ignore KEY` leaves a field out (for a change that is meant to alter it). Names of models
 (fields ending in target or draft) and run_key (the hash of run_key_parts, which holds those
@@ -90,8 +91,8 @@ def save_stand_ins(root: str) -> dict[str, str]:
 
 def save_drafter_stand_ins(root: str, tok, paths: dict[str, str]) -> None:
     """A tiny DeepSeek-V3 with two MTP layers (their attention live) and a tiny Gemma-4 target
-    with its assistant, built by the test file's factories, saved with the char tokenizer."""
-    import test_specdec as T
+    with its assistant, built by standins' factories, saved with the char tokenizer."""
+    import standins as T
     from transformers import DeepseekV3ForCausalLM
     paths["mtp"] = os.path.join(root, "mtp")
     T.make_mtp_checkpoint(paths["mtp"], heads=2, noise=0.05, live=True)
@@ -107,12 +108,12 @@ def save_drafter_stand_ins(root: str, tok, paths: dict[str, str]) -> None:
 
 
 def save_head_stand_ins(root: str, paths: dict[str, str]) -> None:
-    """Draft heads for the stand-in target, by the test file's factories (seeded generators of
+    """Draft heads for the stand-in target, by standins' factories (seeded generators of
     their own): one EAGLE-3 head (32 of the 48 ids, d2t) saved in each of EAGLE3_LAYOUTS, and
     one set of three Medusa heads saved in each of MEDUSA_LAYOUTS; MEDUSA_SHARED hold the same
     residual blocks, every head ending in the target's own lm_head. Folders eagle3-LAYOUT and
     medusa-LAYOUT."""
-    import test_specdec as T
+    import standins as T
     from transformers import LlamaForCausalLM
     target = LlamaForCausalLM.from_pretrained(paths["target"]).eval()
     for fmt in EAGLE3_LAYOUTS:

@@ -144,10 +144,9 @@ def compare_row(name: str, target, drafter, seqs, gamma: int, budget: int, eos, 
 
 
 def mtp_stand_in(folder: str):
-    """The tests' tiny DeepSeek-V3 with two live MTP layers, its tokenizer and prompts."""
-    threads = torch.get_num_threads()
-    import test_specdec as tests  # (which runs torch on one thread)
-    torch.set_num_threads(threads)
+    """The tests' tiny DeepSeek-V3 with two live MTP layers (benchmarks/standins.py), its
+    tokenizer and prompts."""
+    import standins as tests
     tests.make_mtp_checkpoint(folder, heads=2, noise=0.05, live=True)
     target, tok = tests.load_mtp_target(folder), tests.make_tokenizer(template=False)
     return target, tok, specdec.build_sequences(tests.MTP_PROMPTS + tests.REPEATS, tok)

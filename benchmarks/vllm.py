@@ -1007,13 +1007,14 @@ def markdown(paths: list[str]) -> str:
             for r in row.get("speed", []):
                 vc, tc = r.get("vllm_costs") or {}, r.get("torch_costs") or {}
                 ci = vc.get("ci") or [math.nan, math.nan]
+                torch = (f"{tc['as_run']:.3f}x ({tc['ratio']:.2f})" if tc.get("as_run")
+                         else "not timed")
                 speed.append(
                     f"| {out['pair']} | {r['concurrency']} | {r['measured']:.3f}x "
                     f"({r['rounds'][0]:.3f}-{r['rounds'][-1]:.3f}) | "
                     f"{vc.get('as_run', math.nan):.3f}x [{ci[0]:.3f}-{ci[1]:.3f}] | "
                     f"{vc.get('ratio') or math.nan:.2f} | {r['plain_tokens_per_s']:.1f}, "
-                    f"{vc.get('plain_tokens_per_s', math.nan):.1f} | "
-                    f"{tc.get('as_run', math.nan):.3f}x ({tc.get('ratio') or math.nan:.2f}) |")
+                    f"{vc.get('plain_tokens_per_s', math.nan):.1f} | {torch} |")
             v, s = row["vllm"], row["specdec"]
             ours = [f"{x:.3f} [{c[0]:.3f}, {c[1]:.3f}]" if c else _f(x, 0)
                     for x, c in zip(s["per_position"], s["per_position_ci"])]
