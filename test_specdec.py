@@ -10048,3 +10048,184 @@ def test_vllm_running_counts_what_specdec_predicts(tmp_path, capsys):
     row = json.loads(out.read_text())["temperatures"][0]
     assert [r["verdict"] for r in row["verdict"]["positions"]] == ["inside"] * 3
     assert row["same_greedy_text"] == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# 27. the workloads the field reports on: named workloads from local copies in their published
+# formats, multi-turn records asked turn by turn, the report by turn, category and request
+
+
+def write_bench_copies(root):
+    """Small local copies of each workload, in the format it is published in: FastChat's and
+    Spec-Bench's question.jsonl, HumanEval.jsonl.gz, grade-school-math's test.jsonl, and a
+    prepared SPEED-Bench parquet (one with a placeholder row beside it)."""
+    import gzip
+    import datasets
+    paths = {}
+    mt = [{"question_id": 81, "category": "writing", "turns": ["write a poem", "shorter"]},
+          {"question_id": 111, "category": "math", "turns": ["what is 2+2?", "and 3+3?"]}]
+    paths["mt-bench"] = root / "question.jsonl"
+    paths["mt-bench"].write_text("".join(json.dumps(r) + "\n" for r in mt))
+    spec = mt + [{"question_id": 161, "category": "translation",
+                  "turns": ["translate german to english: hallo"]}]
+    paths["spec-bench"] = root / "spec_question.jsonl"
+    paths["spec-bench"].write_text("".join(json.dumps(r) + "\n" for r in spec))
+    paths["humaneval"] = root / "HumanEval.jsonl.gz"
+    with gzip.open(paths["humaneval"], "wt", encoding="utf-8") as f:
+        for k in range(3):
+            f.write(json.dumps({"task_id": f"HumanEval/{k}", "prompt": f"def f{k}(x):\n",
+                                "canonical_solution": "  return x\n", "test": "",
+                                "entry_point": f"f{k}"}) + "\n")
+    paths["gsm8k"] = root / "test.jsonl"
+    paths["gsm8k"].write_text(json.dumps({"question": "what is 2+2?", "answer": "#### 4"})
+                              + "\n")
+    rows = [{"question_id": "q1", "category": "coding", "sub_category": "", "source": "s",
+             "src_id": "1", "difficulty": "easy", "multiturn": False, "turns": ["code it"]},
+            {"question_id": "q2", "category": "writing", "sub_category": "", "source": "s",
+             "src_id": "2", "difficulty": "easy", "multiturn": True,
+             "turns": ["write", "again"]}]
+    (root / "speed" / "qualitative").mkdir(parents=True)
+    paths["speed-bench"] = root / "speed" / "qualitative" / "test.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(paths["speed-bench"]))
+    held = [dict(rows[0], turns=["FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE"])]
+    paths["placeholder"] = root / "held.parquet"
+    datasets.Dataset.from_list(held).to_parquet(str(paths["placeholder"]))
+    return paths
+
+
+def test_each_workload_reads_its_published_format_with_its_categories(tmp_path, capsys,
+                                                                       model_dirs):
+    """Each named workload from a local copy in its published format: the records, their
+    categories as published (Spec-Bench's MT-bench eight as one, mt_bench, as its speed.py
+    reports them), their turns, how each is asked (GSM8K with DFlash's suffix). Bad input, one
+    line and exit 2: a missing local copy, an unknown config, an unknown workload, a record
+    without its field, SPEED-Bench's unresolved placeholders."""
+    p = write_bench_copies(tmp_path)
+    name, mt = sd.load_bench(f"mt-bench:{p['mt-bench']}")
+    assert name == "mt-bench" and [q.category for q in mt] == ["writing", "math"]
+    assert [q.turns for q in mt] == [("write a poem", "shorter"), ("what is 2+2?", "and 3+3?")]
+    _, spec = sd.load_bench(f"spec-bench:{p['spec-bench']}")
+    assert [q.category for q in spec] == ["mt_bench", "mt_bench", "translation"]
+    assert spec[2].turns is None and spec[2].content == "translate german to english: hallo"
+    _, code = sd.load_bench(f"humaneval:{p['humaneval']}")
+    assert [q.content for q in code] == ["def f0(x):\n", "def f1(x):\n", "def f2(x):\n"]
+    _, maths = sd.load_bench(f"gsm8k:main:{p['gsm8k']}")
+    assert maths[0].content == ("what is 2+2?\nPlease reason step by step, and put your final "
+                                "answer within \\boxed{}.")
+    _, speed = sd.load_bench(f"speed-bench:qualitative:{p['speed-bench'].parent}")
+    assert [(q.category, q.turns) for q in speed] == [("coding", None),
+                                                      ("writing", ("write", "again"))]
+    assert sd.load_texts(f"speed-bench:{p['speed-bench']}") == speed  # a file, no config
+    bad = tmp_path / "bad.jsonl.gz"
+    import gzip
+    with gzip.open(bad, "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0"}) + "\n")
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--quiet"]
+    capsys.readouterr()  # (datasets' bars, writing the parquet copies)
+    for data, said in ((f"mt-bench:{tmp_path / 'none.jsonl'}", "expected FastChat's"),
+                       ("gsm8k:nope", "gsm8k has no config 'nope'; its configs: main, socratic"),
+                       ("mtbench", "or a workload: mt-bench, spec-bench"),
+                       (f"humaneval:{bad}", "without its prompt field"),
+                       (f"speed-bench:{p['placeholder']}", "placeholders"),
+                       ("spec-bench", "spec-bench is not on the hub")):
+        rc, out, err = run_cli(capsys, argv + ["--data", data])
+        assert rc == 2 and err.count("\n") == 1 and said in err, (data, err)
+
+
+def test_turn_two_is_asked_after_the_targets_own_greedy_answer(llama, tok, monkeypatch):
+    """answer_turns: turn 2's prompt holds, token by token, what transformers' greedy generate
+    of the target writes after turn 1 in the chat template (the oracle: no specdec code); a
+    record of one turn passes as it is; the same answers dict again generates nothing."""
+    prompts = [sd.Prompt("hi there", "chat", ("hi there", "say more")), sd.Prompt("abc", "x")]
+    answers, budget = {}, 7
+    out = sd.answer_turns(prompts, llama, tok, budget=budget, device=CPU, answers=answers)
+    assert [(q.turn, q.category) for q in out] == [(1, "chat"), (2, "chat"), (None, "x")]
+    first = tok.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                    add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok(first, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        made = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    said = tok.decode(made, skip_special_tokens=True).strip()
+    assert out[1].content[1] == {"role": "assistant", "content": said}
+    turn2 = sd.build_sequences([out[1]], tok)[0].ids
+    answer_ids = tok(said, add_special_tokens=False)["input_ids"]
+    assert any(turn2[k:k + len(answer_ids)] == answer_ids for k in range(len(turn2)))
+    assert out[1].content[2] == {"role": "user", "content": "say more"}
+    calls = []
+    monkeypatch.setattr(sd, "sample_continuations", lambda *a, **k: calls.append(1) or [])
+    again = sd.answer_turns(prompts, llama, tok, budget=budget, device=CPU, answers=answers)
+    assert again == out and calls == []
+    with pytest.raises(sd.UsageError, match="answer_turns"):
+        sd.build_sequences(prompts, tok)
+
+
+def test_turns_and_categories_add_up_to_the_whole(llama, llama2, tok):
+    """The report by turn and by category: each group's requests add up to the run's; each
+    group's teacher-forced alpha is its own requests' pooled from the per-prompt rows (the
+    oracle: the JSON's sums, grouped here); the groups' scored positions add up to the run's."""
+    prompts = [sd.Prompt("hi there", "chat", ("hi there", "say more")),
+               sd.Prompt("the cat sat", "story", ("the cat sat", "and then?")),
+               sd.Prompt("what is 2+2?", "maths")]
+    seqs = sd.build_sequences(sd.answer_turns(prompts, llama, tok, budget=5, device=CPU), tok)
+    assert [q.turn for q in seqs] == [1, 2, 1, 2, None]
+    r = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.8), device=CPU,
+                              gamma=3, continuation_tokens=8, simulate=True, seed=2)
+    w, rows = r.workload, r.to_dict()["per_prompt"]
+    assert sum(g.requests for g in w.by_turn.values()) == 4  # (the one-turn record has none)
+    assert sum(g.requests for g in w.by_category.values()) == len(seqs)
+    for key, groups in (("turn", w.by_turn), ("category", w.by_category)):
+        for name, g in groups.items():
+            mine = [x for x in rows if str(x.get(key)) == name]
+            assert g.requests == len(mine)
+            assert math.isclose(g.alpha, sum(x["alpha_sum"] for x in mine)
+                                / sum(x["scored"] for x in mine), rel_tol=1e-12)
+    assert sum(x["scored"] for x in rows) == r.scored_positions
+    flat = json.loads(json.dumps(r.to_dict()))
+    assert sd.AcceptanceReport.from_dict(flat).to_dict()["workload"] == flat["workload"]
+
+
+def test_request_percentiles_and_pooled_against_the_mean():
+    """percentile against torch.quantile's linear rule (its own code) on random lists; the
+    request distribution on a planted run of one long request that accepts much (300 drafts
+    accepted in 100 verify steps: length 4) and one short one that accepts nothing (2 steps:
+    length 1): the mean over requests 2.5, the pooled counters 1 + 300 / 102, the histogram's
+    bins holding one request each at the ends."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 17):
+        xs = torch.rand(n, generator=gen, dtype=torch.float64)
+        for q in (0.1, 0.5, 0.9):
+            assert math.isclose(sd.percentile(xs.tolist(), q), torch.quantile(xs, q).item(),
+                                rel_tol=1e-12)
+    long, short = sd.RowStats(), sd.RowStats()
+    long.drafted_accepted, long.verify_steps = 300, 100
+    short.drafted_accepted, short.verify_steps = 0, 2
+    results = [sd.PromptResult(0, sim=long), sd.PromptResult(1, sim=short)]
+    q = sd.request_fields(results, 4, None)
+    assert (q.route, q.count, q.mean, q.p50) == ("simulated", 2, 2.5, 2.5)
+    assert math.isclose(q.pooled, 1 + 300 / 102) and q.pooled - q.mean > 1.4
+    assert [n for _, _, n in q.histogram] == [1, 0, 0, 0, 0, 0, 1, 0]  # [1, 1.5), [4, 4.5)
+
+
+def test_a_workload_run_prints_its_tables_and_keeps_its_answers(tmp_path, capsys, model_dirs,
+                                                                monkeypatch):
+    """The CLI on MT-bench's file: the text has the by-turn and by-category tables and the
+    request distribution; the JSON the workload part; the target's answers are written beside
+    the JSON, and a second run (--overwrite) generates none (no greedy target sampling)."""
+    p = write_bench_copies(tmp_path)
+    out = tmp_path / "r.json"
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+            f"mt-bench:{p['mt-bench']}", "--continuation-tokens", "6", "--simulate",
+            "--json", str(out), "--quiet"]
+    rc, text, err = run_cli(capsys, argv)
+    assert rc == 0, err
+    assert "by turn" in text and "by category" in text and "request by request" in text
+    data = json.loads(out.read_text())
+    assert set(data["workload"]["by_turn"]) == {"1", "2"} and data["workload"]["name"] == (
+        "mt-bench")
+    assert len(json.loads((tmp_path / "r.json.answers.json").read_text())["answers"]) == 2
+    greedy, real = [], sd.sample_continuations
+    monkeypatch.setattr(sd, "sample_continuations", lambda t, p, c, *a, **k: (
+        greedy.append(1) if c.sampling.temperature == 0 else None) or real(t, p, c, *a, **k))
+    rc, text2, err = run_cli(capsys, argv + ["--overwrite"])
+    assert rc == 0 and greedy == [] and text2 == text, err
