@@ -4408,9 +4408,8 @@ def workload_fields(m: Measurement, drafter: Drafter, results: Sequence[PromptRe
                 w.notes.append(
                     f"the {what} differ by more than their intervals ({name} tokens per cycle: "
                     f"{top} {getattr(rows[top], key):.2f}, {low} {getattr(rows[low], key):.2f}):"
-                    f" a deployment serving one of them would see its own (best gamma by "
-                    f"{what[:-1]}: workload.by_{'category' if what == 'categories' else 'turn'}"
-                    f")")
+                    f" a deployment serving one of them would see its own (its best gamma: "
+                    f"workload.by_{'category' if what == 'categories' else 'turn'})")
             break
     q = w.requests
     if q is not None and q.count > 1 and q.mean:
@@ -9752,7 +9751,7 @@ BENCHES: dict[str, Bench] = {
 }
 
 
-def _bench_records(name: str, bench: Bench, config: str, path: str | None) -> list[dict]:
+def _workload_records(name: str, bench: Bench, config: str, path: str | None) -> list[dict]:
     """A named workload's records: from a local copy in its published format (path), or
     from the hub."""
     import gzip
@@ -9799,7 +9798,8 @@ def _bench_records(name: str, bench: Bench, config: str, path: str | None) -> li
 
 def load_bench(source: str) -> tuple[str, list[Prompt]]:
     """NAME[:CONFIG][:PATH] of BENCHES -> its name and its prompts, as the workload asks
-    them (Bench.asked), categories as published; a multi-turn record one Prompt with turns."""
+    them (Bench.asked), categories as published, taken from each category in turn (so the
+    first N span them all); a multi-turn record one Prompt with turns."""
     name, *rest = source.split(":", 1)
     bench = BENCHES[name]
     config, path = bench.configs[0], None
@@ -9812,7 +9812,7 @@ def load_bench(source: str) -> tuple[str, list[Prompt]]:
         else:
             raise UsageError(f"--data {source}: {name} has no config {head!r}; its configs: "
                              f"{', '.join(c for c in bench.configs if c) or 'none'}")
-    records = _bench_records(name, bench, config, path)
+    records = _workload_records(name, bench, config, path)
     prompts = [bench.ask(r) for r in records if isinstance(r, dict)]
     unresolved = sum(1 for p in prompts for t in (p.turns or (p.content,))
                      if isinstance(t, str) and t.startswith(SPEED_PLACEHOLDER))
@@ -9823,7 +9823,11 @@ def load_bench(source: str) -> tuple[str, list[Prompt]]:
                          f"prepared file: {name}:{config}:PATH")
     if not prompts:
         raise UsageError(f"--data {source}: no records")
-    return name, prompts
+    by_cat: dict[str | None, list[Prompt]] = {}  # the categories in turn, each in its own
+    for p in prompts:  # order: --max-samples N spans every category (files list them in runs)
+        by_cat.setdefault(p.category, []).append(p)
+    rounds = max(len(v) for v in by_cat.values())
+    return name, [v[i] for i in range(rounds) for v in by_cat.values() if i < len(v)]
 
 
 def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]:
@@ -9947,8 +9951,7 @@ def build_sequences(prompts: Sequence[Prompt | str], tokenizer: Any, *,
 
 
 def answer_turns(prompts: Sequence[Prompt | str], target: nn.Module, tokenizer: Any, *,
-                 budget: int = 256, device: torch.device | None = None,
-                 answers: dict[str, str] | None = None, batch_size: int = 8,
+                 budget: int = 256, answers: dict[str, str] | None = None,
                  **build: Any) -> list[Prompt]:
     """Each multi-turn record (Prompt.turns) as one prompt per user turn, turn k asked in the
     chat after the target's own answers to turns 1..k-1, as MT-bench runs it: the answers are
@@ -9959,7 +9962,7 @@ def answer_turns(prompts: Sequence[Prompt | str], target: nn.Module, tokenizer: 
     twice. build: build_sequences' keywords (max_length, chat_template, system_prompt)."""
     prompts = [Prompt(p) if isinstance(p, str) else p for p in prompts]
     answers = {} if answers is None else answers
-    device = device or model_device(target) or torch.device("cpu")
+    device, batch_size = model_device(target) or torch.device("cpu"), 8
     talks = {i: [{"role": "user", "content": p.turns[0]}] for i, p in enumerate(prompts)
              if p.turns}
     out: dict[tuple[int, int], Prompt] = {}
@@ -11375,7 +11378,7 @@ def cli_models(options: Options, progress: bool, launch: Launch
 
 
 def _cli_turns(options: Options, prompts: list[Prompt], target: nn.Module, tok: Any,
-               device: torch.device, writes: bool) -> list[Prompt]:
+               writes: bool) -> list[Prompt]:
     """Multi-turn records (MT-bench, SPEED-Bench's multi-turn prompts) as a prompt per turn,
     --max-samples counting records: answer_turns, the answers up to --continuation-tokens
     each. With --json, they are kept beside it (JSON.answers.json, whole or not at all): a
@@ -11395,7 +11398,7 @@ def _cli_turns(options: Options, prompts: list[Prompt], target: nn.Module, tok: 
             raise UsageError(f"{path}: not the answers a run wrote ({_one_line(e)}); delete "
                              f"it to answer the turns again") from None
     before, i = len(answers), options.inputs
-    out = answer_turns(prompts[:i.max_samples], target, tok, device=device,
+    out = answer_turns(prompts[:i.max_samples], target, tok,
                        budget=options.settings.continuation_tokens, answers=answers,
                        max_length=i.max_length or 512, chat_template=i.chat_template)
     if path and writes and len(answers) > before:
@@ -11437,7 +11440,7 @@ def cli_plan(options: Options, status: Callable[[str], None],
     launch = join_processes(options.outputs.dist_timeout, where)
     progress = not options.outputs.quiet and sys.stderr.isatty() and launch.rank == 0
     target, tok, drafts, device = cli_models(options, progress, launch)
-    prompts = _cli_turns(options, prompts, target, tok, device, launch.rank == 0)
+    prompts = _cli_turns(options, prompts, target, tok, launch.rank == 0)
     inputs = _cli_prompts(options, prompts, tok)
     options = options._replace(settings=replace(options.settings, eos=eos_ids(target, tok)))
     for length, _ in inputs:

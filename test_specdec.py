@@ -9702,6 +9702,13 @@ def layout_violations(src: str) -> list[str]:
     found += [f"(i) class {n.name} is {n.end_lineno - n.lineno + 1} lines (at most "
               f"{CLASS_LINES})" for n in tree.body if isinstance(n, ast.ClassDef)
               and n.end_lineno - n.lineno + 1 > CLASS_LINES]
+    seen: dict[str, int] = {}
+    for n in tree.body:  # a second top-level def of a name silently replaces the first
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno < old_names:
+            if n.name in seen:
+                found.append(f"(k) line {n.lineno}: {n.name} defined again (first at line "
+                             f"{seen[n.name]})")
+            seen.setdefault(n.name, n.lineno)
     public = next((len(n.value.elts) for n in tree.body if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "__all__"), 0)
     if public > ALL_NAMES:
@@ -9721,12 +9728,12 @@ def test_the_file_keeps_its_layout():
     kind of Part 4 named in Parts 1-3, at most 3 functions of more than 6 parameters, no
     backslash continuation, what a cycle costs between the measurement and the report, the
     core ending before CORE_ENDS_BEFORE, no DeprecationWarning above the old-names section, no
-    class over CLASS_LINES lines, __all__ at most ALL_NAMES names. Planted, each is caught: a
-    Part 1 function that makes a Part 4 kind; a module-level name read before its definition;
-    a test of a kind's string in what a cycle costs and in the report; a fourth function of 7
-    parameters; a backslash; cost_model moved into the report; lines added to the core; a
+    class over CLASS_LINES lines, __all__ at most ALL_NAMES names, no function defined twice.
+    Planted, each is caught: a Part 1 function that makes a Part 4 kind; a module-level name
+    read before its definition; a test of a kind's string in what a cycle costs and in the
+    report; a fourth function of 7 parameters; a backslash; cost_model moved into the report; lines added to the core; a
     DeprecationWarning in the core and just above the old names; a class one line too long;
-    __all__ grown past its size."""
+    __all__ grown past its size; a function defined twice (the second replaces the first)."""
     src = open(sd.__file__, encoding="utf-8").read()
     assert layout_violations(src) == []
     part1 = src.index("\ndef sample_from(")  # (Part 1: sampling maths)
@@ -9742,6 +9749,7 @@ def test_the_file_keeps_its_layout():
         + src[part1:],
         "(h) ": src[:main] + "\nW = DeprecationWarning\n" + src[main:],
         "(i)": src[:part1] + big + src[part1:],
+        "(k)": src[:main] + "\ndef sample_from():\n    pass\n" + src[main:],
         "(j)": src.replace("__all__ = [", "__all__ = [" + '"x", ' * ALL_NAMES, 1),
         "(a)": src[:part1] + "\ndef planted():\n    return NgramDrafter()\n" + src[part1:],
         "(b)": src[:part1] + "\nEARLY = read_options\n" + src[part1:],
@@ -10104,9 +10112,9 @@ def test_each_workload_reads_its_published_format_with_its_categories(tmp_path, 
     name, mt = sd.load_bench(f"mt-bench:{p['mt-bench']}")
     assert name == "mt-bench" and [q.category for q in mt] == ["writing", "math"]
     assert [q.turns for q in mt] == [("write a poem", "shorter"), ("what is 2+2?", "and 3+3?")]
-    _, spec = sd.load_bench(f"spec-bench:{p['spec-bench']}")
-    assert [q.category for q in spec] == ["mt_bench", "mt_bench", "translation"]
-    assert spec[2].turns is None and spec[2].content == "translate german to english: hallo"
+    _, spec = sd.load_bench(f"spec-bench:{p['spec-bench']}")  # (each category in turn)
+    assert [q.category for q in spec] == ["mt_bench", "translation", "mt_bench"]
+    assert spec[1].turns is None and spec[1].content == "translate german to english: hallo"
     _, code = sd.load_bench(f"humaneval:{p['humaneval']}")
     assert [q.content for q in code] == ["def f0(x):\n", "def f1(x):\n", "def f2(x):\n"]
     _, maths = sd.load_bench(f"gsm8k:main:{p['gsm8k']}")
@@ -10138,7 +10146,7 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(llama, tok, monke
     record of one turn passes as it is; the same answers dict again generates nothing."""
     prompts = [sd.Prompt("hi there", "chat", ("hi there", "say more")), sd.Prompt("abc", "x")]
     answers, budget = {}, 7
-    out = sd.answer_turns(prompts, llama, tok, budget=budget, device=CPU, answers=answers)
+    out = sd.answer_turns(prompts, llama, tok, budget=budget, answers=answers)
     assert [(q.turn, q.category) for q in out] == [(1, "chat"), (2, "chat"), (None, "x")]
     first = tok.apply_chat_template([{"role": "user", "content": "hi there"}],
                                     add_generation_prompt=True, tokenize=False)
@@ -10154,7 +10162,7 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(llama, tok, monke
     assert out[1].content[2] == {"role": "user", "content": "say more"}
     calls = []
     monkeypatch.setattr(sd, "sample_continuations", lambda *a, **k: calls.append(1) or [])
-    again = sd.answer_turns(prompts, llama, tok, budget=budget, device=CPU, answers=answers)
+    again = sd.answer_turns(prompts, llama, tok, budget=budget, answers=answers)
     assert again == out and calls == []
     with pytest.raises(sd.UsageError, match="answer_turns"):
         sd.build_sequences(prompts, tok)
@@ -10167,7 +10175,7 @@ def test_turns_and_categories_add_up_to_the_whole(llama, llama2, tok):
     prompts = [sd.Prompt("hi there", "chat", ("hi there", "say more")),
                sd.Prompt("the cat sat", "story", ("the cat sat", "and then?")),
                sd.Prompt("what is 2+2?", "maths")]
-    seqs = sd.build_sequences(sd.answer_turns(prompts, llama, tok, budget=5, device=CPU), tok)
+    seqs = sd.build_sequences(sd.answer_turns(prompts, llama, tok, budget=5), tok)
     assert [q.turn for q in seqs] == [1, 2, 1, 2, None]
     r = sd.measure_acceptance(llama, llama2, seqs, sampling=sd.SamplingParams(0.8), device=CPU,
                               gamma=3, continuation_tokens=8, simulate=True, seed=2)
