@@ -5371,6 +5371,28 @@ def format_summary(reports: Sequence[AcceptanceReport]) -> str:
     return "\n".join(lines)
 
 
+def format_category_matrix(reports: Sequence[AcceptanceReport]) -> str | None:
+    """A sweep's reports by category, as one table (SPEED-Bench's matrix: a row per category,
+    a column per draft, gamma and temperature): tokens per cycle, simulated where the run
+    simulated, else teacher-forced; None when no report has categories."""
+    cats = list(dict.fromkeys(c for r in reports if r.workload and r.workload.by_category
+                              for c in r.workload.by_category))
+    if not cats:
+        return None
+    sim = all(r.simulated is not None for r in reports)
+    key = "sim_tokens_per_cycle" if sim else "tokens_per_cycle"
+    heads = [(f"{i + 1}", f"{r.draft}, gamma {r.gamma}, T {r.temperature:g}")
+             for i, r in enumerate(reports)]
+    lines = [f"  tokens per cycle by category ({'simulated' if sim else 'teacher-forced'}; "
+             f"a column per report)"] + [f"    [{n}] {what}" for n, what in heads]
+    lines.append(f"    {'category':<16}" + "".join(f"{'[' + n + ']':>8}" for n, _ in heads))
+    for c in cats:
+        cells = [getattr((r.workload.by_category or {}).get(c), key, None) if r.workload
+                 else None for r in reports]
+        lines.append(f"    {c[:16]:<16}" + "".join(f"{_num(x, '.2f'):>8}" for x in cells))
+    return "\n".join(lines)
+
+
 def format_context_table(reports: Sequence[AcceptanceReport], lengths: Sequence[int]) -> str:
     """--context-lengths: per (draft, system prompt, temperature), a row per context length:
     prompts measured, documents left out as shorter, both routes' alpha (95% CI over prompts),
@@ -11554,6 +11576,10 @@ def finish(options: Options, reports: Sequence[AcceptanceReport], stop: Stop, la
         print("\n" + format_context_table(reports, options.lengths), file=out)
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
+        matrix = format_category_matrix(reports)
+        if matrix and any(r.workload and (r.workload.name or r.workload.by_turn)
+                          for r in reports):
+            print("\n" + matrix, file=out)
     data = [r.to_dict() | ({"engine_config": c} if c else {}) for r, c in zip(reports, configs)]
     data = data[0] if len(data) == 1 else data
     if o.json == "-":

@@ -10237,3 +10237,25 @@ def test_a_workload_run_prints_its_tables_and_keeps_its_answers(tmp_path, capsys
         greedy.append(1) if c.sampling.temperature == 0 else None) or real(t, p, c, *a, **k))
     rc, text2, err = run_cli(capsys, argv + ["--overwrite"])
     assert rc == 0 and greedy == [] and text2 == text, err
+
+
+def test_a_sweep_on_a_workload_prints_one_table_of_categories(tmp_path, capsys, model_dirs):
+    """Two temperatures on MT-bench's file: one table, a row per category and a column per
+    report, each cell that report's simulated tokens per cycle for the category (read here
+    from the JSON's workload part, to two places)."""
+    p = write_bench_copies(tmp_path)
+    out = tmp_path / "r.json"
+    rc, text, err = run_cli(capsys, [
+        "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
+        f"mt-bench:{p['mt-bench']}", "--continuation-tokens", "6", "--simulate",
+        "--temperature", "0.7,0", "--json", str(out), "--quiet"])
+    assert rc == 0, err
+    table = text[text.index("tokens per cycle by category (simulated"):].splitlines()
+    reports = json.loads(out.read_text())
+    for k, r in enumerate(reports):
+        assert f"[{k + 1}] " in table[k + 1] and f"T {r['temperature']:g}" in table[k + 1]
+    rows = {line.split()[0]: line.split()[1:] for line in table[4:6]}
+    assert set(rows) == {"writing", "math"}
+    for c, cells in rows.items():
+        assert cells == [f"{r['workload']['by_category'][c]['sim_tokens_per_cycle']:.2f}"
+                         for r in reports]
