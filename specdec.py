@@ -5780,6 +5780,12 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
         else:
             entry["unsupported"] = "llama.cpp's server drafts chains"
         out.append(entry)
+    w = r.workload
+    if w is not None and (w.name or w.by_turn):  # a deployment serving one kind of request
+        out[0]["workload"] = {
+            **{f"best_gamma_by_{what}": {k: g.best_gamma for k, g in groups.items()}
+               for what, groups in (("category", w.by_category), ("turn", w.by_turn))
+               if groups}, "notes": list(w.notes)}
     return out
 
 
@@ -5816,14 +5822,17 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
         if "note" in e:
             lines += textwrap.wrap(f"({e['note']})", 94, initial_indent=" " * 6,
                                    subsequent_indent=" " * 7)
+        w = e.get("workload") or {}
+        said = [f"best gamma by {what}: " + ", ".join(f"{k} {_num(g, 'd')}" for k, g in
+                                                       w[f"best_gamma_by_{what}"].items())
+                for what in ("turn", "category") if f"best_gamma_by_{what}" in w]
+        lines += [wrapped for text in said + w.get("notes", []) for wrapped in textwrap.wrap(
+            f"(workload: {text})", 94, initial_indent=" " * 6, subsequent_indent=" " * 7)]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
 # the library's measurements in one call, and alpha as a metric of a draft in training
-
-
-# sums' next step, a free function of them: these keep scripts that called the methods)
 
 
 def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],

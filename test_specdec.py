@@ -10171,7 +10171,8 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(llama, tok, monke
 def test_turns_and_categories_add_up_to_the_whole(llama, llama2, tok):
     """The report by turn and by category: each group's requests add up to the run's; each
     group's teacher-forced alpha is its own requests' pooled from the per-prompt rows (the
-    oracle: the JSON's sums, grouped here); the groups' scored positions add up to the run's."""
+    oracle: the JSON's sums, grouped here); the groups' scored positions add up to the run's.
+    --engine-config's first entry carries each group's best gamma and the workload's notes."""
     prompts = [sd.Prompt("hi there", "chat", ("hi there", "say more")),
                sd.Prompt("the cat sat", "story", ("the cat sat", "and then?")),
                sd.Prompt("what is 2+2?", "maths")]
@@ -10191,6 +10192,12 @@ def test_turns_and_categories_add_up_to_the_whole(llama, llama2, tok):
     assert sum(x["scored"] for x in rows) == r.scored_positions
     flat = json.loads(json.dumps(r.to_dict()))
     assert sd.AcceptanceReport.from_dict(flat).to_dict()["workload"] == flat["workload"]
+    entry = sd.engine_config(r, "vllm")[0]["workload"]  # (a deployment serving one kind)
+    assert entry["best_gamma_by_turn"] == {t: g.best_gamma for t, g in w.by_turn.items()}
+    assert entry["best_gamma_by_category"] == {c: g.best_gamma
+                                               for c, g in w.by_category.items()}
+    text = sd.format_engine_config(sd.engine_config(r, "vllm"), "vllm")
+    assert "(workload: best gamma by turn: 1 " in text and entry["notes"] == w.notes
 
 
 def test_request_percentiles_and_pooled_against_the_mean():
