@@ -5371,25 +5371,36 @@ def format_summary(reports: Sequence[AcceptanceReport]) -> str:
     return "\n".join(lines)
 
 
-def format_category_matrix(reports: Sequence[AcceptanceReport]) -> str | None:
-    """A sweep's reports by category, as one table (SPEED-Bench's matrix: a row per category,
-    a column per draft, gamma and temperature): tokens per cycle, simulated where the run
-    simulated, else teacher-forced; None when no report has categories."""
+def category_matrix(reports: Sequence[AcceptanceReport]
+                    ) -> tuple[str, list[str], list[list[float | None]]] | None:
+    """A sweep's reports by category (SPEED-Bench's matrix: a row per category, a column per
+    report: draft, gamma, temperature) -> whose tokens per cycle (simulated where every report
+    simulated, else teacher-forced), the categories, and the rows of cells; None when no
+    report has categories."""
     cats = list(dict.fromkeys(c for r in reports if r.workload and r.workload.by_category
                               for c in r.workload.by_category))
     if not cats:
         return None
     sim = all(r.simulated is not None for r in reports)
     key = "sim_tokens_per_cycle" if sim else "tokens_per_cycle"
+    return ("simulated" if sim else "teacher-forced", cats,
+            [[getattr((r.workload.by_category or {}).get(c), key, None) if r.workload
+              else None for r in reports] for c in cats])
+
+
+def format_category_matrix(reports: Sequence[AcceptanceReport]) -> str | None:
+    """category_matrix as one table, its columns named underneath the title."""
+    matrix = category_matrix(reports)
+    if matrix is None:
+        return None
+    route, cats, rows = matrix
     heads = [(f"{i + 1}", f"{r.draft}, gamma {r.gamma}, T {r.temperature:g}")
              for i, r in enumerate(reports)]
-    lines = [f"  tokens per cycle by category ({'simulated' if sim else 'teacher-forced'}; "
-             f"a column per report)"] + [f"    [{n}] {what}" for n, what in heads]
+    lines = [f"  tokens per cycle by category ({route}; a column per report)"] + [
+        f"    [{n}] {what}" for n, what in heads]
     lines.append(f"    {'category':<16}" + "".join(f"{'[' + n + ']':>8}" for n, _ in heads))
-    for c in cats:
-        cells = [getattr((r.workload.by_category or {}).get(c), key, None) if r.workload
-                 else None for r in reports]
-        lines.append(f"    {c[:16]:<16}" + "".join(f"{_num(x, '.2f'):>8}" for x in cells))
+    lines += [f"    {c[:16]:<16}" + "".join(f"{_num(x, '.2f'):>8}" for x in cells)
+              for c, cells in zip(cats, rows)]
     return "\n".join(lines)
 
 
@@ -10332,6 +10343,25 @@ def _plot_calibration(ax: Any, r: AcceptanceReport) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
+def _plot_matrix(ax: Any, matrix: tuple[str, list[str], list[list[float | None]]],
+                 columns: int) -> None:
+    """category_matrix as a heat map, each cell written in (a report per column, numbered as
+    the printed table numbers them)."""
+    route, cats, rows = matrix
+    ax.clear()
+    values = [[float("nan") if x is None else x for x in row] for row in rows]
+    image = ax.imshow(values, aspect="auto", cmap="viridis")
+    for i, row in enumerate(rows):
+        for j, x in enumerate(row):
+            ax.text(j, i, _num(x, ".2f"), ha="center", va="center", fontsize=7, color="white")
+    ax.set_xticks(range(columns))
+    ax.set_xticklabels([f"[{j + 1}]" for j in range(columns)], fontsize=8)
+    ax.set_yticks(range(len(cats)))
+    ax.set_yticklabels([c[:16] for c in cats], fontsize=7)
+    ax.set_title(f"tokens per cycle by category ({route})", fontsize=10)
+    ax.figure.colorbar(image, ax=ax)
+
+
 def _plot_comparison(axes: Any, reports: Sequence[AcceptanceReport]) -> None:
     drafts = list(dict.fromkeys(r.draft for r in reports))
     temps = sorted({r.temperature for r in reports})
@@ -10435,6 +10465,10 @@ def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
          else _plot_categories)(axes[1][1], reports[0])
     else:
         _plot_comparison(axes, reports)
+        matrix = category_matrix(reports)
+        if matrix and any(r.workload and (r.workload.name or r.workload.by_turn)
+                          for r in reports):
+            _plot_matrix(axes[1][0], matrix, len(reports))
     fig.tight_layout()
     try:
         write_atomic(path, lambda f: fig.savefig(f, format="png"))

@@ -10246,17 +10246,22 @@ def test_a_workload_run_prints_its_tables_and_keeps_its_answers(tmp_path, capsys
     assert rc == 0 and greedy == [] and text2 == text, err
 
 
-def test_a_sweep_on_a_workload_prints_one_table_of_categories(tmp_path, capsys, model_dirs):
+def test_a_sweep_on_a_workload_prints_one_table_of_categories(tmp_path, capsys, model_dirs,
+                                                              monkeypatch):
     """Two temperatures on MT-bench's file: one table, a row per category and a column per
     report, each cell that report's simulated tokens per cycle for the category (read here
-    from the JSON's workload part, to two places)."""
+    from the JSON's workload part, to two places); --plot draws the same cells as a heat map
+    into the PNG."""
     p = write_bench_copies(tmp_path)
-    out = tmp_path / "r.json"
+    out, png, drawn = tmp_path / "r.json", tmp_path / "r.png", []
+    real = sd._plot_matrix
+    monkeypatch.setattr(sd, "_plot_matrix", lambda ax, m, n: drawn.append(m) or real(ax, m, n))
     rc, text, err = run_cli(capsys, [
         "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--data",
         f"mt-bench:{p['mt-bench']}", "--continuation-tokens", "6", "--simulate",
-        "--temperature", "0.7,0", "--json", str(out), "--quiet"])
+        "--temperature", "0.7,0", "--json", str(out), "--quiet", "--plot", str(png)])
     assert rc == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(drawn) == 1
     table = text[text.index("tokens per cycle by category (simulated"):].splitlines()
     reports = json.loads(out.read_text())
     for k, r in enumerate(reports):
@@ -10266,3 +10271,6 @@ def test_a_sweep_on_a_workload_prints_one_table_of_categories(tmp_path, capsys, 
     for c, cells in rows.items():
         assert cells == [f"{r['workload']['by_category'][c]['sim_tokens_per_cycle']:.2f}"
                          for r in reports]
+    route, cats, values = drawn[0]
+    assert route == "simulated" and values == [
+        [r["workload"]["by_category"][c]["sim_tokens_per_cycle"] for r in reports] for c in cats]
