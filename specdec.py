@@ -9838,6 +9838,14 @@ def _workload_records(name: str, bench: Bench, config: str, path: str | None) ->
     return records
 
 
+def prompt_tokens(source: str) -> int:
+    """The prompt tokens kept by default (--max-length not given): 512, but the whole prompt
+    for SPEED-Bench's throughput configs, whose prompts are their fixed input lengths (1k to
+    32k tokens): cutting them would measure another workload."""
+    name, _, config = source.partition(":")
+    return sys.maxsize if name == "speed-bench" and config.startswith("throughput") else 512
+
+
 def load_bench(source: str) -> tuple[str, list[Prompt]]:
     """NAME[:CONFIG][:PATH] of BENCHES -> its name and its prompts, as the workload asks
     them (Bench.asked), categories as published, taken from each category in turn (so the
@@ -10957,7 +10965,8 @@ def _data_options(ap: Any) -> None:
     ap.add_argument("--max-samples", type=_at_least_one, default=32, metavar="N",
                     help="prompts used, at most (default 32)")
     ap.add_argument("--max-length", type=_at_least_one, default=None, metavar="TOKENS",
-                    help="prompt tokens kept, from the end (default 512)")
+                    help="prompt tokens kept, from the end (default 512; all of them for "
+                    "speed-bench's throughput configs)")
     ap.add_argument("--context-lengths", default=None, metavar="L[,L...]",
                     help="measure at each context length: every document of --data with at "
                     "least L tokens gives a prompt of its first L tokens (plain text, no chat "
@@ -11465,7 +11474,8 @@ def _cli_turns(options: Options, prompts: list[Prompt], target: nn.Module, tok: 
     before, i = len(answers), options.inputs
     out = answer_turns(prompts[:i.max_samples], target, tok,
                        budget=options.settings.continuation_tokens, answers=answers,
-                       max_length=i.max_length or 512, chat_template=i.chat_template)
+                       max_length=i.max_length or prompt_tokens(i.data),
+                       chat_template=i.chat_template)
     if path and writes and len(answers) > before:
         text = json.dumps({"target": options.models.target, "answers": answers}, indent=1)
         write_atomic(path, lambda f: f.write(text.encode("utf-8")))
@@ -11481,7 +11491,8 @@ def _cli_prompts(options: Options, prompts: list[Prompt], tok: Any
     if options.lengths is None:  # (turns were cut by record: _cli_turns)
         most = None if any(p.turn for p in prompts) else i.max_samples
         return {(None, sp): (build_sequences(
-                    prompts, tok, max_samples=most, max_length=i.max_length or 512,
+                    prompts, tok, max_samples=most,
+                    max_length=i.max_length or prompt_tokens(i.data),
                     chat_template=i.chat_template, system_prompt=sp), None)
                 for sp in dict.fromkeys(p.system for p in sweep)}
     documents = build_documents(prompts, tok, i.max_samples)

@@ -49,6 +49,7 @@ import itertools  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
@@ -10124,6 +10125,10 @@ def test_each_workload_reads_its_published_format_with_its_categories(tmp_path, 
     assert [(q.category, q.turns) for q in speed] == [("coding", None),
                                                       ("writing", ("write", "again"))]
     assert sd.load_texts(f"speed-bench:{p['speed-bench']}") == speed  # a file, no config
+    # the prompt tokens kept by default: SPEED-Bench's throughput prompts whole, else 512
+    assert [sd.prompt_tokens(d) for d in ("speed-bench:throughput_8k:x.parquet",
+                                          "speed-bench:qualitative", "mt-bench", "builtin")
+            ] == [sys.maxsize, 512, 512, 512]
     bad = tmp_path / "bad.jsonl.gz"
     import gzip
     with gzip.open(bad, "wt") as f:
