@@ -11462,7 +11462,7 @@ def _cli_turns(options: Options, prompts: list[Prompt], target: nn.Module, tok: 
     if options.lengths is not None:
         raise UsageError("--context-lengths cuts documents; multi-turn records are asked turn "
                          "by turn: use one or the other")
-    path = options.outputs.json and options.outputs.json + ".answers.json"
+    path = options.outputs.json not in (None, "-") and options.outputs.json + ".answers.json"
     answers: dict[str, str] = {}
     if path and os.path.isfile(path):
         try:
