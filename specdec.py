@@ -1441,7 +1441,7 @@ class ModelSession(TreeSession):
         self.slots, _ = prefill(model, [r[:-1] for r in prompts], self.device)
         self.last = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # d_G
         self.full = [False] * len(prompts)  # whether that block was accepted whole
-        self.width = drafting.per_call  # G, the tokens the last call drafted
+        self.drafted = drafting.per_call  # G, the tokens the last call drafted
 
     def first_input(self, pending: torch.Tensor, npos: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -1468,7 +1468,7 @@ class ModelSession(TreeSession):
             ds.append(sample_from(qs[-1], u[:, i]))  # (B,)
             if i < d.per_call - 1:
                 logits = extend(self.model, self.slots, ds[-1][:, None], (npos + 1 + i)[:, None])
-        self.last, self.width = ds[-1], d.per_call
+        self.last, self.drafted = ds[-1], d.per_call
         back = d.device  # the target's: where the acceptance test runs
         return Proposal(torch.stack(ds, 1).to(back), torch.stack(qs, 1).to(back), finite.to(back),
                         logits=kept_logits(d, ls, back))
@@ -1489,15 +1489,15 @@ class ModelSession(TreeSession):
         q = logits.new_zeros(len(x), tokens.shape[1], d.vocab)
         q[:, -1] = draft_probs(logits[:, -1, :d.vocab], d.sampling)
         self.last, self.full = tokens[:, -1], [False] * len(x)  # (last cycle's d_G: fed)
-        self.width = tokens.shape[1]
+        self.drafted = tokens.shape[1]
         return Proposal(tokens.to(d.device), q.to(d.device),
                         torch.isfinite(logits).flatten(1).all(1).to(d.device))
 
     def advance(self, n_acc, committed, view):
-        width, n_host = self.width, [len(c) - 1 for c in committed]
-        if width > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
-            settle_slots(self.slots, n_acc.to(self.device), max(n_host), width - 1)
-        self.full = [n == width for n in n_host]
+        drafted, n_host = self.drafted, [len(c) - 1 for c in committed]
+        if drafted > 1:  # the cache holds d_1..d_{G-1}; keep the accepted ones
+            settle_slots(self.slots, n_acc.to(self.device), max(n_host), drafted - 1)
+        self.full = [n == drafted for n in n_host]
 
     def keep(self, rows):
         rows = rows.to(self.device)
@@ -1640,8 +1640,8 @@ class Cycle(NamedTuple):
     @classmethod
     def read(cls, n_acc: torch.Tensor, new: torch.Tensor, proposal: Proposal,
              finite_p: torch.Tensor) -> list[Cycle]:
-        width = proposal.tokens.shape[1]
-        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, width)
+        drafted = proposal.tokens.shape[1]
+        count = proposal.count if proposal.count is not None else torch.full_like(n_acc, drafted)
         unsure = proposal.unsure if proposal.unsure is not None else torch.zeros_like(finite_p)
         conf = proposal.confidence
         rule = [] if conf is None else [(conf * CALIBRATION_BINS).long().clamp(
@@ -1649,10 +1649,10 @@ class Cycle(NamedTuple):
         host = torch.cat([n_acc[:, None], new[:, None], count[:, None], proposal.tokens,
                           finite_p[:, None], proposal.finite[:, None], unsure[:, None], *rule],
                          1).tolist()  # one sync
-        g = 6 + width  # (the bins and the confidences after)
-        return [cls(h[0], h[1], h[2], h[3:3 + width], bool(h[g - 3]), bool(h[g - 2]),
-                    bool(h[g - 1]), h[g:g + width] if rule else None,
-                    h[g + width:] if rule else None) for h in host]
+        g = 6 + drafted  # (the bins and the confidences after)
+        return [cls(h[0], h[1], h[2], h[3:3 + drafted], bool(h[g - 3]), bool(h[g - 2]),
+                    bool(h[g - 1]), h[g:g + drafted] if rule else None,
+                    h[g + drafted:] if rule else None) for h in host]
 
 
 def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
@@ -1815,8 +1815,9 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     c, keys, progress = config, list(prompts), progress or Quiet()
     rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
     gens = row_generators(c.seed, keys, phase=2)
-    width = drafter.proposal_width(c.gamma)  # the most tokens a proposal holds (SLEM: the target's)
-    stats = [RowStats.empty(width, c.unsure is not None) for _ in rows]
+    proposes = drafter.proposal_width(c.gamma)  # the most tokens a proposal holds (SLEM:
+    # the target's)
+    stats = [RowStats.empty(proposes, c.unsure is not None) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
     first, slots, view = first_tokens(target, rows, gens, c, names, drafter)
     for row, t in zip(stats, first):
@@ -1830,10 +1831,10 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     session = (drafter.start([rows[b] + [first[b]] for b in live], view, c.drafting())
         if live else None)
     while live:
-        u = draw_uniforms([gens[b] for b in live], 2 * width + 1, c.device)  # (B, 2G+1)
+        u = draw_uniforms([gens[b] for b in live], 2 * proposes + 1, c.device)  # (B, 2G+1)
         # 1. propose: the drafter drafts d_1..d_G (a model: autoregressively, from its output),
         # and stops early where it is unsure, when a rule says so
-        proposal = session.propose(pending, npos, u[:, :width])
+        proposal = session.propose(pending, npos, u[:, :proposes])
         if c.unsure is not None:
             proposal = stop_when_unsure(proposal, c.sampling, *c.unsure)
         # 2. verify: one target forward scores the pending token and all G proposals
@@ -1841,7 +1842,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
                 layer_inputs(target, drafter.can.target_layers) as got):
             p, finite_p = verify(target, slots, pending, npos, proposal.tokens, c)
         # 3. accept: the accepted run, and the token that follows it
-        n_acc, new = accept(p, proposal, u[:, width:])
+        n_acc, new = accept(p, proposal, u[:, proposes:])
         cycles = Cycle.read(n_acc, new, proposal, finite_p)
         check_cycles(cycles, [names[b] for b in live], npos)
         still = []
