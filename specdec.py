@@ -4351,11 +4351,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
-def request_fields(results: Sequence[PromptResult], gamma: int, tf_alpha: float | None
+def request_fields(results: Sequence[PromptResult], gamma: int, rule: str = "sample"
                    ) -> Requests | None:
     """Each request's acceptance length and their spread (Requests): the simulation's counts
     where it ran (and every request's engine counts were written), else the teacher-forced
-    closed form at each request's own alpha."""
+    closed form at each request's own alpha under the proposal rule (pooled: at the alpha of
+    every scored position)."""
     sims = [r.sim for r in results if r.sim is not None and r.sim.verify_steps]
     if sims and all(r.sim is None or r.sim.verify_steps is not None for r in results):
         route = "simulated"
@@ -4363,11 +4364,11 @@ def request_fields(results: Sequence[PromptResult], gamma: int, tf_alpha: float 
         pooled = 1 + sum(s.drafted_accepted for s in sims) / sum(s.verify_steps for s in sims)
     else:
         scored = [r for r in results if r.scored]
-        if not scored or tf_alpha is None:
+        if not scored:
             return None
-        route = "teacher-forced"
-        each = [1 + expected_accepted_iid(r.alpha_sum / r.scored, gamma) for r in scored]
-        pooled = 1 + expected_accepted_iid(tf_alpha, gamma)
+        route, sums = "teacher-forced", [rule_sums(r, rule)[0] for r in scored]
+        each = [1 + expected_accepted_iid(a / r.scored, gamma) for a, r in zip(sums, scored)]
+        pooled = 1 + expected_accepted_iid(sum(sums) / sum(r.scored for r in scored), gamma)
     edges = [1 + k / 2 for k in range(2 * gamma + 1)]  # 1, 1.5, ..., gamma + 1
     counts = [sum(1 for x in each if a <= x < b or (b == edges[-1] and x == b))
               for a, b in zip(edges, edges[1:])]
@@ -4394,9 +4395,7 @@ def workload_fields(m: Measurement, drafter: Drafter, results: Sequence[PromptRe
                  or None,
                  {t: group_row(rs, m, drafter, cost, proposes) for t, rs in by_turn.items()}
                  or None)
-    alpha = sum(rule_sums(r, m.sampling.proposal)[0] for r in looked if r.scored)
-    scored = sum(r.scored for r in looked)
-    w.requests = request_fields(looked, m.settings.gamma, alpha / scored if scored else None)
+    w.requests = request_fields(looked, m.settings.gamma, m.sampling.proposal)
     for what, groups in (("categories", w.by_category), ("turns", w.by_turn)):
         for key, name in (("sim_tokens_per_cycle", "simulated"),
                           ("tokens_per_cycle", "teacher-forced")):

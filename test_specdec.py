@@ -10221,7 +10221,7 @@ def test_request_percentiles_and_pooled_against_the_mean():
     long.drafted_accepted, long.verify_steps = 300, 100
     short.drafted_accepted, short.verify_steps = 0, 2
     results = [sd.PromptResult(0, sim=long), sd.PromptResult(1, sim=short)]
-    q = sd.request_fields(results, 4, None)
+    q = sd.request_fields(results, 4)
     assert (q.route, q.count, q.mean, q.p50) == ("simulated", 2, 2.5, 2.5)
     assert math.isclose(q.pooled, 1 + 300 / 102) and q.pooled - q.mean > 1.4
     assert [n for _, _, n in q.histogram] == [1, 0, 0, 0, 0, 0, 1, 0]  # [1, 1.5), [4, 4.5)
