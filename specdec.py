@@ -3068,7 +3068,8 @@ def measure_step_times(target: nn.Module, drafter: Drafter | nn.Module | None,
     drafter = None if drafter is None else as_drafter("draft", drafter)
     vocab = shared_vocab(target, drafter) if drafter is not None else vocab_width(target)
     timed = _loop_overhead(vocab, max(1, max(widths) - 1), device)
-    shapes = sorted({(b, w) for b in concurrency for w in {1, *widths}})
+    shapes = sorted({(b, w) for b in {1, *concurrency}  # (one row: what a step is counted in)
+                     for w in {1, *widths}})
     for b, w in shapes:
         timed["target", b, w] = _target_forward(target, ids, device, b, w)
     for r in sorted(set(concurrency) | set(rows)) if drafter is not None else ():

@@ -4128,6 +4128,12 @@ def test_torch_step_times_at_a_concurrency(llama, llama2, seqs):
         plain = f[b, 1] + b * r.costs["overhead_s"]["per_sample"]
         assert x.plain_tokens_per_s == pytest.approx(b / plain, rel=1e-9), b
     assert r.speed.rows[0].speedup == pytest.approx(r.est_speedup, rel=1e-12)
+    # a concurrency without 1 (--concurrency 4): one row is timed too, the unit every step
+    # is counted in (it once failed after the timing: "no target forward of 1 token")
+    r = sd.measure_acceptance(llama, llama2, seqs[:3], sampling=SAMPLINGS["t1"], device=CPU,
+                              gamma=2, continuation_tokens=4, cost_ratio="measure",
+                              concurrency=(4,))
+    assert [x.concurrency for x in r.speed.rows] == [4] and r.speed.rows[0].speedup > 0
 
 
 def test_a_noisy_timing_is_never_drawn_free():

@@ -574,10 +574,13 @@ def simulate(sd: Any, target: Any, drafter: Any, seqs: list, temperature: float,
     return m, drafters[0], results[0]
 
 
-def report_of(sd: Any, m: Any, drafter: Any, results: dict, step_costs: str | None) -> Any:
-    """The pair's report, its speed part from the costs file (None: torch on this device)."""
+def report_of(sd: Any, m: Any, drafter: Any, results: dict, step_costs: str | None,
+              timed: bool = True) -> Any:
+    """The pair's report, its speed part from the costs file (None: torch on this device;
+    with `timed` False, parameter counts: nothing timed, for counts alone)."""
     s = (dataclasses.replace(m.settings, step_costs=sd.read_step_costs(step_costs))
-         if step_costs else dataclasses.replace(m.settings, cost_ratio="measure"))
+         if step_costs else dataclasses.replace(m.settings, cost_ratio="measure") if timed
+         else m.settings)
     cost = sd.cost_model(m.target, drafter, s, m.sequences, m.device)
     return sd.build_report(m, drafter, results, cost)
 
@@ -878,7 +881,8 @@ def compare(a: argparse.Namespace) -> int:
     for n, temperature in enumerate(a.temperatures):
         print(f"specdec: {pair.name}, T={temperature:g}", file=sys.stderr)
         m, d, results = simulate(sd, target, drafter, seqs, temperature, a)
-        report = report_of(sd, m, d, results, a.step_costs)
+        report = report_of(sd, m, d, results, a.step_costs,  # (--counts-only: no timing)
+                           timed=not a.counts_only and n == 0)
         spec = speculative_config(sd, report)
         s = report.simulated
         row: dict[str, Any] = {"temperature": temperature, "speculative_config": spec,
