@@ -886,19 +886,7 @@ def compare(a: argparse.Namespace) -> int:
         spec = speculative_config(sd, report)
         s = report.simulated
         row: dict[str, Any] = {"temperature": temperature, "speculative_config": spec,
-                               "specdec": {
-            "per_position": s.accepted_per_draft_by_draft_offset,
-            "per_position_ci": s.accepted_per_draft_ci_by_draft_offset,
-            "tokens_per_cycle": s.tokens_per_cycle, "tokens_per_cycle_ci": s.tokens_per_cycle_ci,
-            "logged_tokens_per_cycle": s.logged_tokens_per_cycle,
-            "logged_tokens_per_cycle_ci": s.logged_tokens_per_cycle_ci,
-            "tokens_per_drafting_cycle": s.tokens_per_drafting_cycle,
-            "tokens_per_drafting_cycle_ci": s.tokens_per_drafting_cycle_ci,
-            "cycles": s.cycles, "verify_steps": s.verify_steps, "drafted": s.drafted_tokens,
-            "drafting_cycles": s.cycles - s.proposed_by_cycle[0],
-            "accepted": s.drafted_accepted, "accepted_by_offset": s.accepted_by_draft_offset,
-            "drafted_per_cycle": (s.drafted_tokens / s.verify_steps if s.verify_steps
-                                  else None)}}
+                               "specdec": specdec_side(s)}
         timed = n == 0 and not a.counts_only  # the clock at the first temperature
         job_args = argparse.Namespace(**{**vars(a), "rounds": a.rounds if timed else 1,
                                          "concurrency": a.concurrency if timed
@@ -919,16 +907,8 @@ def compare(a: argparse.Namespace) -> int:
             "accepted_per_draft_ci_by_draft_offset": s.accepted_per_draft_ci_by_draft_offset,
             "tokens_per_drafting_cycle": s.tokens_per_drafting_cycle,
             "tokens_per_drafting_cycle_ci": s.tokens_per_drafting_cycle_ci})
-        if temperature == 0:  # the engine's greedy text against specdec's, prompt by prompt
-            first = [w for w in timed_waves if w["tag"].startswith("r0-")]
-            theirs = {}
-            for w in first:
-                b, i = (int(x) for x in w["tag"].split("-b")[1].split("-"))
-                for k, toks in enumerate(w["outputs"]):
-                    theirs.setdefault(i + k, toks)
-            ours = {i: r.sim.tokens for i, r in results.items()}
-            row["same_greedy_text"] = sum(theirs.get(i) == ours[i][:len(theirs.get(i, []))]
-                                          for i in ours)
+        if temperature == 0:
+            row["same_greedy_text"] = same_greedy_text(timed_waves, results)
         if timed:
             plain = engine_or_kept(a, waves_job(job_args, a.target, None, prompts,
                                                 temperature),
@@ -943,21 +923,52 @@ def compare(a: argparse.Namespace) -> int:
                                                     temperature),
                                        logs / f"vllm_schedule_T{temperature:g}{fixed}.log")
                 row["schedule"] = scheduled["num_speculative_tokens_per_batch_size"]
-                for r in row["speed"]:
-                    b = r["concurrency"]
-                    ratios = sorted(round_speed(by_round(sched, b, k))
-                                    / round_speed(by_round(plain, b, k))
-                                    for k in range(a.rounds))
-                    r["schedule_measured"] = ratios[len(ratios) // 2]
-                    r["schedule_rounds"] = ratios
-                    speeds = sorted(round_speed(by_round(sched, b, k)) for k in range(a.rounds))
-                    r["schedule_tokens_per_s"] = speeds[len(speeds) // 2]
+                schedule_speeds(a.rounds, sched, plain, row["speed"])
         out["temperatures"].append(row)
         print(json.dumps(row, default=str)[:2000], file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     print(format_compare(out))
     return 0
+
+
+def specdec_side(s: Any) -> dict[str, Any]:
+    """specdec's simulated counts and rates of the pair (a report's Simulated part), in the
+    names compare's JSON gives them beside vLLM's."""
+    return {
+        "per_position": s.accepted_per_draft_by_draft_offset,
+        "per_position_ci": s.accepted_per_draft_ci_by_draft_offset,
+        "tokens_per_cycle": s.tokens_per_cycle, "tokens_per_cycle_ci": s.tokens_per_cycle_ci,
+        "logged_tokens_per_cycle": s.logged_tokens_per_cycle,
+        "logged_tokens_per_cycle_ci": s.logged_tokens_per_cycle_ci,
+        "tokens_per_drafting_cycle": s.tokens_per_drafting_cycle,
+        "tokens_per_drafting_cycle_ci": s.tokens_per_drafting_cycle_ci,
+        "cycles": s.cycles, "verify_steps": s.verify_steps, "drafted": s.drafted_tokens,
+        "drafting_cycles": s.cycles - s.proposed_by_cycle[0],
+        "accepted": s.drafted_accepted, "accepted_by_offset": s.accepted_by_draft_offset,
+        "drafted_per_cycle": s.drafted_tokens / s.verify_steps if s.verify_steps else None}
+
+
+def same_greedy_text(waves: list[dict], results: dict) -> int:
+    """The prompts whose greedy text the engine wrote (its first round) is specdec's."""
+    theirs: dict[int, list[int]] = {}
+    for w in (w for w in waves if w["tag"].startswith("r0-")):
+        b, i = (int(x) for x in w["tag"].split("-b")[1].split("-"))
+        for k, toks in enumerate(w["outputs"]):
+            theirs.setdefault(i + k, toks)
+    ours = {i: r.sim.tokens for i, r in results.items()}
+    return sum(theirs.get(i) == ours[i][:len(theirs.get(i, []))] for i in ours)
+
+
+def schedule_speeds(rounds: int, sched: dict, plain: dict, rows: list[dict]) -> None:
+    """The schedule's run into the speed rows: at each concurrency its speedup over plain
+    decoding round by round (the median, the rounds) and its tokens/s (the median)."""
+    for r in rows:
+        b = r["concurrency"]
+        speeds = [round_speed(by_round(sched, b, k)) for k in range(rounds)]
+        ratios = sorted(x / round_speed(by_round(plain, b, k)) for k, x in enumerate(speeds))
+        r["schedule_measured"], r["schedule_rounds"] = ratios[len(ratios) // 2], ratios
+        r["schedule_tokens_per_s"] = sorted(speeds)[len(speeds) // 2]
 
 
 def speed_rows(a: argparse.Namespace, spec: dict, plain: dict, report: Any,
