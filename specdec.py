@@ -4109,6 +4109,11 @@ class Workload:
     requests: Requests | None = None
     notes: list[str] = field(default_factory=list)
 
+    def shown(self) -> bool:
+        """Whether the text, the engines' settings and the plot show it: a named workload, or
+        prompts with turns (prompts with categories alone keep the main run's text)."""
+        return bool(self.name or self.by_turn)
+
 
 SIMULATED_JSON = {"alpha": "empirical_alpha", "alpha_stderr": "empirical_alpha_stderr",
                   "alpha_ci": "empirical_alpha_ci",
@@ -5302,7 +5307,7 @@ def format_report(r: AcceptanceReport) -> str:
         lines += _unsure_lines(r.unsure, r.simulated is not None)
     if r.speed is not None:
         lines += _speed_lines(r.speed, run)
-    if r.workload is not None and (r.workload.name or r.workload.by_turn):
+    if r.workload is not None and r.workload.shown():
         lines += _workload_lines(r.workload)
     elif t.alpha_by_category:
         lines += [RULE, "  alpha by category (teacher-forced)"]
@@ -5769,7 +5774,7 @@ def engine_config(r: AcceptanceReport, engine: str) -> list[dict[str, Any]]:
             entry["unsupported"] = "llama.cpp's server drafts chains"
         out.append(entry)
     w = r.workload
-    if w is not None and (w.name or w.by_turn):  # a deployment serving one kind of request
+    if w is not None and w.shown():  # a deployment serving one kind of request
         out[0]["workload"] = {
             **{f"best_gamma_by_{what}": {k: g.best_gamma for k, g in groups.items()}
                for what, groups in (("category", w.by_category), ("turn", w.by_turn))
@@ -9853,18 +9858,25 @@ def prompt_tokens(source: str) -> int:
 ANSWER_TOKENS = 64  # the answer budget of the builtin prompts and the user's own files
 
 
+def workload_name(source: str) -> str | None:
+    """The named workload --data SOURCE is (NAME[:CONFIG][:PATH], NAME of BENCHES); None for
+    any other source."""
+    name = source.split(":", 1)[0]
+    return name if name in BENCHES else None
+
+
 def answer_tokens(source: str) -> int:
     """The answer budget by default (--continuation-tokens not given): ANSWER_TOKENS, but a
     named workload's stated default (Bench.tokens), the budget its published numbers used."""
-    bench = BENCHES.get(source.split(":", 1)[0])
-    return bench.tokens if bench else ANSWER_TOKENS
+    name = workload_name(source)
+    return BENCHES[name].tokens if name else ANSWER_TOKENS
 
 
 def budget_notes(source: str, tokens: int) -> list[str]:
     """What a report of a named workload says of its answer budget, when it is not the one
     the workload's published numbers used."""
-    name = source.split(":", 1)[0]
-    bench = BENCHES.get(name)
+    name = workload_name(source)
+    bench = BENCHES[name] if name else None
     if bench is None or tokens >= bench.tokens:
         return []
     return [f"answers cut at {tokens} tokens, under {name}'s own budget of {bench.tokens} (its "
@@ -9911,7 +9923,7 @@ def load_texts(source: str = "builtin", documents: bool = False) -> list[Prompt]
     .txt, .md or .rst file in it one prompt, whole), or hf:NAME[:CONFIG][:SPLIT][:FIELD] (NAME
     a hub data set or a local dataset folder). documents: long documents are wanted
     (--context-lengths): a plain-text file is then one document, not a prompt per line."""
-    if source.split(":", 1)[0] in BENCHES:
+    if workload_name(source):
         return load_bench(source)[1]
     if os.path.isdir(source):
         return _load_folder(source)
@@ -10500,8 +10512,7 @@ def plot_reports(reports: Sequence[AcceptanceReport], path: str) -> None:
     else:
         _plot_comparison(axes, reports)
         matrix = category_matrix(reports)
-        if matrix and any(r.workload and (r.workload.name or r.workload.by_turn)
-                          for r in reports):
+        if matrix and any(r.workload and r.workload.shown() for r in reports):
             _plot_matrix(axes[1][0], matrix, len(reports))
     fig.tight_layout()
     try:
@@ -10854,8 +10865,7 @@ def measurement(plan: Plan, point: SweepPoint) -> Measurement:
     m = Measurement(plan.target, plan.inputs[point.length, point.system][0], point.sampling,
                     plan.options.settings, plan.device)
     m.target_name, m.files = plan.options.models.target, plan.files
-    named = plan.options.inputs.data.split(":", 1)[0]
-    m.workload = named if named in BENCHES else None
+    m.workload = workload_name(plan.options.inputs.data)
     return m
 
 
@@ -10925,6 +10935,7 @@ def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
     else:
         stop.ended = interrupted or stop.cause is not None
     weights = str(next(plan.target.parameters()).dtype).removeprefix("torch.")
+    budget = budget_notes(plan.options.inputs.data, plan.options.settings.continuation_tokens)
     reports = []
     for d, res, cost, parts in zip(drafters, into, plan.costs[point.length], keys):
         r = build_report(m, d, res, cost, interrupted)
@@ -10933,8 +10944,7 @@ def run_setting(plan: Plan, point: SweepPoint) -> list[AcceptanceReport]:
         r.run.context = plan.inputs[point.length, point.system][1]
         r.run.notes.append(f"device {plan.device}, weights {weights}")
         if r.workload is not None:
-            r.workload.notes += budget_notes(plan.options.inputs.data,
-                                             plan.options.settings.continuation_tokens)
+            r.workload.notes += budget
         reports.append(r)
     return reports
 
@@ -11663,8 +11673,7 @@ def finish(options: Options, reports: Sequence[AcceptanceReport], stop: Stop, la
     elif len(reports) > 1:
         print("\n" + format_summary(reports), file=out)
         matrix = format_category_matrix(reports)
-        if matrix and any(r.workload and (r.workload.name or r.workload.by_turn)
-                          for r in reports):
+        if matrix and any(r.workload and r.workload.shown() for r in reports):
             print("\n" + matrix, file=out)
     data = [r.to_dict() | ({"engine_config": c} if c else {}) for r, c in zip(reports, configs)]
     data = data[0] if len(data) == 1 else data

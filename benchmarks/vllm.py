@@ -881,13 +881,12 @@ def compare(a: argparse.Namespace) -> int:
     for n, temperature in enumerate(a.temperatures):
         print(f"specdec: {pair.name}, T={temperature:g}", file=sys.stderr)
         m, d, results = simulate(sd, target, drafter, seqs, temperature, a)
-        report = report_of(sd, m, d, results, a.step_costs,  # (--counts-only: no timing)
-                           timed=not a.counts_only and n == 0)
+        timed = n == 0 and not a.counts_only  # the clock at the first temperature
+        report = report_of(sd, m, d, results, a.step_costs, timed)
         spec = speculative_config(sd, report)
         s = report.simulated
         row: dict[str, Any] = {"temperature": temperature, "speculative_config": spec,
                                "specdec": specdec_side(s)}
-        timed = n == 0 and not a.counts_only  # the clock at the first temperature
         job_args = argparse.Namespace(**{**vars(a), "rounds": a.rounds if timed else 1,
                                          "concurrency": a.concurrency if timed
                                          else [max(a.concurrency)]})
@@ -960,15 +959,27 @@ def same_greedy_text(waves: list[dict], results: dict) -> int:
     return sum(theirs.get(i) == ours[i][:len(theirs.get(i, []))] for i in ours)
 
 
+def median(xs: list[float]) -> float:
+    """The rounds' median: the upper middle of an even count (median_se averages the two)."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def against_plain(run: dict, plain: dict, b: int, rounds: int
+                  ) -> tuple[list[float], float, float]:
+    """A run's waves at concurrency b against plain decoding's, round by round -> (its
+    speedups, sorted; its median tokens/s; plain's median tokens/s)."""
+    speeds = [round_speed(by_round(run, b, k)) for k in range(rounds)]
+    plains = [round_speed(by_round(plain, b, k)) for k in range(rounds)]
+    return sorted(x / p for x, p in zip(speeds, plains)), median(speeds), median(plains)
+
+
 def schedule_speeds(rounds: int, sched: dict, plain: dict, rows: list[dict]) -> None:
     """The schedule's run into the speed rows: at each concurrency its speedup over plain
     decoding round by round (the median, the rounds) and its tokens/s (the median)."""
     for r in rows:
-        b = r["concurrency"]
-        speeds = [round_speed(by_round(sched, b, k)) for k in range(rounds)]
-        ratios = sorted(x / round_speed(by_round(plain, b, k)) for k, x in enumerate(speeds))
-        r["schedule_measured"], r["schedule_rounds"] = ratios[len(ratios) // 2], ratios
-        r["schedule_tokens_per_s"] = sorted(speeds)[len(speeds) // 2]
+        ratios, speed, _ = against_plain(sched, plain, r["concurrency"], rounds)
+        r["schedule_measured"], r["schedule_rounds"] = median(ratios), ratios
+        r["schedule_tokens_per_s"] = speed
 
 
 def speed_rows(a: argparse.Namespace, spec: dict, plain: dict, report: Any,
@@ -978,16 +989,10 @@ def speed_rows(a: argparse.Namespace, spec: dict, plain: dict, report: Any,
     by_torch = ({r.concurrency: r for r in torch_report.speed.rows}
                 if torch_report is not None and torch_report.speed else {})
     for b in a.concurrency:
-        ratios, ps, ss = [], [], []
-        for r in range(a.rounds):
-            p, s = round_speed(by_round(plain, b, r)), round_speed(by_round(spec, b, r))
-            ratios.append(s / p)
-            ps.append(p)
-            ss.append(s)
-        measured = sorted(ratios)[len(ratios) // 2]
-        row = {"concurrency": b, "measured": measured, "rounds": sorted(ratios),
-               "plain_tokens_per_s": sorted(ps)[len(ps) // 2],
-               "spec_tokens_per_s": sorted(ss)[len(ss) // 2]}
+        ratios, speed, plain_speed = against_plain(spec, plain, b, a.rounds)
+        measured = median(ratios)
+        row = {"concurrency": b, "measured": measured, "rounds": ratios,
+               "plain_tokens_per_s": plain_speed, "spec_tokens_per_s": speed}
         for name, table in (("vllm_costs", predicted), ("torch_costs", by_torch)):
             x = table.get(b)
             if x is not None:
