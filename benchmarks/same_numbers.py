@@ -147,19 +147,21 @@ def smollm2_ids(g: torch.Generator, n: int, common: int = 3072) -> torch.Tensor:
 
 
 def save_smollm2_eagle3(folder: str, embed: torch.Tensor, seed: int = 0,
-                        draft_vocab: int = 4096, aux: tuple[int, int, int] = (2, 15, 27)) -> None:
+                        draft_vocab: int = 4096, aux: tuple[int, int, int] = (2, 15, 27),
+                        scale: float = 0.02, norm: torch.Tensor | None = None) -> None:
     """A random EAGLE-3 head for SmolLM2 in SpecForge's layout (config architectures
     LlamaForCausalLMEagle3, draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids;
     midlayer.*, fc, norm, lm_head, d2t, t2d in model.safetensors). Its layer's weights are
-    random (std 0.02); fc = [0 | 0 | I] + noise reads mostly the state entering layer 27;
-    lm_head is the target's own rows for the draft vocabulary (smollm2_ids) + noise, so it
-    proposes real tokens and is accepted now and then."""
+    random (std `scale`); fc = [0 | 0 | I] + noise reads mostly the state entering layer 27;
+    lm_head is the target's own rows for the draft vocabulary (smollm2_ids) + noise (2.5 x
+    scale), so it proposes real tokens and is accepted now and then; `norm`: its final norm's
+    weights (the target's, for a head close to an early exit at layer 27; default ones)."""
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(seed)
     h, inter, vocab = SMOL["hidden"], SMOL["intermediate"], SMOL["vocab"]
     q_width, kv_width = SMOL["heads"] * SMOL["head_dim"], SMOL["kv_heads"] * SMOL["head_dim"]
 
-    def rnd(*shape: int, scale: float = 0.02) -> torch.Tensor:
+    def rnd(*shape: int, scale: float = scale) -> torch.Tensor:
         return scale * torch.randn(*shape, generator=g)
     ids = smollm2_ids(g, draft_vocab)
     w = {"midlayer.self_attn.q_proj.weight": rnd(q_width, 2 * h),
@@ -170,8 +172,8 @@ def save_smollm2_eagle3(folder: str, embed: torch.Tensor, seed: int = 0,
          "midlayer.mlp.up_proj.weight": rnd(inter, h),
          "midlayer.mlp.down_proj.weight": rnd(h, inter),
          "fc.weight": torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], 1) + rnd(h, 3 * h),
-         "lm_head.weight": embed[ids] + rnd(draft_vocab, h, scale=0.05),
-         "norm.weight": torch.ones(h),
+         "lm_head.weight": embed[ids] + rnd(draft_vocab, h, scale=2.5 * scale),
+         "norm.weight": torch.ones(h) if norm is None else norm.clone(),
          "d2t": ids - torch.arange(draft_vocab),
          "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)}
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):

