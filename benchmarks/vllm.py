@@ -471,13 +471,14 @@ def setup(venv: str, suffix: bool = False) -> int:
     return 0
 
 
-def head(target: str, out: str, seed: int = 0, scale: float = 0.002) -> str:
+def head(target: str, out: str, seed: int = 0, scale: float = 0.002, last: int = 29) -> str:
     """A random EAGLE-3 head for SmolLM2-135M (`convert`'s folder of it) in SpecForge's layout,
-    as benchmarks/same_numbers.py writes it: fc reads the state entering layer 27, its layer's
-    weights random of std `scale` (small: the layer adds little), its final norm the
-    target's, lm_head the target's own rows for a draft vocabulary of 4,096 ids (d2t) plus
-    noise: at its first step close to an early exit at layer 27, so it is accepted often
-    enough for counts to compare; a later step reads the last one's output."""
+    as benchmarks/same_numbers.py writes it, its third aux layer `last`
+    (eagle_aux_hidden_state_layer_ids 2, 15, last): fc reads the state entering that layer,
+    its layer's weights random of std `scale` (small: the layer adds little), its final norm
+    the target's, lm_head the target's own rows for a draft vocabulary of 4,096 ids (d2t) plus
+    noise: at its first step close to an early exit before layer `last`, so it is accepted
+    often enough for counts to compare; a later step reads the last one's output."""
     import torch
     from safetensors import safe_open
     sys.path.insert(0, str(HERE))
@@ -489,7 +490,7 @@ def head(target: str, out: str, seed: int = 0, scale: float = 0.002) -> str:
     with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").to(torch.float32)
         norm = f.get_tensor("model.norm.weight").to(torch.float32)
-    save_smollm2_eagle3(out, embed, seed=seed, scale=scale, norm=norm)
+    save_smollm2_eagle3(out, embed, seed=seed, aux=(2, 15, last), scale=scale, norm=norm)
     return out
 
 
@@ -1231,6 +1232,9 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--scale", type=float, default=0.002,
                    help="std of its layer's random weights (0.02: same_numbers.py's head)")
+    h.add_argument("--last", type=int, default=29,
+                   help="its third aux layer: fc reads the state entering it (27: EAGLE-3's "
+                        "default for 30 layers, same_numbers.py's head)")
     t = sub.add_parser("table", help="compare's JSON files as markdown tables")
     t.add_argument("json", nargs="+")
     co = sub.choices["costs"]
@@ -1293,7 +1297,7 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown(a.json))
             return 0
         if a.verb == "head":
-            print(head(a.target, a.out, a.seed, a.scale))
+            print(head(a.target, a.out, a.seed, a.scale, a.last))
             return 0
         if a.verb == "costs":
             if not (a.venv and a.target):
