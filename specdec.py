@@ -9865,10 +9865,11 @@ def _workload_records(name: str, bench: Bench, config: str, path: str | None) ->
 
 def prompt_tokens(source: str) -> int:
     """The prompt tokens kept by default (--max-length not given): 512, but the whole prompt
-    for SPEED-Bench's throughput configs, whose prompts are their fixed input lengths (1k to
-    32k tokens): cutting them would measure another workload."""
-    name, _, config = source.partition(":")
-    return sys.maxsize if name == "speed-bench" and config.startswith("throughput") else 512
+    for a named workload, as its published numbers were measured: SPEED-Bench's throughput
+    prompts are their fixed input lengths (1k to 32k tokens), a second turn holds the
+    target's whole first answer (up to its budget), a few-shot prefix is part of the prompt;
+    cut, each would be another workload."""
+    return sys.maxsize if workload_name(source) else 512
 
 
 ANSWER_TOKENS = 64  # the answer budget of the builtin prompts and the user's own files
@@ -11021,7 +11022,7 @@ def _data_options(ap: Any) -> None:
                     help="prompts used, at most (default 32)")
     ap.add_argument("--max-length", type=_at_least_one, default=None, metavar="TOKENS",
                     help="prompt tokens kept, from the end (default 512; all of them for "
-                    "speed-bench's throughput configs)")
+                    "a named workload, as published)")
     ap.add_argument("--context-lengths", default=None, metavar="L[,L...]",
                     help="measure at each context length: every document of --data with at "
                     "least L tokens gives a prompt of its first L tokens (plain text, no chat "

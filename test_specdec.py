@@ -10304,10 +10304,12 @@ def test_each_workload_reads_its_published_format_with_its_categories(tmp_path, 
     assert [(q.category, q.turns) for q in speed] == [("coding", None),
                                                       ("writing", ("write", "again"))]
     assert sd.load_texts(f"speed-bench:{p['speed-bench']}") == speed  # a file, no config
-    # the prompt tokens kept by default: SPEED-Bench's throughput prompts whole, else 512
+    # the prompt tokens kept by default: a named workload's whole (a turn-2 prompt holds the
+    # whole turn-1 answer), else 512
     assert [sd.prompt_tokens(d) for d in ("speed-bench:throughput_8k:x.parquet",
-                                          "speed-bench:qualitative", "mt-bench", "builtin")
-            ] == [sys.maxsize, 512, 512, 512]
+                                          "speed-bench:qualitative", "mt-bench:q.jsonl",
+                                          "gsm8k", "builtin", "prompts.jsonl")
+            ] == [sys.maxsize] * 4 + [512, 512]
     bad = tmp_path / "bad.jsonl.gz"
     import gzip
     with gzip.open(bad, "wt") as f:
