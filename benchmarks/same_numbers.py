@@ -152,10 +152,11 @@ def save_smollm2_eagle3(folder: str, embed: torch.Tensor, seed: int = 0,
     """A random EAGLE-3 head for SmolLM2 in SpecForge's layout (config architectures
     LlamaForCausalLMEagle3, draft_vocab_size, eagle_config.eagle_aux_hidden_state_layer_ids;
     midlayer.*, fc, norm, lm_head, d2t, t2d in model.safetensors). Its layer's weights are
-    random (std `scale`); fc = [0 | 0 | I] + noise reads mostly the state entering layer 27;
+    random (std `scale`); fc = [0 | 0 | I] + noise reads mostly the state entering the third
+    aux layer (27 by default);
     lm_head is the target's own rows for the draft vocabulary (smollm2_ids) + noise (2.5 x
     scale), so it proposes real tokens and is accepted now and then; `norm`: its final norm's
-    weights (the target's, for a head close to an early exit at layer 27; default ones)."""
+    weights (the target's, for a head close to an early exit there; default ones)."""
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(seed)
     h, inter, vocab = SMOL["hidden"], SMOL["intermediate"], SMOL["vocab"]

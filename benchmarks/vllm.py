@@ -532,11 +532,11 @@ class Pair(NamedTuple):
     """What drafts for the target, on both sides: model:FOLDER (a draft model of the target's
     tokenizer, loaded by both as a separate model: `convert --layers N` writes the target's
     first N layers as one), head:FOLDER (a draft head's checkpoint, EAGLE-3 in SpecForge's
-    layout: `head` writes a random one for SmolLM2), ngram:N (vLLM's n-gram proposer, prompt_lookup_min = max = N;
-    specdec's lookup of the same n) or suffix:0 (suffix decoding, vLLM's `suffix` method with
-    arctic-inference, each request's own tree alone: a global tree would hold the earlier
-    rounds' responses, the same text again at T = 0); @repeat runs it on prompts that ask to
-    copy a text."""
+    layout: `head` writes a random one for SmolLM2), ngram:N (vLLM's n-gram proposer,
+    prompt_lookup_min = max = N; specdec's lookup of the same n) or suffix:0 (suffix
+    decoding, vLLM's `suffix` method with arctic-inference, each request's own tree alone: a
+    global tree would hold the earlier rounds' responses, the same text again at T = 0);
+    @repeat runs it on prompts that ask to copy a text."""
 
     kind: str
     value: str
@@ -926,9 +926,9 @@ def compare(a: argparse.Namespace) -> int:
                                          else [max(a.concurrency)]})
         print(f"vLLM: {pair.name}, T={temperature:g}: {json.dumps(spec)}", file=sys.stderr)
         configs: dict[str, dict[str, Any] | None] = {"spec": spec}
-        scheduled = speculative_config(sd, report, schedule=True)
         if timed:
             configs["plain"] = None
+            scheduled = speculative_config(sd, report, schedule=True)
             if a.schedule and "num_speculative_tokens_per_batch_size" in scheduled:
                 # the draft length by batch size specdec printed, on the same clock
                 print(f"vLLM: {json.dumps(scheduled)}", file=sys.stderr)
@@ -953,7 +953,7 @@ def compare(a: argparse.Namespace) -> int:
             torch_report = report_of(sd, m, d, results, None) if a.torch_costs else None
             row["speed"] = speed_rows(a, run, runs["plain"], report, torch_report)
             if "schedule" in runs:
-                row["schedule"] = scheduled["num_speculative_tokens_per_batch_size"]
+                row["schedule"] = configs["schedule"]["num_speculative_tokens_per_batch_size"]
                 schedule_speeds(a.rounds, runs["schedule"], runs["plain"], run, row["speed"])
         out["temperatures"].append(row)
         print(json.dumps(row, default=str)[:2000], file=sys.stderr)
@@ -1025,8 +1025,9 @@ def median(xs: list[float]) -> float:
 
 def against_plain(run: dict, plain: dict, b: int, rounds: int
                   ) -> tuple[list[float], float, float]:
-    """A run's waves at concurrency b against plain decoding's, round by round -> (its
-    speedups, sorted; its median tokens/s; plain's median tokens/s)."""
+    """A run's waves at concurrency b against another run's (plain decoding's, or a fixed
+    gamma's), round by round -> (its speed over the other's, sorted; its median tokens/s; the
+    other's median tokens/s)."""
     speeds = [round_speed(by_round(run, b, k)) for k in range(rounds)]
     plains = [round_speed(by_round(plain, b, k)) for k in range(rounds)]
     return sorted(x / p for x, p in zip(speeds, plains)), median(speeds), median(plains)
